@@ -1,0 +1,42 @@
+"""hf_accum: exact gradient accumulation for transformers / accelerate / peft.
+
+The contract: the gradient applied at each optimizer update equals the gradient of the mean
+loss over all prediction targets of that update (all micro-batches, all ranks), and the LR at
+update n equals the big-batch run's LR at update n.
+"""
+
+from hf_accum.accumulation import WindowTally, WindowTotals, exact_mean_factor
+from hf_accum.batching import PackingCollator, PaddingCollator
+from hf_accum.loss import count_targets, infer_loss_kind, token_loss_sum
+from hf_accum.loop import LoopConfig, TrainResult, UpdateLog, train
+from hf_accum.schedule import BatchPlan, create_update_scheduler, plan_global_batch, planned_updates
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BatchPlan",
+    "LoopConfig",
+    "PackingCollator",
+    "PaddingCollator",
+    "TrainResult",
+    "UpdateLog",
+    "WindowTally",
+    "WindowTotals",
+    "count_targets",
+    "create_update_scheduler",
+    "exact_mean_factor",
+    "infer_loss_kind",
+    "plan_global_batch",
+    "planned_updates",
+    "token_loss_sum",
+    "train",
+]
+
+
+def __getattr__(name):
+    # AccumTrainer imports transformers.Trainer (heavy); load it only when asked for.
+    if name == "AccumTrainer":
+        from hf_accum.trainer import AccumTrainer
+
+        return AccumTrainer
+    raise AttributeError(name)

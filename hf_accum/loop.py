@@ -1,0 +1,285 @@
+"""The Accelerate training loop with exact gradient accumulation.
+
+Built on ``accelerator.accumulate(model)``: it decides, per micro-batch, whether this is the
+window's last micro-batch (every K-th, or the last batch of the epoch) and wraps the other
+micro-batches in DDP's ``no_sync`` so gradients are all-reduced once per update.
+
+The normalization (see :mod:`hf_accum.accumulation` for the math) works like fairseq's:
+
+1. every micro-batch backpropagates its *summed* token loss -- no look-ahead is needed, so
+   streams and short last windows work unchanged;
+2. at the window boundary the target counts are all-reduced and the gradients are scaled
+   once by ``K * W / N``. ``K`` undoes the fixed ``1 / K`` that ``Accelerator.backward``
+   applies to every micro-batch (that fixed factor is what gives a short last window the
+   wrong weight ``r / K``); ``W / N`` is :func:`~hf_accum.accumulation.exact_mean_factor`;
+3. clip (after unscaling, done by ``accelerator.clip_grad_norm_``), step, and step the LR
+   scheduler only if the optimizer step was applied.
+
+The scheduler horizon is planned in updates before training (:mod:`hf_accum.schedule`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+from tqdm.auto import tqdm
+
+from hf_accum.accumulation import WindowTally, WindowTotals, drop_gradients_, exact_mean_factor, rescale_gradients_
+from hf_accum.loss import LossKind, infer_loss_kind, token_loss_sum, unwrap_model
+from hf_accum.schedule import BatchPlan, create_update_scheduler, epochs_needed, planned_updates
+
+logger = logging.getLogger(__name__)
+
+# (outputs, labels) -> (summed loss, number of targets). Must sum, never average.
+LossSumFn = Callable[[Any, torch.Tensor], "tuple[torch.Tensor, torch.Tensor]"]
+
+
+@dataclass
+class LoopConfig:
+    """Training-loop settings; names follow ``transformers.TrainingArguments`` where they overlap."""
+
+    num_train_epochs: float = 1.0
+    """Passes over the data (a fraction counts the started epoch's full windows)."""
+    max_steps: int = -1
+    """Optimizer updates to run; overrides ``num_train_epochs`` when > 0."""
+    lr_scheduler_type: str = "linear"
+    warmup_steps: int = 0
+    warmup_ratio: float = 0.0
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm once per update (0 disables clipping)."""
+    label_smoothing: float = 0.0
+    loss_kind: LossKind | None = None
+    """``causal_lm``, ``token`` or ``sequence``; inferred from the model class when None."""
+    disable_tqdm: bool = False
+
+
+@dataclass
+class UpdateLog:
+    """One optimizer update, as logged. ``loss`` is the exact per-target mean of the window."""
+
+    step: int
+    epoch: float
+    loss: float
+    learning_rate: float
+    grad_norm: float | None
+    targets: int
+    sequences: int
+    padding_fraction: float
+    micro_batches: int
+    applied: bool = True
+
+    def line(self) -> str:
+        grad = f"{self.grad_norm:.4f}" if self.grad_norm is not None else "-"
+        state = "" if self.applied else " (skipped: no targets in window)"
+        return (
+            f"update {self.step} | epoch {self.epoch:.2f} | loss {self.loss:.4f} | lr {self.learning_rate:.3e} | "
+            f"grad_norm {grad} | tokens {self.targets} | seqs {self.sequences} | "
+            f"pad {self.padding_fraction:.1%}{state}"
+        )
+
+
+@dataclass
+class TrainResult:
+    updates: list[UpdateLog] = field(default_factory=list)
+    batch_plan: BatchPlan | None = None
+
+    def as_dicts(self) -> list[dict]:
+        return [asdict(u) for u in self.updates]
+
+
+def train(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_dataloader: Any,
+    accelerator: Accelerator,
+    config: LoopConfig | None = None,
+    lr_scheduler: Any = None,
+    loss_sum_fn: LossSumFn | None = None,
+    on_update: Callable[[UpdateLog], None] | None = None,
+) -> TrainResult:
+    """Train with exact accumulation. ``model``, ``optimizer`` and ``train_dataloader`` must come
+    from ``accelerator.prepare``; the accumulation steps K are ``accelerator.gradient_accumulation_steps``.
+
+    ``lr_scheduler``: leave None to get ``config.lr_scheduler_type`` over the planned number of
+    updates, or pass a factory ``(optimizer, total_updates) -> scheduler`` (do not ``prepare`` it).
+    ``loss_sum_fn(outputs, labels) -> (loss_sum, n_targets)`` replaces the default token-summed
+    cross-entropy; it must return a *sum* over targets, never a mean.
+    """
+    config = config or LoopConfig()
+    _check_supported(accelerator, train_dataloader)
+    accumulation_steps = accelerator.gradient_accumulation_steps
+    micro_batches = len(train_dataloader)
+    total_updates = planned_updates(micro_batches, accumulation_steps, config.num_train_epochs, config.max_steps)
+    scheduler = (lr_scheduler or _default_scheduler(config))(optimizer, total_updates)
+    loss_sum_fn = loss_sum_fn or default_loss_sum_fn(model, config)
+    plan = BatchPlan(_micro_batch_size(train_dataloader), accumulation_steps, accelerator.num_processes)
+    _log_start(accelerator, plan, micro_batches, total_updates)
+
+    result = TrainResult(batch_plan=plan)
+    progress = tqdm(total=total_updates, desc="updates", disable=config.disable_tqdm or not accelerator.is_main_process)
+    params = [p for p in model.parameters() if p.requires_grad]
+    model.train()
+    with _cache_disabled(model):
+        for epoch in range(epochs_needed(total_updates, micro_batches, accumulation_steps)):
+            _set_epoch(train_dataloader, epoch)
+            for step_in_epoch, totals, grad_norm, applied, lr in _epoch_updates(
+                model, optimizer, scheduler, train_dataloader, accelerator, params, loss_sum_fn, config
+            ):
+                update = UpdateLog(
+                    step=len(result.updates) + 1,
+                    epoch=epoch + step_in_epoch / micro_batches,
+                    loss=totals.mean_loss,
+                    learning_rate=lr,
+                    grad_norm=grad_norm,
+                    targets=totals.targets,
+                    sequences=totals.sequences,
+                    padding_fraction=totals.padding_fraction,
+                    micro_batches=totals.micro_batches,
+                    applied=applied,
+                )
+                result.updates.append(update)
+                _report(update, progress, accelerator, on_update)
+                if len(result.updates) >= total_updates:
+                    break
+            if len(result.updates) >= total_updates:
+                break
+    progress.close()
+    return result
+
+
+def _epoch_updates(
+    model, optimizer, scheduler, dataloader, accelerator, params, loss_sum_fn, config
+) -> Iterator[tuple[int, WindowTotals, float | None, bool, float]]:
+    """Run one epoch; yield ``(micro_batches_done, totals, grad_norm, applied, lr)`` per update."""
+    tally = WindowTally(device=accelerator.device)
+    for step, batch in enumerate(dataloader, start=1):
+        with accelerator.accumulate(model):
+            labels, inputs = _split_labels(batch)
+            loss_sum, n_targets = loss_sum_fn(model(**inputs), labels)
+            # Backward of the *sum*: the one normalization happens at the boundary below.
+            accelerator.backward(loss_sum)
+            tally.add(loss_sum, n_targets, batch)
+            if not accelerator.sync_gradients:
+                continue
+            totals = tally.reduce(accelerator)
+            tally.reset()
+            lr = scheduler.get_last_lr()[0]
+            grad_norm, applied = _apply_update(model, optimizer, scheduler, accelerator, params, totals, config)
+        yield step, totals, grad_norm, applied, lr
+
+
+def _apply_update(model, optimizer, scheduler, accelerator, params, totals: WindowTotals, config):
+    """Scale to the exact mean, clip, step. Returns ``(grad_norm, applied)``."""
+    if totals.targets == 0:
+        # No target anywhere in the window (all ranks agree: the count was all-reduced).
+        # There is no mean to apply; AdamW would still move weights via momentum/decay.
+        drop_gradients_(params)
+        return None, False
+    # accelerator.backward divided each micro-batch by K; replace that by the exact W / N.
+    factor = accelerator.gradient_accumulation_steps * exact_mean_factor(totals.targets, accelerator.num_processes)
+    rescale_gradients_(params, factor)
+    grad_norm = None
+    if config.max_grad_norm and config.max_grad_norm > 0:
+        grad_norm = float(accelerator.clip_grad_norm_(params, config.max_grad_norm))
+    optimizer.step()
+    applied = not accelerator.optimizer_step_was_skipped  # fp16 overflow: no update, no scheduler step
+    if applied:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, applied
+
+
+def default_loss_sum_fn(model: torch.nn.Module, config: LoopConfig) -> LossSumFn:
+    kind = config.loss_kind or infer_loss_kind(model)
+
+    def loss_sum(outputs, labels):
+        return token_loss_sum(outputs.logits, labels, kind=kind, label_smoothing=config.label_smoothing)
+
+    return loss_sum
+
+
+def _split_labels(batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict]:
+    """Labels stay out of the forward: the model would otherwise compute its own (discarded) loss."""
+    if "labels" not in batch:
+        raise KeyError(f"batch has no 'labels' (keys: {sorted(batch)}); the collator must provide them")
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    return batch["labels"], inputs
+
+
+@contextlib.contextmanager
+def _cache_disabled(model: torch.nn.Module):
+    """``use_cache=False`` while training: with a KV cache, padding-free packed rows (position_ids)
+    lose their packed-sequence mask and attend across sequences."""
+    config = getattr(unwrap_model(model), "config", None)
+    previous = getattr(config, "use_cache", None)
+    if config is not None and previous is not None:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        if config is not None and previous is not None:
+            config.use_cache = previous
+
+
+def _default_scheduler(config: LoopConfig):
+    def factory(optimizer, total_updates):
+        return create_update_scheduler(
+            optimizer, total_updates, config.lr_scheduler_type, config.warmup_steps, config.warmup_ratio
+        )
+
+    return factory
+
+
+def _check_supported(accelerator: Accelerator, dataloader: Any) -> None:
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        raise NotImplementedError(
+            "hf_accum.loop rescales .grad at the update boundary, which DeepSpeed keeps inside its engine; "
+            "use engine: trainer (AccumTrainer scales the loss before backward) with DeepSpeed"
+        )
+    if not hasattr(dataloader, "end_of_dataloader") and not hasattr(dataloader, "gradient_state"):
+        raise TypeError(
+            "pass a dataloader returned by accelerator.prepare: accumulate() needs it to close the short "
+            "last window of an epoch"
+        )
+
+
+def _micro_batch_size(dataloader: Any) -> int:
+    size = getattr(dataloader, "total_batch_size", None)
+    per_process = getattr(dataloader, "batch_size", None)
+    if per_process is None and getattr(dataloader, "batch_sampler", None) is not None:
+        per_process = getattr(dataloader.batch_sampler, "batch_size", None)
+    return int(per_process or size or 1)
+
+
+def _set_epoch(dataloader: Any, epoch: int) -> None:
+    if hasattr(dataloader, "set_epoch"):
+        dataloader.set_epoch(epoch)
+
+
+def _log_start(accelerator: Accelerator, plan: BatchPlan, micro_batches: int, total_updates: int) -> None:
+    if accelerator.is_main_process:
+        short = micro_batches % plan.accumulation_steps
+        logger.info(
+            "%s; %d micro-batches/epoch per process -> %d updates/epoch%s; %d updates planned",
+            plan.describe(),
+            micro_batches,
+            math.ceil(micro_batches / plan.accumulation_steps),
+            f" (last window {short} micro-batches, normalized by its own token count)" if short else "",
+            total_updates,
+        )
+
+
+def _report(update: UpdateLog, progress, accelerator: Accelerator, on_update) -> None:
+    progress.update(1)
+    progress.set_postfix(loss=f"{update.loss:.4f}", lr=f"{update.learning_rate:.2e}", refresh=False)
+    if accelerator.is_main_process:
+        logger.info(update.line())
+    if on_update is not None:
+        on_update(update)

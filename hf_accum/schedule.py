@@ -1,0 +1,124 @@
+"""Data plan -> number of optimizer updates -> LR scheduler horizon; global-batch planning.
+
+The LR contract: the learning rate at update ``n`` equals the big-batch run's learning rate at
+update ``n``. The big-batch run makes one update per window of ``K`` micro-batches (the last
+window of an epoch may be short and is still one update), so the horizon must be counted in
+*updates*, computed before training from the data plan -- never in micro-batches (which
+stretches warmup and decay ``K`` times) and never per process.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from transformers import get_scheduler
+
+
+def updates_per_epoch(micro_batches_per_epoch: int, accumulation_steps: int) -> int:
+    """Each full window of K micro-batches is one update, and so is the short last window."""
+    _require_positive(accumulation_steps=accumulation_steps)
+    return math.ceil(micro_batches_per_epoch / accumulation_steps)
+
+
+def planned_updates(
+    micro_batches_per_epoch: int, accumulation_steps: int, num_epochs: float = 1, max_steps: int = -1
+) -> int:
+    """Total optimizer updates of a run: ``max_steps`` when given (> 0), else epochs x updates/epoch.
+
+    A fractional ``num_epochs`` (e.g. 1.5) counts the updates of the started epoch in full windows.
+    """
+    if max_steps is not None and max_steps > 0:
+        return int(max_steps)
+    per_epoch = updates_per_epoch(micro_batches_per_epoch, accumulation_steps)
+    whole = int(num_epochs)
+    return whole * per_epoch + math.ceil((num_epochs - whole) * per_epoch)
+
+
+def epochs_needed(total_updates: int, micro_batches_per_epoch: int, accumulation_steps: int) -> int:
+    """Passes over the data that ``total_updates`` updates take (``max_steps`` may span several)."""
+    return math.ceil(total_updates / max(1, updates_per_epoch(micro_batches_per_epoch, accumulation_steps)))
+
+
+def create_update_scheduler(
+    optimizer: torch.optim.Optimizer,
+    total_updates: int,
+    name: str = "linear",
+    warmup_steps: int = 0,
+    warmup_ratio: float = 0.0,
+    **scheduler_kwargs,
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """A transformers scheduler whose horizon is ``total_updates`` optimizer updates.
+
+    Do *not* pass it through ``accelerator.prepare``: Accelerate would step it once per
+    process per call. Step it once per applied update (see ``hf_accum.loop``).
+    """
+    warmup = warmup_steps if warmup_steps > 0 else math.ceil(warmup_ratio * total_updates)
+    return get_scheduler(
+        name,
+        optimizer,
+        num_warmup_steps=warmup,
+        num_training_steps=total_updates,
+        scheduler_specific_kwargs=scheduler_kwargs or None,
+    )
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """``global_batch = micro_batch x accumulation_steps x num_processes`` (sequences per update)."""
+
+    micro_batch_size: int
+    accumulation_steps: int
+    num_processes: int
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.accumulation_steps * self.num_processes
+
+    def describe(self) -> str:
+        return (
+            f"effective batch {self.global_batch_size} = {self.micro_batch_size} per device x "
+            f"{self.accumulation_steps} accumulation x {self.num_processes} "
+            f"process{'es' if self.num_processes != 1 else ''}"
+        )
+
+
+def plan_global_batch(global_batch_size: int, micro_batch_size: int, num_processes: int = 1) -> BatchPlan:
+    """Derive the accumulation steps from a global batch; refuse a global batch that does not divide.
+
+    The error names the nearest valid global batches so the user can pick one deliberately
+    (silently rounding would change the effective batch and with it the LR rule).
+    """
+    _require_positive(
+        global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, num_processes=num_processes
+    )
+    per_window = micro_batch_size * num_processes
+    if global_batch_size % per_window:
+        lower = (global_batch_size // per_window) * per_window
+        upper = lower + per_window
+        options = [str(v) for v in (lower, upper) if v > 0]
+        raise ValueError(
+            f"global_batch_size={global_batch_size} is not a multiple of micro_batch_size x num_processes = "
+            f"{micro_batch_size} x {num_processes} = {per_window}; nearest valid global_batch_size: "
+            f"{' or '.join(options)} (or change micro_batch_size)"
+        )
+    return BatchPlan(micro_batch_size, global_batch_size // per_window, num_processes)
+
+
+def scaled_learning_rate(base_lr: float, base_batch: int, new_batch: int, rule: str = "linear") -> float:
+    """LR for a changed global batch: ``linear`` (Goyal et al.) or ``sqrt`` (Adam-style) scaling."""
+    ratio = new_batch / base_batch
+    if rule == "linear":
+        return base_lr * ratio
+    if rule == "sqrt":
+        return base_lr * math.sqrt(ratio)
+    if rule == "none":
+        return base_lr
+    raise ValueError(f"lr scaling rule={rule!r}; allowed: 'linear', 'sqrt', 'none'")
+
+
+def _require_positive(**values: int) -> None:
+    for key, value in values.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key}={value!r} must be an integer >= 1")

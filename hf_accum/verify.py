@@ -1,0 +1,175 @@
+"""Independent check that a training run applies the big-batch gradient at every update.
+
+:class:`BigBatchAuditor` attaches to any training run (the hf_accum loop, AccumTrainer, stock
+``Trainer``, a hand-written loop): it records the micro-batches the collator produced, counts
+forwards, and at every ``optimizer.step`` recomputes, on a copy of the model holding the live
+weights, the gradient of ONE big batch made of every micro-batch of that update on every rank,
+with the loss written out plainly (``torch.nn.functional.cross_entropy``, mean over all
+targets). It records the relative error of the gradient about to be applied and the LR.
+
+It shares no code with :mod:`hf_accum.loss` or :mod:`hf_accum.accumulation` on purpose: it is
+the yardstick they are measured against (tests, ``hf-accum check``).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+@dataclass
+class AuditRecord:
+    """One optimizer update as the auditor saw it."""
+
+    relative_error: float
+    learning_rate: float
+    targets: int
+    micro_batches: int
+
+
+@dataclass
+class BigBatchAuditor:
+    """Compare each applied gradient with the big-batch reference.
+
+    Usage: wrap the collator (``collate_fn=auditor.wrap_collator(collator)``) before building
+    the dataloader, then ``auditor.attach(model, optimizer)`` before training. ``model`` is the
+    module whose forward the training code calls (a DDP wrapper is fine); ``reference_model``
+    defaults to a deep copy of its unwrapped module, without gradient checkpointing.
+    """
+
+    loss_kind: str = "causal_lm"
+    label_smoothing: float = 0.0
+    pad_token_id: int = 0
+    records: list[AuditRecord] = field(default_factory=list)
+    _pending: deque = field(default_factory=deque, repr=False)
+    _forwards: int = field(default=0, repr=False)
+
+    # -- wiring ---------------------------------------------------------------------------
+    def wrap_collator(self, collate_fn: Callable[[Sequence[Any]], dict]) -> Callable[[Sequence[Any]], dict]:
+        def recording_collate(examples):
+            batch = collate_fn(examples)
+            self._pending.append({k: v.detach().clone() for k, v in batch.items() if torch.is_tensor(v)})
+            return batch
+
+        return recording_collate
+
+    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, reference_model=None) -> None:
+        self._live = _unwrap_ddp(model)
+        # Copy before registering hooks: a deep copy would otherwise copy the hooks (and us).
+        self._reference = reference_model if reference_model is not None else _reference_copy(self._live)
+        # On the unwrapped module: fires once per micro-batch whether or not DDP wraps it later.
+        self._live.register_forward_pre_hook(self._count_forward)
+        _inner_optimizer(optimizer).register_step_pre_hook(self._audit_step)
+
+    def _count_forward(self, module, args):
+        if module.training:
+            self._forwards += 1
+
+    # -- the check ------------------------------------------------------------------------
+    def _audit_step(self, optimizer, args, kwargs) -> None:
+        window = [self._pending.popleft() for _ in range(self._forwards)]
+        self._forwards = 0
+        window = _gather_windows(window)
+        live_grads = {n: p.grad for n, p in self._live.named_parameters() if p.requires_grad}
+        reference_grads, targets = self.reference_gradient(window)
+        error = _relative_error([live_grads[n] for n in reference_grads], list(reference_grads.values()))
+        self.records.append(AuditRecord(error, float(optimizer.param_groups[0]["lr"]), targets, len(window)))
+
+    def reference_gradient(self, micro_batches: list[dict]) -> tuple[dict[str, torch.Tensor], int]:
+        """Gradient of the mean loss over all targets of ``micro_batches`` taken as one batch."""
+        reference = self._reference
+        reference.load_state_dict(self._live.state_dict())
+        reference.zero_grad(set_to_none=True)
+        big = _concatenate(micro_batches, self.pad_token_id)
+        labels = big.pop("labels")
+        device = next(reference.parameters()).device
+        logits = reference(**{k: v.to(device) for k, v in big.items()}, use_cache=False).logits
+        logits, labels = _shift(logits, labels.to(device), self.loss_kind)
+        targets = int(labels.ne(-100).sum())
+        if targets == 0:
+            return {n: torch.zeros_like(p) for n, p in reference.named_parameters() if p.requires_grad}, 0
+        loss = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]),
+            labels.reshape(-1),
+            ignore_index=-100,
+            reduction="mean",
+            label_smoothing=self.label_smoothing,
+        )
+        loss.backward()
+        return {n: p.grad.detach().clone() for n, p in reference.named_parameters() if p.requires_grad}, targets
+
+    @property
+    def max_relative_error(self) -> float:
+        return max((r.relative_error for r in self.records), default=float("nan"))
+
+
+def _shift(logits: torch.Tensor, labels: torch.Tensor, kind: str):
+    if kind == "causal_lm":
+        return logits[:, :-1, :], labels[:, 1:]
+    return logits, labels
+
+
+def _concatenate(micro_batches: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """One big batch: padded rows are re-padded (right) to the longest and stacked; packed
+    single-row micro-batches (position_ids, no attention mask) are joined into one packed row."""
+    packed = "attention_mask" not in micro_batches[0] and "position_ids" in micro_batches[0]
+    if packed:
+        return {k: torch.cat([b[k] for b in micro_batches], dim=1) for k in micro_batches[0]}
+    if micro_batches[0]["labels"].dim() == 1:  # sequence classification: one label per row
+        length = max(b["input_ids"].shape[1] for b in micro_batches)
+        out = {k: torch.cat([_pad_to(b[k], length, _fill(k, pad_token_id)) for b in micro_batches])
+               for k in micro_batches[0] if k != "labels"}
+        out["labels"] = torch.cat([b["labels"] for b in micro_batches])
+        return out
+    length = max(b["input_ids"].shape[1] for b in micro_batches)
+    return {k: torch.cat([_pad_to(b[k], length, _fill(k, pad_token_id)) for b in micro_batches])
+            for k in micro_batches[0]}
+
+
+def _fill(key: str, pad_token_id: int) -> int:
+    return {"labels": -100, "attention_mask": 0}.get(key, pad_token_id)
+
+
+def _pad_to(tensor: torch.Tensor, length: int, value: int) -> torch.Tensor:
+    return F.pad(tensor, (0, length - tensor.shape[1]), value=value)
+
+
+def _relative_error(live: list[torch.Tensor | None], reference: list[torch.Tensor]) -> float:
+    diff = sum(float((_dense(g, r) - r).double().pow(2).sum()) for g, r in zip(live, reference))
+    norm = sum(float(r.double().pow(2).sum()) for r in reference)
+    return (diff / norm) ** 0.5 if norm > 0 else (0.0 if diff == 0 else float("inf"))
+
+
+def _dense(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(like) if grad is None else grad.detach().to(like.dtype)
+
+
+def _gather_windows(window: list[dict]) -> list[dict]:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return window
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, window)
+    return [batch for rank_window in gathered for batch in rank_window]
+
+
+def _unwrap_ddp(model: torch.nn.Module) -> torch.nn.Module:
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+def _inner_optimizer(optimizer):
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def _reference_copy(model: torch.nn.Module) -> torch.nn.Module:
+    reference = copy.deepcopy(model)
+    base = getattr(reference, "get_base_model", lambda: reference)()
+    if getattr(base, "is_activation_checkpointing", getattr(base, "is_gradient_checkpointing", False)):
+        base.gradient_checkpointing_disable()
+    reference.train()
+    return reference
