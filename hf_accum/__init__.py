@@ -5,11 +5,17 @@ loss over all prediction targets of that update (all micro-batches, all ranks), 
 update n equals the big-batch run's LR at update n.
 """
 
-from hf_accum.accumulation import WindowTally, WindowTotals, exact_mean_factor
-from hf_accum.batching import PackingCollator, PaddingCollator
-from hf_accum.loss import count_targets, infer_loss_kind, token_loss_sum
-from hf_accum.loop import LoopConfig, TrainResult, UpdateLog, train
-from hf_accum.schedule import BatchPlan, create_update_scheduler, plan_global_batch, planned_updates
+import logging
+
+# bitsandbytes' CPU backend tries to fetch an optional kernel from the Hub at import and logs a
+# warning when it cannot (always, offline); it then uses its built-in kernel, which is correct.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+from hf_accum.accumulation import WindowTally, WindowTotals, exact_mean_factor  # noqa: E402
+from hf_accum.batching import PackingCollator, PaddingCollator  # noqa: E402
+from hf_accum.loss import count_targets, infer_loss_kind, token_loss_sum  # noqa: E402
+from hf_accum.loop import LoopConfig, TrainResult, UpdateLog, train  # noqa: E402
+from hf_accum.schedule import BatchPlan, create_update_scheduler, plan_global_batch, planned_updates  # noqa: E402
 
 __version__ = "0.1.0"
 

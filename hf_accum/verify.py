@@ -31,6 +31,7 @@ class AuditRecord:
     learning_rate: float
     targets: int
     micro_batches: int
+    reference_loss: float
 
 
 @dataclass
@@ -77,12 +78,13 @@ class BigBatchAuditor:
         self._forwards = 0
         window = _gather_windows(window)
         live_grads = {n: p.grad for n, p in self._live.named_parameters() if p.requires_grad}
-        reference_grads, targets = self.reference_gradient(window)
+        reference_grads, targets, loss = self.reference_gradient(window)
         error = _relative_error([live_grads[n] for n in reference_grads], list(reference_grads.values()))
-        self.records.append(AuditRecord(error, float(optimizer.param_groups[0]["lr"]), targets, len(window)))
+        lr = float(optimizer.param_groups[0]["lr"])
+        self.records.append(AuditRecord(error, lr, targets, len(window), loss))
 
-    def reference_gradient(self, micro_batches: list[dict]) -> tuple[dict[str, torch.Tensor], int]:
-        """Gradient of the mean loss over all targets of ``micro_batches`` taken as one batch."""
+    def reference_gradient(self, micro_batches: list[dict]) -> tuple[dict[str, torch.Tensor], int, float]:
+        """Gradient and value of the mean loss over all targets of ``micro_batches`` taken as one batch."""
         reference = self._reference
         reference.load_state_dict(self._live.state_dict())
         reference.zero_grad(set_to_none=True)
@@ -93,7 +95,7 @@ class BigBatchAuditor:
         logits, labels = _shift(logits, labels.to(device), self.loss_kind)
         targets = int(labels.ne(-100).sum())
         if targets == 0:
-            return {n: torch.zeros_like(p) for n, p in reference.named_parameters() if p.requires_grad}, 0
+            return {n: torch.zeros_like(p) for n, p in reference.named_parameters() if p.requires_grad}, 0, float("nan")
         loss = F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]),
             labels.reshape(-1),
@@ -102,7 +104,8 @@ class BigBatchAuditor:
             label_smoothing=self.label_smoothing,
         )
         loss.backward()
-        return {n: p.grad.detach().clone() for n, p in reference.named_parameters() if p.requires_grad}, targets
+        grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters() if p.requires_grad}
+        return grads, targets, float(loss.detach())
 
     @property
     def max_relative_error(self) -> float:
@@ -169,7 +172,11 @@ def _inner_optimizer(optimizer):
 def _reference_copy(model: torch.nn.Module) -> torch.nn.Module:
     reference = copy.deepcopy(model)
     base = getattr(reference, "get_base_model", lambda: reference)()
-    if getattr(base, "is_activation_checkpointing", getattr(base, "is_gradient_checkpointing", False)):
-        base.gradient_checkpointing_disable()
+    # The yardstick recomputes nothing (transformers >= 5.2x renamed the switch).
+    disable = getattr(base, "activation_checkpointing_disable", None) or getattr(
+        base, "gradient_checkpointing_disable", None
+    )
+    if disable is not None:
+        disable()
     reference.train()
     return reference

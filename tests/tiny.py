@@ -3,15 +3,16 @@
 Exactness tests run in float64, where "equal" means ~1e-12. Two stock fp32 islands would hide
 the accumulation math under fp32 rounding (DESIGN.md section 4): ``LlamaRMSNorm`` computes in
 float32 even in a float64 model, so :func:`keep_norm_dtype` patches the *instances* of the
-test model with a dtype-keeping norm (same formula). Nothing in hf_accum is patched.
+test model with a dtype-keeping norm (same formula; hf_accum.checking.keep_norm_dtype, which
+``hf-accum check`` applies the same way). The training code itself is never patched.
 """
 
 from __future__ import annotations
 
-import types
-
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+
+from hf_accum.checking import keep_norm_dtype  # noqa: F401  (re-exported for tests)
 
 VOCAB = 61
 PAD = 0
@@ -33,19 +34,6 @@ def tiny_config(**overrides) -> LlamaConfig:
     )
     values.update(overrides)
     return LlamaConfig(**values)
-
-
-def keep_norm_dtype(model: torch.nn.Module) -> torch.nn.Module:
-    """Replace each RMSNorm instance's forward with the same formula computed in the input dtype."""
-
-    def forward(self, hidden_states):
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
-
-    for module in model.modules():
-        if type(module).__name__.endswith("RMSNorm"):
-            module.forward = types.MethodType(forward, module)
-    return model
 
 
 def tiny_causal_lm(seed: int = 0, dtype: torch.dtype = torch.float64, **overrides) -> LlamaForCausalLM:

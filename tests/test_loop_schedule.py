@@ -1,0 +1,60 @@
+"""The LR at every update equals the big-batch run's LR at that update (and the naive horizon,
+counted in micro-batches, does not)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import get_scheduler
+
+from hf_accum.batching import PaddingCollator
+from loops import Scenario, run_exact, run_naive
+from tiny import PAD, tiny_causal_lm, uneven_examples
+
+N_EXAMPLES, MICRO, K, LR = 22, 2, 4, 1e-2
+
+
+def big_batch_learning_rates(total_updates: int, warmup: int, name: str = "linear") -> list[float]:
+    """LRs a big-batch run (batch = MICRO * K, one update per batch) applies at updates 1..total."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=LR)
+    scheduler = get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total_updates)
+    rates = []
+    for _ in range(total_updates):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return rates
+
+
+def _scenario(**kwargs) -> Scenario:
+    return Scenario(
+        "lr", tiny_causal_lm, uneven_examples(N_EXAMPLES, seed=11), PaddingCollator(PAD), micro_batch=MICRO,
+        accumulation=K, lr=LR, scheduler="linear", warmup_steps=2, **kwargs,
+    )
+
+
+def test_lr_matches_big_batch_over_two_epochs_with_short_last_window():
+    updates_per_epoch = math.ceil(N_EXAMPLES / (MICRO * K))  # the big batch's last batch is short too
+    expected = big_batch_learning_rates(2 * updates_per_epoch, warmup=2)
+    result, auditor = run_exact(_scenario(epochs=2))
+    applied = [r.learning_rate for r in auditor.records]
+    assert applied == pytest.approx(expected, rel=1e-12, abs=0)
+    assert [u.learning_rate for u in result.updates] == pytest.approx(expected, rel=1e-12, abs=0)
+    assert expected[-1] > 0  # the decay does not end early: the horizon is the true update count
+
+
+def test_lr_matches_big_batch_with_max_steps_across_epoch_boundary():
+    expected = big_batch_learning_rates(4, warmup=2)  # 3 updates per epoch: update 4 is in epoch 2
+    result, auditor = run_exact(_scenario(epochs=1, max_steps=4))
+    assert len(auditor.records) == len(result.updates) == 4
+    assert [r.learning_rate for r in auditor.records] == pytest.approx(expected, rel=1e-12, abs=0)
+
+
+def test_naive_micro_batch_horizon_stretches_the_schedule():
+    expected = big_batch_learning_rates(2 * math.ceil(N_EXAMPLES / (MICRO * K)), warmup=2)
+    auditor = run_naive(_scenario(epochs=2))
+    applied = [r.learning_rate for r in auditor.records]
+    assert len(applied) == len(expected)
+    assert max(abs(a - e) for a, e in zip(applied, expected)) > 0.1 * LR
