@@ -55,6 +55,52 @@ def drop_gradients_(parameters: Iterable[torch.nn.Parameter]) -> None:
         p.grad = None
 
 
+class Fp32GradientAccumulator:
+    """Accumulate the gradients of low-precision (bf16/fp16) weights in fp32 across a window.
+
+    ``.grad`` has the weight's dtype, so K micro-batch gradients summed into a bf16 ``.grad`` are
+    rounded to 8 mantissa bits K times (measured: +15% on the bf16 compute error at K=8). A
+    post-accumulate hook moves each micro-batch's gradient into an fp32 buffer instead, and
+    :meth:`write_gradients_` applies the window's scale factor in fp32 and rounds once.
+
+    Single process only: DDP's reducer owns ``.grad`` buckets during the all-reduce.
+    """
+
+    def __init__(self, parameters: Iterable[torch.nn.Parameter]):
+        self.parameters = [
+            p for p in parameters if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16)
+        ]
+        self._sums: dict[int, torch.Tensor] = {}
+        self._handles = [p.register_post_accumulate_grad_hook(self._stash) for p in self.parameters]
+
+    def _stash(self, parameter: torch.nn.Parameter) -> None:
+        key = id(parameter)
+        if key in self._sums:
+            self._sums[key].add_(parameter.grad)  # add_ upcasts the bf16 grad into the fp32 sum
+        else:
+            self._sums[key] = parameter.grad.float()
+        parameter.grad = None
+
+    def write_gradients_(self, factor: float) -> None:
+        """``.grad = round(factor * fp32 sum)`` for every low-precision weight; the buffers are freed."""
+        for parameter in self.parameters:
+            total = self._sums.pop(id(parameter), None)
+            if total is not None:
+                parameter.grad = total.mul_(factor).to(parameter.dtype)
+
+    def other_parameters(self, parameters: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+        """The parameters this accumulator does not handle (fp32 weights keep their own .grad)."""
+        mine = {id(p) for p in self.parameters}
+        return [p for p in parameters if id(p) not in mine]
+
+    def clear(self) -> None:
+        self._sums.clear()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
 @dataclass
 class WindowTotals:
     """What one update window held, summed over micro-batches and (after ``reduce``) ranks."""

@@ -38,6 +38,10 @@ class Scenario:
     warmup_steps: int = 0
     scheduler: str = "constant"
     pad_token_id: int = 0
+    reference_dtype: torch.dtype | None = None
+    max_grad_norm: float = 0.0
+    """0: unclipped, so the audit compares the raw applied gradient."""
+    accelerator_kwargs: dict = field(default_factory=dict)
     loop_kwargs: dict = field(default_factory=dict)
 
 
@@ -49,15 +53,15 @@ def fresh_accelerator(accumulation: int, **kwargs) -> Accelerator:
 
 
 def run_exact(scenario: Scenario, on_model=None) -> tuple[TrainResult, BigBatchAuditor]:
-    """hf_accum's loop under the auditor (unclipped, so the audit sees the raw applied gradient)."""
-    accelerator = fresh_accelerator(scenario.accumulation)
+    """hf_accum's loop under the auditor."""
+    accelerator = fresh_accelerator(scenario.accumulation, **scenario.accelerator_kwargs)
     model, optimizer, loader, auditor = _prepare(scenario, accelerator, on_model)
     config = LoopConfig(
         num_train_epochs=scenario.epochs,
         max_steps=scenario.max_steps,
         lr_scheduler_type=scenario.scheduler,
         warmup_steps=scenario.warmup_steps,
-        max_grad_norm=0.0,
+        max_grad_norm=scenario.max_grad_norm,
         label_smoothing=scenario.label_smoothing,
         loss_kind=scenario.loss_kind,
         disable_tqdm=True,
@@ -69,7 +73,7 @@ def run_exact(scenario: Scenario, on_model=None) -> tuple[TrainResult, BigBatchA
 def run_naive(scenario: Scenario, on_model=None) -> BigBatchAuditor:
     """The classic loop: the model's own per-micro-batch mean, ``Accelerator.backward``'s fixed
     ``1 / K``, and an LR horizon counted in micro-batches. The baseline hf_accum must beat."""
-    accelerator = fresh_accelerator(scenario.accumulation)
+    accelerator = fresh_accelerator(scenario.accumulation, **scenario.accelerator_kwargs)
     model, optimizer, loader, auditor = _prepare(scenario, accelerator, on_model)
     epochs = int(scenario.epochs)
     scheduler = get_scheduler(
@@ -90,7 +94,8 @@ def run_naive(scenario: Scenario, on_model=None) -> BigBatchAuditor:
 def _prepare(scenario: Scenario, accelerator: Accelerator, on_model=None):
     model = scenario.model_factory()
     auditor = BigBatchAuditor(
-        loss_kind=scenario.loss_kind, label_smoothing=scenario.label_smoothing, pad_token_id=scenario.pad_token_id
+        loss_kind=scenario.loss_kind, label_smoothing=scenario.label_smoothing, pad_token_id=scenario.pad_token_id,
+        reference_dtype=scenario.reference_dtype,
     )
     loader = DataLoader(
         scenario.examples, batch_size=scenario.micro_batch, shuffle=False,

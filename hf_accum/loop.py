@@ -31,7 +31,14 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
 
-from hf_accum.accumulation import WindowTally, WindowTotals, drop_gradients_, exact_mean_factor, rescale_gradients_
+from hf_accum.accumulation import (
+    Fp32GradientAccumulator,
+    WindowTally,
+    WindowTotals,
+    drop_gradients_,
+    exact_mean_factor,
+    rescale_gradients_,
+)
 from hf_accum.loss import LossKind, infer_loss_kind, token_loss_sum, unwrap_model
 from hf_accum.schedule import BatchPlan, create_update_scheduler, epochs_needed, planned_updates
 
@@ -58,6 +65,9 @@ class LoopConfig:
     loss_kind: LossKind | None = None
     """``causal_lm``, ``token`` or ``sequence``; inferred from the model class when None."""
     disable_tqdm: bool = False
+    fp32_grad_accumulation: bool = True
+    """Sum the micro-batch gradients of bf16/fp16 *weights* in fp32 (single process; with
+    mixed_precision='bf16' and fp32 weights, gradients are fp32 anyway)."""
 
 
 @dataclass
@@ -125,12 +135,13 @@ def train(
     result = TrainResult(batch_plan=plan)
     progress = tqdm(total=total_updates, desc="updates", disable=config.disable_tqdm or not accelerator.is_main_process)
     params = [p for p in model.parameters() if p.requires_grad]
+    fp32_sums = _fp32_accumulator(params, accelerator, config)
     model.train()
-    with _cache_disabled(model):
+    with _cache_disabled(model), _removing(fp32_sums):
         for epoch in range(epochs_needed(total_updates, micro_batches, accumulation_steps)):
             _set_epoch(train_dataloader, epoch)
             for step_in_epoch, totals, grad_norm, applied, lr in _epoch_updates(
-                model, optimizer, scheduler, train_dataloader, accelerator, params, loss_sum_fn, config
+                model, optimizer, scheduler, train_dataloader, accelerator, params, loss_sum_fn, config, fp32_sums
             ):
                 update = UpdateLog(
                     step=len(result.updates) + 1,
@@ -155,7 +166,7 @@ def train(
 
 
 def _epoch_updates(
-    model, optimizer, scheduler, dataloader, accelerator, params, loss_sum_fn, config
+    model, optimizer, scheduler, dataloader, accelerator, params, loss_sum_fn, config, fp32_sums
 ) -> Iterator[tuple[int, WindowTotals, float | None, bool, float]]:
     """Run one epoch; yield ``(micro_batches_done, totals, grad_norm, applied, lr)`` per update."""
     tally = WindowTally(device=accelerator.device)
@@ -171,20 +182,24 @@ def _epoch_updates(
             totals = tally.reduce(accelerator)
             tally.reset()
             lr = scheduler.get_last_lr()[0]
-            grad_norm, applied = _apply_update(model, optimizer, scheduler, accelerator, params, totals, config)
+            grad_norm, applied = _apply_update(optimizer, scheduler, accelerator, params, totals, config, fp32_sums)
         yield step, totals, grad_norm, applied, lr
 
 
-def _apply_update(model, optimizer, scheduler, accelerator, params, totals: WindowTotals, config):
+def _apply_update(optimizer, scheduler, accelerator, params, totals: WindowTotals, config, fp32_sums):
     """Scale to the exact mean, clip, step. Returns ``(grad_norm, applied)``."""
     if totals.targets == 0:
         # No target anywhere in the window (all ranks agree: the count was all-reduced).
         # There is no mean to apply; AdamW would still move weights via momentum/decay.
+        if fp32_sums is not None:
+            fp32_sums.clear()
         drop_gradients_(params)
         return None, False
     # accelerator.backward divided each micro-batch by K; replace that by the exact W / N.
     factor = accelerator.gradient_accumulation_steps * exact_mean_factor(totals.targets, accelerator.num_processes)
-    rescale_gradients_(params, factor)
+    if fp32_sums is not None:
+        fp32_sums.write_gradients_(factor)  # low-precision weights: scaled in fp32, rounded once
+    rescale_gradients_(params if fp32_sums is None else fp32_sums.other_parameters(params), factor)
     grad_norm = None
     if config.max_grad_norm and config.max_grad_norm > 0:
         grad_norm = float(accelerator.clip_grad_norm_(params, config.max_grad_norm))
@@ -194,6 +209,27 @@ def _apply_update(model, optimizer, scheduler, accelerator, params, totals: Wind
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm, applied
+
+
+def _fp32_accumulator(params, accelerator: Accelerator, config: LoopConfig) -> Fp32GradientAccumulator | None:
+    if not config.fp32_grad_accumulation or not any(p.dtype in (torch.bfloat16, torch.float16) for p in params):
+        return None
+    if accelerator.num_processes > 1:
+        raise NotImplementedError(
+            "fp32 gradient accumulation for bf16/fp16 weights is single-process only (DDP all-reduces .grad "
+            "buckets itself). Keep fp32 weights with Accelerator(mixed_precision='bf16') -- gradients are then "
+            "fp32 -- or pass LoopConfig(fp32_grad_accumulation=False) to accept bf16 accumulation."
+        )
+    return Fp32GradientAccumulator(params)
+
+
+@contextlib.contextmanager
+def _removing(fp32_sums: Fp32GradientAccumulator | None):
+    try:
+        yield
+    finally:
+        if fp32_sums is not None:
+            fp32_sums.remove()
 
 
 def default_loss_sum_fn(model: torch.nn.Module, config: LoopConfig) -> LossSumFn:

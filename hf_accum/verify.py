@@ -32,6 +32,8 @@ class AuditRecord:
     targets: int
     micro_batches: int
     reference_loss: float
+    applied_norm: float
+    reference_norm: float
 
 
 @dataclass
@@ -47,6 +49,8 @@ class BigBatchAuditor:
     loss_kind: str = "causal_lm"
     label_smoothing: float = 0.0
     pad_token_id: int = 0
+    reference_dtype: torch.dtype | None = None
+    """Compute the reference in this dtype (e.g. float64 for a bf16 run); default: the model's."""
     records: list[AuditRecord] = field(default_factory=list)
     _pending: deque = field(default_factory=deque, repr=False)
     _forwards: int = field(default=0, repr=False)
@@ -64,6 +68,8 @@ class BigBatchAuditor:
         self._live = _unwrap_ddp(model)
         # Copy before registering hooks: a deep copy would otherwise copy the hooks (and us).
         self._reference = reference_model if reference_model is not None else _reference_copy(self._live)
+        if self.reference_dtype is not None:
+            self._reference.to(self.reference_dtype)
         # On the unwrapped module: fires once per micro-batch whether or not DDP wraps it later.
         self._live.register_forward_pre_hook(self._count_forward)
         _inner_optimizer(optimizer).register_step_pre_hook(self._audit_step)
@@ -81,7 +87,10 @@ class BigBatchAuditor:
         reference_grads, targets, loss = self.reference_gradient(window)
         error = _relative_error([live_grads[n] for n in reference_grads], list(reference_grads.values()))
         lr = float(optimizer.param_groups[0]["lr"])
-        self.records.append(AuditRecord(error, lr, targets, len(window), loss))
+        applied_norm = _norm([_dense(live_grads[n], r) for n, r in reference_grads.items()])
+        self.records.append(
+            AuditRecord(error, lr, targets, len(window), loss, applied_norm, _norm(reference_grads.values()))
+        )
 
     def reference_gradient(self, micro_batches: list[dict]) -> tuple[dict[str, torch.Tensor], int, float]:
         """Gradient and value of the mean loss over all targets of ``micro_batches`` taken as one batch."""
@@ -147,6 +156,10 @@ def _relative_error(live: list[torch.Tensor | None], reference: list[torch.Tenso
     diff = sum(float((_dense(g, r) - r).double().pow(2).sum()) for g, r in zip(live, reference))
     norm = sum(float(r.double().pow(2).sum()) for r in reference)
     return (diff / norm) ** 0.5 if norm > 0 else (0.0 if diff == 0 else float("inf"))
+
+
+def _norm(tensors) -> float:
+    return sum(float(t.double().pow(2).sum()) for t in tensors) ** 0.5
 
 
 def _dense(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

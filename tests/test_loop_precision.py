@@ -1,0 +1,56 @@
+"""Low precision and clipping: fp32 accumulation for bf16 weights, bf16 autocast, clip once per update."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_accum.batching import PaddingCollator
+from loops import Scenario, run_exact, run_naive
+from tiny import PAD, tiny_causal_lm, uneven_examples
+
+K = 16
+
+
+def _bf16_weights_error(seed: int, fp32_accumulation: bool) -> float:
+    scenario = Scenario(
+        "bf16_weights", lambda: tiny_causal_lm(seed=seed, dtype=torch.bfloat16), uneven_examples(K, seed=seed),
+        PaddingCollator(PAD), micro_batch=1, accumulation=K, lr=0.0, reference_dtype=torch.float64,
+        loop_kwargs={"fp32_grad_accumulation": fp32_accumulation},
+    )
+    _, auditor = run_exact(scenario)
+    return auditor.max_relative_error
+
+
+def test_fp32_accumulation_of_bf16_weights_beats_bf16_accumulation():
+    """Against the float64 big-batch gradient, summing K=16 micro-batch gradients in fp32 and rounding
+    once is closer than summing them in bf16 .grad, on every seed (measured ~15% less error)."""
+    fp32 = [_bf16_weights_error(seed, True) for seed in range(3)]
+    bf16 = [_bf16_weights_error(seed, False) for seed in range(3)]
+    assert all(a < b for a, b in zip(fp32, bf16)), (fp32, bf16)
+    assert sum(fp32) / sum(bf16) < 0.95, (fp32, bf16)
+    assert max(fp32) < 2e-2  # still the big-batch gradient, to bf16 precision
+
+
+def test_bf16_autocast_mixed_precision_stays_exact_to_bf16_precision():
+    scenario = Scenario(
+        "bf16_autocast", lambda: tiny_causal_lm(dtype=torch.float32), uneven_examples(16, seed=31),
+        PaddingCollator(PAD), accelerator_kwargs={"mixed_precision": "bf16"}, reference_dtype=torch.float64,
+    )
+    result, auditor = run_exact(scenario)
+    assert len(result.updates) == 2
+    assert auditor.max_relative_error < 3e-2
+    assert run_naive(scenario).max_relative_error > 0.1
+
+
+def test_clipping_happens_once_per_update_on_the_exact_mean():
+    """The norm that is clipped is the big-batch gradient's norm (so clipping came after all
+    micro-batches and the normalization), and the applied gradient has norm max_grad_norm."""
+    max_norm = 1e-3
+    scenario = Scenario(
+        "clip", tiny_causal_lm, uneven_examples(22, seed=32), PaddingCollator(PAD), max_grad_norm=max_norm
+    )
+    result, auditor = run_exact(scenario)
+    for update, record in zip(result.updates, auditor.records, strict=True):
+        assert update.grad_norm == pytest.approx(record.reference_norm, rel=1e-10)
+        assert record.applied_norm == pytest.approx(max_norm, rel=1e-5)  # torch clips by c / (norm + 1e-6)
