@@ -84,10 +84,11 @@ class UpdateLog:
     padding_fraction: float
     micro_batches: int
     applied: bool = True
+    skip_reason: str = ""
 
     def line(self) -> str:
         grad = f"{self.grad_norm:.4f}" if self.grad_norm is not None else "-"
-        state = "" if self.applied else " (skipped: no targets in window)"
+        state = "" if self.applied else f" (skipped: {self.skip_reason})"
         return (
             f"update {self.step} | epoch {self.epoch:.2f} | loss {self.loss:.4f} | lr {self.learning_rate:.3e} | "
             f"grad_norm {grad} | tokens {self.targets} | seqs {self.sequences} | "
@@ -140,7 +141,7 @@ def train(
     with _cache_disabled(model), _removing(fp32_sums):
         for epoch in range(epochs_needed(total_updates, micro_batches, accumulation_steps)):
             _set_epoch(train_dataloader, epoch)
-            for step_in_epoch, totals, grad_norm, applied, lr in _epoch_updates(
+            for step_in_epoch, totals, grad_norm, skip_reason, lr in _epoch_updates(
                 model, optimizer, scheduler, train_dataloader, accelerator, params, loss_sum_fn, config, fp32_sums
             ):
                 update = UpdateLog(
@@ -153,7 +154,8 @@ def train(
                     sequences=totals.sequences,
                     padding_fraction=totals.padding_fraction,
                     micro_batches=totals.micro_batches,
-                    applied=applied,
+                    applied=not skip_reason,
+                    skip_reason=skip_reason,
                 )
                 result.updates.append(update)
                 _report(update, progress, accelerator, on_update)
@@ -168,7 +170,7 @@ def train(
 def _epoch_updates(
     model, optimizer, scheduler, dataloader, accelerator, params, loss_sum_fn, config, fp32_sums
 ) -> Iterator[tuple[int, WindowTotals, float | None, bool, float]]:
-    """Run one epoch; yield ``(micro_batches_done, totals, grad_norm, applied, lr)`` per update."""
+    """Run one epoch; yield ``(micro_batches_done, totals, grad_norm, skip_reason, lr)`` per update."""
     tally = WindowTally(device=accelerator.device)
     for step, batch in enumerate(dataloader, start=1):
         with accelerator.accumulate(model):
@@ -182,19 +184,19 @@ def _epoch_updates(
             totals = tally.reduce(accelerator)
             tally.reset()
             lr = scheduler.get_last_lr()[0]
-            grad_norm, applied = _apply_update(optimizer, scheduler, accelerator, params, totals, config, fp32_sums)
-        yield step, totals, grad_norm, applied, lr
+            grad_norm, skip_reason = _apply_update(optimizer, scheduler, accelerator, params, totals, config, fp32_sums)
+        yield step, totals, grad_norm, skip_reason, lr
 
 
 def _apply_update(optimizer, scheduler, accelerator, params, totals: WindowTotals, config, fp32_sums):
-    """Scale to the exact mean, clip, step. Returns ``(grad_norm, applied)``."""
+    """Scale to the exact mean, clip, step. Returns ``(grad_norm, skip_reason)``; '' when applied."""
     if totals.targets == 0:
         # No target anywhere in the window (all ranks agree: the count was all-reduced).
         # There is no mean to apply; AdamW would still move weights via momentum/decay.
         if fp32_sums is not None:
             fp32_sums.clear()
         drop_gradients_(params)
-        return None, False
+        return None, "no targets in window"
     # accelerator.backward divided each micro-batch by K; replace that by the exact W / N.
     factor = accelerator.gradient_accumulation_steps * exact_mean_factor(totals.targets, accelerator.num_processes)
     if fp32_sums is not None:
@@ -204,11 +206,11 @@ def _apply_update(optimizer, scheduler, accelerator, params, totals: WindowTotal
     if config.max_grad_norm and config.max_grad_norm > 0:
         grad_norm = float(accelerator.clip_grad_norm_(params, config.max_grad_norm))
     optimizer.step()
-    applied = not accelerator.optimizer_step_was_skipped  # fp16 overflow: no update, no scheduler step
-    if applied:
+    skipped = accelerator.optimizer_step_was_skipped  # fp16 overflow: no update, so no scheduler step
+    if not skipped:
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return grad_norm, applied
+    return grad_norm, "inf/nan gradients (fp16 loss scale lowered)" if skipped else ""
 
 
 def _fp32_accumulator(params, accelerator: Accelerator, config: LoopConfig) -> Fp32GradientAccumulator | None:

@@ -54,3 +54,31 @@ def test_clipping_happens_once_per_update_on_the_exact_mean():
     for update, record in zip(result.updates, auditor.records, strict=True):
         assert update.grad_norm == pytest.approx(record.reference_norm, rel=1e-10)
         assert record.applied_norm == pytest.approx(max_norm, rel=1e-5)  # torch clips by c / (norm + 1e-6)
+
+
+def test_skipped_fp16_update_does_not_advance_the_scheduler():
+    """A GradScaler that finds inf gradients skips the step; the LR schedule must not move either."""
+    from torch.utils.data import DataLoader
+
+    from hf_accum.loop import LoopConfig, train
+    from hf_accum.loss import token_loss_sum
+    from loops import fresh_accelerator
+
+    accelerator = fresh_accelerator(2)
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)  # Accelerate has none on CPU
+    model = tiny_causal_lm(dtype=torch.float32)
+    loader = DataLoader(uneven_examples(12, seed=33), batch_size=2, collate_fn=PaddingCollator(PAD))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    micro_batches_seen = []
+
+    def loss_overflowing_in_update_2(outputs, labels):
+        micro_batches_seen.append(1)
+        loss_sum, n = token_loss_sum(outputs.logits, labels)
+        return (loss_sum * float("inf") if len(micro_batches_seen) in (3, 4) else loss_sum), n
+
+    config = LoopConfig(lr_scheduler_type="linear", max_grad_norm=1.0, disable_tqdm=True)
+    result = train(model, optimizer, loader, accelerator, config, loss_sum_fn=loss_overflowing_in_update_2)
+    assert [u.applied for u in result.updates] == [True, False, True]
+    rates = [u.learning_rate for u in result.updates]
+    assert rates[2] == rates[1] != rates[0]  # the skipped update did not consume a schedule step
