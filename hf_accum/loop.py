@@ -132,6 +132,7 @@ def train(
     loss_sum_fn = loss_sum_fn or default_loss_sum_fn(model, config)
     plan = BatchPlan(_micro_batch_size(train_dataloader), accumulation_steps, accelerator.num_processes)
     _log_start(accelerator, plan, micro_batches, total_updates)
+    _warn_repeated_samples(accelerator, train_dataloader, plan)
 
     result = TrainResult(batch_plan=plan)
     progress = tqdm(total=total_updates, desc="updates", disable=config.disable_tqdm or not accelerator.is_main_process)
@@ -299,6 +300,23 @@ def _micro_batch_size(dataloader: Any) -> int:
 def _set_epoch(dataloader: Any, epoch: int) -> None:
     if hasattr(dataloader, "set_epoch"):
         dataloader.set_epoch(epoch)
+
+
+def _warn_repeated_samples(accelerator: Accelerator, dataloader: Any, plan: BatchPlan) -> None:
+    """Accelerate's ``even_batches`` fills the last batch of each rank by *repeating* samples from the
+    start of the dataset: the last update then counts those samples twice (no longer the big batch)."""
+    dataset = getattr(dataloader, "dataset", None)
+    per_round = plan.micro_batch_size * plan.num_processes
+    if plan.num_processes < 2 or dataset is None or not hasattr(dataset, "__len__"):
+        return
+    repeated = -len(dataset) % per_round
+    if repeated and getattr(accelerator, "even_batches", True):
+        logger.warning(
+            "%d examples do not fill %d ranks x %d: Accelerate (even_batches=True) repeats %d examples in the "
+            "last micro-batches, so the last update of each epoch counts them twice. Use a dataset size that is "
+            "a multiple of %d to keep every update exactly the big batch.",
+            len(dataset), plan.num_processes, plan.micro_batch_size, repeated, per_round,
+        )
 
 
 def _log_start(accelerator: Accelerator, plan: BatchPlan, micro_batches: int, total_updates: int) -> None:

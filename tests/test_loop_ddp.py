@@ -3,29 +3,12 @@ one gradient all-reduce per update, LR equal to the big-batch run's."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 
+from launch import run_torchrun
 from test_loop_schedule import big_batch_learning_rates
-
-HERE = os.path.dirname(__file__)
-
-
-def run_torchrun(worker: str, out_path, nproc: int = 2, timeout: int = 300) -> dict:
-    """Launch with torchrun: `accelerate launch --cpu --num_processes 2` silently starts ONE process."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--standalone", os.path.join(HERE, worker), str(out_path)]
-    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
-    assert completed.returncode == 0, completed.stderr[-4000:]
-    with open(out_path) as handle:
-        return json.load(handle)
-
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):

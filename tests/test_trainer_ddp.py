@@ -1,0 +1,56 @@
+"""AccumTrainer on 2 real CPU processes (torchrun, gloo) whose ranks hold ~10x different token counts:
+exact with ``average_tokens_across_devices`` True and False; stock Trainer with False is the
+negative control. All runs share one torchrun launch (tests/trainer_ddp_worker.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from launch import run_torchrun
+from trainer_ddp_worker import ACCUMULATION, EPOCHS, EXAMPLES, MICRO_BATCH, scenario
+from trainer_harness import big_batch_lrs
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    """Launch with torchrun: `accelerate launch --cpu --num_processes 2` silently starts ONE process."""
+    return run_torchrun("trainer_ddp_worker.py", tmp_path_factory.mktemp("trainer_ddp") / "report.json")
+
+
+def test_two_processes_really_started(report):
+    assert report["world_size"] == 2
+    assert all(report[name]["args_world_size"] == 2 for name in ("accum_avg_true", "stock_avg_false"))
+
+
+def test_ranks_hold_very_different_token_counts():
+    examples = scenario().examples
+    per_rank = [0, 0]
+    for index, example in enumerate(examples):
+        per_rank[(index // MICRO_BATCH) % 2] += len(example["input_ids"]) - 1
+    assert per_rank[0] > 5 * per_rank[1]
+
+
+@pytest.mark.parametrize("name", ["accum_avg_true", "accum_avg_false"])
+def test_accum_trainer_is_exact_over_ranks(report, name):
+    run = report[name]
+    updates = EPOCHS * math.ceil(math.ceil(EXAMPLES / MICRO_BATCH / 2) / ACCUMULATION)
+    assert len(run["errors"]) == updates == 6
+    assert max(run["errors"]) < 1e-10, run["errors"]
+    assert run["logged_tokens"] == run["targets"]  # tokens per update, summed over ranks
+    assert run["plan"] == "effective batch 12 = 2 per device x 3 accumulation x 2 processes"
+
+
+def test_stock_trainer_without_token_averaging_is_wrong(report):
+    errors = report["stock_avg_false"]["errors"]
+    print(f"stock Trainer, average_tokens_across_devices=False: max rel. error {max(errors):.2f}; "
+          f"True: {max(report['stock_avg_true']['errors']):.1e}")
+    assert max(errors) > 1e-3
+
+
+def test_ddp_lr_matches_big_batch_and_steps_once_per_update(report):
+    expected = big_batch_lrs(scenario(), 6)
+    for name in ("accum_avg_true", "accum_avg_false"):
+        assert report[name]["learning_rates"] == pytest.approx(expected, abs=1e-15)
+        assert report[name]["scheduler_steps"] == 6

@@ -1,0 +1,67 @@
+"""torchrun worker (2 CPU processes, gloo): AccumTrainer and stock Trainer on ranks with very different
+token counts, with ``average_tokens_across_devices`` True and False, under a BigBatchAuditor that
+gathers every rank's micro-batches. Rank 0 writes a JSON report to ``argv[1]``.
+
+Launched by tests/test_trainer_ddp.py; all scenarios share one launch (process start-up dominates).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch.distributed as dist
+from transformers import Trainer
+
+from hf_accum import AccumTrainer
+from hf_accum.batching import PaddingCollator
+from tiny import PAD, tiny_causal_lm, uneven_examples
+from trainer_harness import TrainerScenario, run_trainer
+
+MICRO_BATCH, ACCUMULATION, EXAMPLES, EPOCHS = 2, 3, 28, 2
+
+
+def scenario() -> TrainerScenario:
+    # Accelerate deals micro-batch i to rank i % 2 (sequential sampler): rank 0 gets only 40-token
+    # rows, rank 1 only 3-5-token rows -- per-rank counts differ ~10x. 14 micro-batches = 7 per
+    # rank = windows of 3, 3, 1 micro-batches: a short last window in each of the 2 epochs.
+    examples = uneven_examples(EXAMPLES, seed=11, long_rows=lambda i: (i // MICRO_BATCH) % 2 == 0)
+    return TrainerScenario(
+        "ddp", tiny_causal_lm, examples, PaddingCollator(PAD), micro_batch=MICRO_BATCH,
+        accumulation=ACCUMULATION, epochs=EPOCHS, scheduler="linear", warmup_steps=1,
+    )
+
+
+def main(report_path: str) -> None:
+    out_dir = os.path.dirname(report_path)
+    report: dict = {}
+    runs = {
+        "accum_avg_true": (AccumTrainer, True),
+        "accum_avg_false": (AccumTrainer, False),
+        "stock_avg_true": (Trainer, True),
+        "stock_avg_false": (Trainer, False),
+    }
+    for name, (trainer_cls, average) in runs.items():
+        run = run_trainer(
+            scenario(), os.path.join(out_dir, name), trainer_cls, average_tokens_across_devices=average,
+            ddp_find_unused_parameters=False,
+        )
+        report[name] = {
+            "errors": run.errors,
+            "learning_rates": run.lrs,
+            "scheduler_steps": run.trainer.lr_scheduler.last_epoch,
+            "targets": [r.targets for r in run.auditor.records],
+            "logged_tokens": [log.get("tokens_per_update") for log in run.update_logs],
+            "args_world_size": run.trainer.args.world_size,
+            "plan": run.trainer.batch_plan.describe() if isinstance(run.trainer, AccumTrainer) else None,
+        }
+    report["world_size"] = dist.get_world_size()
+    if dist.get_rank() == 0:
+        with open(report_path, "w") as handle:
+            json.dump(report, handle)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
