@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +20,7 @@ from transformers import Trainer
 
 from hf_accum import AccumTrainer
 from hf_accum.batching import PackingCollator, PaddingCollator
-from hf_accum.loss import aligned_targets, compute_dtype
-from hf_accum.verify import AuditRecord, BigBatchAuditor, _concatenate, _shift
+from hf_accum.verify import BigBatchAuditor, _concatenate, _shift
 from tiny import PAD, ClassificationCollator, tiny_causal_lm, tiny_sequence_classifier, uneven_examples
 from trainer_harness import NoKwargsForCausalLM, TrainerScenario, big_batch_lrs, run_trainer
 
@@ -137,17 +138,18 @@ def test_lr_with_max_steps_crossing_an_epoch(tmp_path):
 
 # -- subclassing: a custom loss through the one override point ----------------------------------
 
-class ZLossTrainer(AccumTrainer):
-    """README example: cross-entropy + z * logsumexp(logits)^2, summed over the same targets."""
+def readme_example(tag: str) -> dict:
+    """Execute the README's python block that starts with ``# readme-example: <tag>``."""
+    readme = Path(__file__).resolve().parent.parent / "README.md"
+    match = re.search(rf"```python\n(# readme-example: {re.escape(tag)}\n.*?)```", readme.read_text(), re.S)
+    assert match, f"README.md has no python block tagged {tag!r}"
+    namespace: dict = {}
+    exec(compile(match.group(1), "README.md", "exec"), namespace)
+    return namespace
 
-    z_weight = 1e-2
 
-    def loss_sum_and_count(self, outputs, labels, inputs):
-        loss_sum, n_targets = super().loss_sum_and_count(outputs, labels, inputs)
-        is_target = aligned_targets(labels, self.loss_kind).ne(-100)
-        logits = outputs.logits[is_target]
-        log_z = torch.logsumexp(logits.to(compute_dtype(logits.dtype)), dim=-1)
-        return loss_sum + self.z_weight * log_z.pow(2).sum(), n_targets
+class ZLossTrainer(readme_example("z-loss")["ZLossTrainer"]):
+    z_weight = 1e-2  # larger than the README's, so that leaving the term out is clearly visible
 
 
 @dataclass
@@ -178,9 +180,7 @@ class ReferenceAuditor(BigBatchAuditor):
             / sum(b["attention_mask"].numel() for b in micro_batches),
         })
         grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters() if p.requires_grad}
-        if "reference_loss" in AuditRecord.__dataclass_fields__:  # verify.py also records the loss value
-            return grads, int(mask.sum()), float(loss.detach())
-        return grads, int(mask.sum())
+        return grads, int(mask.sum()), float(loss.detach())
 
 
 def test_custom_z_loss_subclass_is_exact(tmp_path):
