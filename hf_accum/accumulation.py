@@ -112,6 +112,11 @@ class WindowTotals:
     total_tokens: int = 0
     micro_batches: int = 0
 
+    def add(self, other: "WindowTotals") -> None:
+        """Fold another window in (totals over a logging interval of several updates)."""
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
     @property
     def mean_loss(self) -> float:
         """Exact per-target mean loss of the window (nan when it had no targets)."""

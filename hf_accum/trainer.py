@@ -304,8 +304,7 @@ class _LogInterval:
         self.skipped = 0
 
     def add(self, window: WindowTotals) -> None:
-        for name in ("loss_sum", "targets", "sequences", "real_tokens", "total_tokens", "micro_batches"):
-            setattr(self.totals, name, getattr(self.totals, name) + getattr(window, name))
+        self.totals.add(window)
         self.updates += 1
         self.skipped += window.targets == 0
 
