@@ -1,0 +1,256 @@
+"""Model and tokenizer for the recipes: loading, the tiny embedded default, LoRA/QLoRA, checkpointing.
+
+This module owns:
+
+* the **embedded default** (``hf_accum:tiny-llama``): a word-level tokenizer trained with the
+  ``tokenizers`` library on the vocabulary of the embedded dataset (wrapped in
+  ``PreTrainedTokenizerFast``, with a chat template) and a small ``LlamaForCausalLM`` built from
+  a config with a fixed seed -- nothing is downloaded;
+* loading any other causal LM from the hub or a local path (``AutoModelForCausalLM``), in the
+  requested dtype, optionally 4-bit quantized with bitsandbytes (QLoRA);
+* wrapping with ``peft`` LoRA, after checking that every target module exists in the model;
+* gradient checkpointing, set up so that it also works when the base weights are frozen.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import tempfile
+from typing import Any
+
+import torch
+
+TINY_MODEL = "hf_accum:tiny-llama"
+SPECIAL_TOKENS = ["<pad>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+# Small enough to train in about a minute on 2 CPU cores, large enough to learn the embedded tasks.
+TINY_LLAMA = dict(
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+
+
+class ModelError(ValueError):
+    """A model/LoRA setting that cannot work with this model or machine."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizers
+# ----------------------------------------------------------------------------------------------
+
+
+def build_tiny_tokenizer(words: list[str]):
+    """A word-level tokenizer over ``words`` (whitespace split) with chat special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for word in words:
+        vocab.setdefault(word, len(vocab))
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # WordPiece's decoder joins tokens with single spaces; the embedded data is space separated.
+    core.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", unk_token="<unk>", eos_token="<|end|>",
+        additional_special_tokens=SPECIAL_TOKENS[2:],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def load_tokenizer(name_or_path: str, chat_template: str | None = None, trust_remote_code: bool = False):
+    """The tokenizer of ``name_or_path`` (the embedded one for ``hf_accum:tiny-llama``)."""
+    if name_or_path == TINY_MODEL:
+        from hf_accum.data import synthetic_corpus
+
+        return build_tiny_tokenizer(synthetic_corpus())
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    if chat_template:
+        tokenizer.chat_template = chat_template
+    if not getattr(tokenizer, "chat_template", None):
+        raise ModelError(f"tokenizer of {name_or_path!r} has no chat template; set model.chat_template")
+    if tokenizer.pad_token is None:
+        # Llama 3 has no pad token. Pad positions are masked out of attention and loss, so the
+        # EOS id is safe as padding; right padding keeps EOS-as-answer-end a real target.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+# ----------------------------------------------------------------------------------------------
+# Models
+# ----------------------------------------------------------------------------------------------
+
+
+def tiny_llama_config(tokenizer, overrides: dict[str, Any] | None = None):
+    from transformers import LlamaConfig
+
+    settings = {**TINY_LLAMA, **(overrides or {})}
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        **settings,
+    )
+
+
+def build_tiny_llama(tokenizer, seed: int = 0, overrides: dict[str, Any] | None = None):
+    """A randomly initialised tiny Llama; the same ``seed`` gives the same weights."""
+    from transformers import LlamaForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(tiny_llama_config(tokenizer, overrides))
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def bnb_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("bitsandbytes") is not None
+
+
+def load_model(
+    name_or_path: str,
+    tokenizer,
+    dtype: str = "float32",
+    quantization=None,
+    seed: int = 0,
+    config_overrides: dict[str, Any] | None = None,
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+    device_map: Any = None,
+):
+    """Load the base causal LM. ``quantization`` is a ``transformers.BitsAndBytesConfig`` or None."""
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = DTYPES[dtype]
+    if name_or_path == TINY_MODEL:
+        model = build_tiny_llama(tokenizer, seed, config_overrides)
+        if quantization is None:
+            return model.to(torch_dtype) if torch_dtype != "auto" else model
+        # bitsandbytes quantizes while loading weights; round-trip the tiny model through disk.
+        with tempfile.TemporaryDirectory(prefix="hf_accum_tiny_") as tmp:
+            model.save_pretrained(tmp)
+            return _from_pretrained(tmp, torch_dtype, quantization, attn_implementation, False, device_map)
+    return _from_pretrained(name_or_path, torch_dtype, quantization, attn_implementation, trust_remote_code, device_map)
+
+
+def _from_pretrained(path, torch_dtype, quantization, attn_implementation, trust_remote_code, device_map):
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
+    if quantization is not None:
+        kwargs["quantization_config"] = quantization
+        kwargs["device_map"] = device_map if device_map is not None else _local_device_map()
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+
+
+def _local_device_map():
+    """Quantized weights must be placed at load time: this process's GPU, else the CPU."""
+    if torch.cuda.is_available():
+        return {"": int(os.environ.get("LOCAL_RANK", 0))}
+    return {"": "cpu"}
+
+
+def model_skeleton(name_or_path: str, tokenizer, config_overrides=None, trust_remote_code: bool = False):
+    """The module tree without weights (meta device): enough to validate LoRA targets early."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if name_or_path == TINY_MODEL:
+        config = tiny_llama_config(tokenizer, config_overrides)
+    else:
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    with init_empty_weights():
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
+# ----------------------------------------------------------------------------------------------
+# LoRA / QLoRA / gradient checkpointing
+# ----------------------------------------------------------------------------------------------
+
+
+def check_lora_targets(model: torch.nn.Module, lora_config) -> None:
+    """Raise when a ``target_modules`` / ``modules_to_save`` name matches nothing in ``model``.
+
+    PEFT would raise too, but only after the weights are loaded; here it is checked on the
+    skeleton, listing the names that do exist.
+    """
+    names = [n for n, _ in model.named_modules() if n]
+    leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
+    targets = lora_config.target_modules
+    if isinstance(targets, str) and targets != "all-linear":
+        if not any(re.fullmatch(targets, n) for n in names):
+            raise ModelError(f"lora.target_modules regex {targets!r} matches no module; module names end in {leaves}")
+    elif isinstance(targets, (list, set, tuple)):
+        _require_present("lora.target_modules", targets, names, leaves)
+    _require_present("lora.modules_to_save", lora_config.modules_to_save or [], names, leaves)
+
+
+def _require_present(key: str, wanted, names: list[str], leaves: list[str]) -> None:
+    import difflib
+
+    missing = [t for t in wanted if not any(n == t or n.endswith("." + t) or fnmatch.fnmatch(n, t) for n in names)]
+    if missing:
+        hints = {t: difflib.get_close_matches(t, leaves, n=1) for t in missing}
+        hint = "; ".join(f"{t!r}: did you mean {h[0]!r}?" for t, h in hints.items() if h)
+        raise ModelError(f"{key} {missing} not found in the model. Module names end in {leaves}. {hint}".rstrip())
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """Checkpoint every decoder layer; non-reentrant so frozen inputs (LoRA) still get gradients."""
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23 name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "enable_input_require_grads"):
+        # With all base weights frozen, nothing upstream of layer 0 requires grad; make the
+        # embedding output require it so checkpointed segments are re-run in backward.
+        model.enable_input_require_grads()
+
+
+def apply_lora(model, lora_config, quantized: bool, gradient_checkpointing: bool):
+    """Wrap ``model`` with LoRA adapters (k-bit preparation first when quantized)."""
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    if quantized:
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
+    elif gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    return get_peft_model(model, lora_config)
+
+
+def trainable_summary(model: torch.nn.Module) -> dict[str, Any]:
+    """What is trained: counts and the (deduplicated) names of trainable parameter groups."""
+    trainable = [(n, p.numel()) for n, p in model.named_parameters() if p.requires_grad]
+    total = sum(p.numel() for p in model.parameters())
+    groups = sorted({re.sub(r"\.\d+\.", ".*.", n).rsplit(".", 1)[0] for n, _ in trainable})
+    count = sum(c for _, c in trainable)
+    quantized = sum(type(m).__name__ in ("Linear4bit", "Linear8bitLt") for m in model.modules())
+    return {
+        "trainable_parameters": count, "total_parameters": total, "trainable_fraction": count / max(1, total),
+        "trainable_modules": groups, "quantized_linear_layers": quantized,
+    }

@@ -1,0 +1,334 @@
+"""Recipe config: typing, precedence (defaults < YAML < command line), validation, saved copy,
+and loading every YAML under recipes/ (configs and Accelerate launcher configs)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+import pytest
+import torch
+import yaml
+
+from hf_accum import config as C
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "recipes", "configs", "*.yaml")))
+LAUNCHERS = sorted(glob.glob(os.path.join(ROOT, "recipes", "accelerate", "*.yaml")))
+
+
+def write_yaml(tmp_path, data, name="c.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def resolved(argv, world_size=1, tmp_path=None):
+    path, overrides = C.parse_overrides(argv)
+    config = C.load_config(path, overrides)
+    if tmp_path is not None:
+        config.training.setdefault("output_dir", str(tmp_path / "out"))
+    return C.resolve(config, world_size=world_size)
+
+
+# -- overrides and precedence ------------------------------------------------------------------
+
+
+def test_parse_overrides_accepts_all_documented_forms():
+    path, overrides = C.parse_overrides(
+        ["--config", "x.yaml", "--training.learning_rate", "1e-4", "--lora.r=16", "training.max_steps=5", "--lora", "null",
+         "lora.target_modules=[q_proj, v_proj]"]
+    )
+    assert path == "x.yaml"
+    assert overrides == {
+        "training.learning_rate": "1e-4",  # YAML 1.1 keeps 1e-4 a string; coerce() makes it a float
+        "lora.r": 16,
+        "training.max_steps": 5,
+        "lora": None,
+        "lora.target_modules": ["q_proj", "v_proj"],
+    }
+
+
+def test_override_without_value_is_an_error():
+    with pytest.raises(C.ConfigError, match="has no value"):
+        C.parse_overrides(["--training.learning_rate"])
+    with pytest.raises(C.ConfigError, match="cannot read argument"):
+        C.parse_overrides(["learning_rate"])
+
+
+def test_precedence_defaults_then_yaml_then_command_line(tmp_path):
+    path = write_yaml(tmp_path, {"training": {"learning_rate": 3.0e-4, "num_train_epochs": 2.0}, "lora": {"r": 4}})
+    config = C.load_config(path, {"training.learning_rate": "1e-4", "lora.lora_alpha": 8})
+    assert config.training["learning_rate"] == pytest.approx(1e-4)  # command line beats YAML
+    assert isinstance(config.training["learning_rate"], float)
+    assert config.training["num_train_epochs"] == 2.0  # YAML beats defaults
+    assert config.training["report_to"] == "none"  # recipe default kept
+    assert config.lora == {"r": 4, "lora_alpha": 8}
+    assert config.model.name_or_path == "hf_accum:tiny-llama"  # dataclass default
+
+
+def test_no_config_gives_the_embedded_default():
+    config = C.load_config(None, {})
+    assert config.lora["modules_to_save"] == ["embed_tokens", "lm_head"]
+    assert config.data.eval_split == "test"
+    assert config.global_batch_size == 32
+
+
+def test_cpu_default_yaml_is_the_embedded_default():
+    from_yaml = C.load_config(os.path.join(ROOT, "recipes", "configs", "cpu_default.yaml"))
+    embedded = C.load_config(None)
+    assert from_yaml.to_dict() == embedded.to_dict()
+
+
+def test_lora_null_means_full_fine_tuning():
+    config = C.load_config(None, {"lora": None})
+    assert config.lora is None and config.lora_config() is None
+
+
+# -- unknown keys and wrong types --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "override, closest",
+    [
+        ({"egine": "loop"}, "engine"),
+        ({"training.learnig_rate": 1e-4}, "learning_rate"),
+        ({"lora.lora_alfa": 8}, "lora_alpha"),
+        ({"data.datset": "x.jsonl"}, "dataset"),
+        ({"model.name_or_pth": "x"}, "name_or_path"),
+        ({"quantization.load_in_4bits": True}, "load_in_4bit"),
+        ({"trainig.seed": 1}, "training"),
+    ],
+)
+def test_unknown_key_lists_valid_keys_and_closest_match(override, closest):
+    with pytest.raises(C.ConfigError) as info:
+        C.load_config(None, override)
+    message = str(info.value)
+    assert f"Did you mean {closest!r}" in message
+    assert "Valid keys:" in message or "Valid sections:" in message
+    assert repr(next(iter(override))) in message or next(iter(override)).split(".")[0] in message
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ({"training.learning_rate": "fast"}, "training.learning_rate: expected float"),
+        ({"training.per_device_train_batch_size": 2.5}, "training.per_device_train_batch_size: expected int"),
+        ({"training.activation_checkpointing": "sometimes"}, "training.activation_checkpointing"),
+        ({"lora.r": "big"}, "lora.r: expected int"),
+        ({"lora.bias": "some"}, "lora.bias"),
+        ({"data.max_length": [1, 2]}, "data.max_length: expected int"),
+        ({"global_batch_size": "many"}, "global_batch_size"),
+        ({"model.trust_remote_code": 1}, "model.trust_remote_code: expected bool"),
+    ],
+)
+def test_wrong_types_are_refused_with_the_key(override, fragment):
+    with pytest.raises(C.ConfigError, match=fragment.replace(".", r"\.")):
+        C.load_config(None, override)
+
+
+def test_strings_from_the_command_line_are_coerced():
+    config = C.load_config(None, {"training.max_steps": "7", "training.activation_checkpointing": "false"})
+    assert config.training["max_steps"] == 7
+    assert config.training["activation_checkpointing"] is False
+
+
+def test_hf_constructors_validate_values_too(tmp_path):
+    with pytest.raises(C.ConfigError, match="training"):
+        resolved(["training.lr_scheduler_type=cosinus"], tmp_path=tmp_path).training_arguments()
+
+
+# -- batch arithmetic --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size, expected", [(1, 4), (2, 2), (4, 1)])
+def test_accumulation_is_derived_from_the_global_batch(world_size, expected, tmp_path):
+    config = resolved([], world_size=world_size, tmp_path=tmp_path)
+    assert config.training["gradient_accumulation_steps"] == expected
+    assert config.training["per_device_train_batch_size"] * expected * world_size == 32
+
+
+def test_global_batch_that_does_not_divide_names_nearest_values(tmp_path):
+    with pytest.raises(C.ConfigError, match="nearest valid global_batch_size: 24 or 32"):
+        resolved(["global_batch_size=30"], tmp_path=tmp_path)
+
+
+def test_global_batch_contradicting_accumulation_is_refused(tmp_path):
+    with pytest.raises(C.ConfigError, match="needs gradient_accumulation_steps=4"):
+        resolved(["training.gradient_accumulation_steps=3"], tmp_path=tmp_path)
+
+
+def test_accumulation_below_one_is_refused(tmp_path):
+    with pytest.raises(C.ConfigError, match="gradient_accumulation_steps=0 must be >= 1"):
+        resolved(["global_batch_size=null", "training.gradient_accumulation_steps=0"], tmp_path=tmp_path)
+    with pytest.raises(C.ConfigError, match="per_device_train_batch_size=0"):
+        resolved(["global_batch_size=null", "training.per_device_train_batch_size=0"], tmp_path=tmp_path)
+
+
+def test_explicit_accumulation_without_global_batch_is_kept(tmp_path):
+    config = resolved(["global_batch_size=null", "training.gradient_accumulation_steps=3"], tmp_path=tmp_path)
+    assert config.training["gradient_accumulation_steps"] == 3
+
+
+# -- environment checks ------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a bf16 GPU")
+def test_bf16_without_support_is_refused(tmp_path):
+    with pytest.raises(C.ConfigError, match="bf16 requested"):
+        resolved(["training.use_cpu=false", "training.bf16=true"], tmp_path=tmp_path)
+    with pytest.raises(C.ConfigError, match="bf16 requested"):
+        resolved(["training.use_cpu=false", "model.dtype=bfloat16"], tmp_path=tmp_path)
+    # Explicit CPU bf16 autocast is allowed (as TrainingArguments allows it).
+    assert resolved(["training.use_cpu=true", "training.bf16=true"], tmp_path=tmp_path).training["bf16"] is True
+
+
+def test_qlora_without_bitsandbytes_is_refused(monkeypatch, tmp_path):
+    from hf_accum import modeling
+
+    monkeypatch.setattr(modeling, "bnb_available", lambda: False)
+    with pytest.raises(C.ConfigError, match="needs bitsandbytes"):
+        resolved(["quantization={load_in_4bit: true}"], tmp_path=tmp_path)
+
+
+def test_quantization_without_lora_is_refused(tmp_path):
+    with pytest.raises(C.ConfigError, match="quantization needs lora"):
+        resolved(["lora=null", "quantization={load_in_4bit: true}"], tmp_path=tmp_path)
+
+
+def test_missing_and_empty_data_files_are_refused(tmp_path):
+    with pytest.raises(C.ConfigError, match="data file not found"):
+        resolved([f"data.dataset={tmp_path / 'nope.jsonl'}", "data.eval_split=null"], tmp_path=tmp_path)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(C.ConfigError, match="data file is empty"):
+        resolved([f"data.dataset={empty}", "data.eval_split=null"], tmp_path=tmp_path)
+
+
+def test_local_file_cannot_serve_as_its_own_test_split(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "a", "answer": "b"}\n')
+    with pytest.raises(C.ConfigError, match="single local file"):
+        resolved([f"data.dataset={data}", "data.eval_split=test"], tmp_path=tmp_path)
+    ok = resolved([f"data.dataset={data}", "data.eval_split=train[50%:]"], tmp_path=tmp_path)
+    assert ok.data.eval_split == "train[50%:]"
+
+
+def test_unknown_engine_is_refused(tmp_path):
+    with pytest.raises(C.ConfigError, match="Did you mean 'trainer'"):
+        resolved(["engine=trainr"], tmp_path=tmp_path)
+
+
+# -- the saved copy and the output directory ---------------------------------------------------
+
+
+def test_output_dir_with_a_different_run_is_refused(tmp_path):
+    config = resolved([], tmp_path=tmp_path)
+    out = config.training["output_dir"]
+    os.makedirs(out)
+    C.save_config(config, out)
+    C.check_output_dir(config)  # the same run again: allowed
+    other = resolved(["training.learning_rate=1e-4"], tmp_path=tmp_path)
+    with pytest.raises(C.ConfigError, match="holds a different run .*learning_rate"):
+        C.check_output_dir(other)
+    forced = resolved(["training.learning_rate=1e-4", "overwrite_output_dir=true"], tmp_path=tmp_path)
+    C.check_output_dir(forced)
+
+
+def test_output_dir_with_foreign_files_is_refused(tmp_path):
+    config = resolved([], tmp_path=tmp_path)
+    os.makedirs(config.training["output_dir"])
+    open(os.path.join(config.training["output_dir"], "notes.txt"), "w").close()
+    with pytest.raises(C.ConfigError, match="not a recipe run"):
+        C.check_output_dir(config)
+
+
+def test_saved_config_round_trips(tmp_path):
+    config = resolved(["training.learning_rate=1e-4", "lora.r=8"], tmp_path=tmp_path)
+    path = C.save_config(config, str(tmp_path))
+    again = C.build_config(C.load_yaml(path))
+    assert again.to_dict() == config.to_dict()
+
+
+# -- every YAML under recipes/ -----------------------------------------------------------------
+
+
+def test_recipes_ship_the_expected_files():
+    names = {os.path.basename(p) for p in CONFIGS}
+    assert {"cpu_default.yaml", "llama3_8b_lora.yaml", "llama3_8b_qlora.yaml", "llama3_8b_full.yaml"} <= names
+    launchers = {os.path.basename(p) for p in LAUNCHERS}
+    assert {"single_process.yaml", "ddp.yaml", "fsdp.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3_offload.yaml",
+            "multi_node.yaml"} <= launchers
+    assert os.path.isfile(os.path.join(ROOT, "recipes", "accelerate", "slurm_multi_node.sh"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_every_recipe_config_loads_and_validates(path, tmp_path):
+    text = open(path).read()
+    header = text.split("\n\n")[0] if not text.startswith("#") else "".join(
+        line for line in text.splitlines(True) if line.startswith("#")
+    )
+    assert text.startswith("#"), "each config opens with a comment"
+    # ...giving the exact command that runs it, and the batch arithmetic.
+    assert f"recipes/finetune_llama.py --config recipes/configs/{os.path.basename(path)}" in " ".join(re.sub(r"\\\n#", " ", header).split())
+    assert "global batch" in header.lower() and "accumulation" in header.lower()
+    config = C.load_config(path)
+    # This machine may have no bf16 GPU: validate the rest with explicit CPU bf16 autocast.
+    no_bf16_gpu = not (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    config.training["use_cpu"] = config.training.get("use_cpu") or no_bf16_gpu
+    config.training["output_dir"] = str(tmp_path / "out")
+    world = 8 if "8b" in os.path.basename(path) else 1
+    config = C.resolve(config, world_size=world)
+    t = config.training
+    assert t["per_device_train_batch_size"] * t["gradient_accumulation_steps"] * world == config.global_batch_size
+    args = config.training_arguments()
+    assert args.learning_rate == t["learning_rate"]
+    if config.lora is not None:
+        assert config.lora_config().r == config.lora["r"]
+    if config.quantization is not None:
+        bnb = config.bnb_config()
+        assert bnb.load_in_4bit and bnb.bnb_4bit_quant_type == "nf4"
+
+
+def test_llama3_configs_differ_where_they_should():
+    lora = C.load_config(os.path.join(ROOT, "recipes", "configs", "llama3_8b_lora.yaml"))
+    qlora = C.load_config(os.path.join(ROOT, "recipes", "configs", "llama3_8b_qlora.yaml"))
+    full = C.load_config(os.path.join(ROOT, "recipes", "configs", "llama3_8b_full.yaml"))
+    assert lora.training["bf16"] and lora.training["activation_checkpointing"] and lora.quantization is None
+    assert qlora.quantization["bnb_4bit_quant_type"] == "nf4" and qlora.lora is not None
+    assert full.lora is None
+    assert {c.model.name_or_path for c in (lora, qlora, full)} == {"meta-llama/Llama-3.1-8B-Instruct"}
+
+
+EXPECTED_LAUNCHERS = {
+    "single_process.yaml": ("NO", 1, 1),
+    "ddp.yaml": ("MULTI_GPU", 8, 1),
+    "fsdp.yaml": ("FSDP", 8, 1),
+    "deepspeed_zero2.yaml": ("DEEPSPEED", 8, 1),
+    "deepspeed_zero3_offload.yaml": ("DEEPSPEED", 8, 1),
+    "multi_node.yaml": ("MULTI_GPU", 16, 2),
+}
+
+
+@pytest.mark.parametrize("path", LAUNCHERS, ids=os.path.basename)
+def test_every_accelerate_launcher_config_loads(path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(path)  # raises on unknown keys
+    name = os.path.basename(path)
+    assert name in EXPECTED_LAUNCHERS, f"add {name} to EXPECTED_LAUNCHERS"
+    kind, processes, machines = EXPECTED_LAUNCHERS[name]
+    assert str(config.distributed_type).split(".")[-1] == kind
+    assert (config.num_processes, config.num_machines) == (processes, machines)
+    assert "accelerate launch --config_file recipes/accelerate/" + name in open(path).read()
+    if kind == "DEEPSPEED":
+        stage = 2 if "zero2" in name else 3
+        assert config.deepspeed_config["zero_stage"] == stage
+        if stage == 3:
+            assert config.deepspeed_config["offload_param_device"] == "cpu"
+            assert config.deepspeed_config["offload_optimizer_device"] == "cpu"
+    if kind == "FSDP":
+        assert config.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"
+    if machines > 1:
+        assert config.main_process_port and config.main_process_ip

@@ -1,0 +1,202 @@
+"""The real recipe script end to end (short runs of the embedded default), both engines, one and
+two CPU processes; and every bad input failing cleanly before anything is written."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from hf_accum import config as C
+from hf_accum import recipe as R
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "recipes", "finetune_llama.py")
+# A short run of the embedded default: small data, few updates, every update logged.
+SMALL = ["data.num_train_examples=240", "data.num_eval_examples=8", "training.logging_steps=1"]
+
+
+def run_script(launcher: list[str], out, *overrides: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    cmd = [*launcher, SCRIPT, *SMALL, f"training.output_dir={out}", *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def read_metrics(out) -> dict:
+    with open(os.path.join(out, R.METRICS_NAME)) as fh:
+        return json.load(fh)
+
+
+def check_outputs(out, metrics: dict, lora: bool = True) -> None:
+    from safetensors.torch import load_file
+
+    weights = load_file(os.path.join(out, R.ADAPTER_DIR if lora else R.MODEL_DIR, "adapter_model.safetensors"))
+    assert any("lora_A" in k for k in weights) and any("lora_B" in k for k in weights)
+    assert any("embed_tokens" in k for k in weights)  # modules_to_save are saved with the adapter
+    saved = C.build_config(C.load_yaml(os.path.join(out, C.RESOLVED_CONFIG_NAME)))
+    assert saved.training["output_dir"] == str(out)
+    assert os.path.getsize(os.path.join(out, R.PLOT_NAME)) > 1000
+    assert metrics["eval_before"]["examples"] == 8 and metrics["eval_after"]["examples"] == 8
+    assert metrics["data"]["train_examples"] == 240
+
+
+PYTHON = [sys.executable]
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
+TORCHRUN_2 = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone"]
+
+
+def test_loop_engine_one_process_end_to_end(tmp_path):
+    out = tmp_path / "loop1"
+    proc = run_script(ACCELERATE, out, "training.max_steps=16")
+    metrics = read_metrics(out)
+    check_outputs(out, metrics)
+    assert (metrics["engine"], metrics["world_size"]) == ("loop", 1)
+    assert (metrics["micro_batch_size"], metrics["accumulation_steps"], metrics["global_batch_size"]) == (8, 4, 32)
+    updates = metrics["updates"]
+    assert [u["step"] for u in updates] == list(range(1, 17))
+    # 240 examples / 8 = 30 micro-batches per epoch: 7 windows of 4 and a short last window of 2,
+    # which is still one update (not dropped); 16 updates = 2 epochs.
+    assert [u["micro_batches"] for u in updates] == ([4] * 7 + [2]) * 2
+    assert [u["sequences"] for u in updates] == [8 * u["micro_batches"] for u in updates]
+    assert all(u["applied"] for u in updates)
+    # Uneven micro-batches: the target count per update really varies.
+    assert len({u["targets"] for u in updates}) > 3
+    # Cosine with warmup ceil(0.05 * 16) = 1 update: 0 at update 1, the peak at update 2, then decay.
+    lrs = [u["learning_rate"] for u in updates]
+    assert lrs[0] == 0.0 and lrs[1] == pytest.approx(2e-3) and lrs == [lrs[0], lrs[1], *sorted(lrs[2:], reverse=True)]
+    assert lrs[-1] == pytest.approx(2e-3 * 0.5 * (1 + math.cos(math.pi * 14 / 15)), rel=1e-6)
+    # It learns: mean loss of the last 4 updates clearly below the first 4.
+    first, last = (sum(u["loss"] for u in part) / 4 for part in (updates[:4], updates[-4:]))
+    assert last < first - 0.5, (first, last)
+    stdout = proc.stdout
+    assert "batch plan: effective batch 32 = 8 per device x 4 accumulation x 1 process" in stdout
+    assert "held-out exact match before training:" in stdout and "held-out exact match: before" in stdout
+    assert stdout.count("resolved config:") == 1
+    assert "update 16 | epoch" in stdout
+    assert "updates: 100%" in proc.stderr  # the tqdm progress bar
+
+
+def test_trainer_engine_one_process_end_to_end(tmp_path):
+    assert os.path.isfile(os.path.join(ROOT, "hf_accum", "trainer.py")), "AccumTrainer (hf_accum/trainer.py) is missing"
+    out = tmp_path / "trainer1"
+    run_script(PYTHON, out, "engine=trainer", "training.max_steps=6")
+    metrics = read_metrics(out)
+    check_outputs(out, metrics)
+    assert (metrics["engine"], metrics["world_size"], metrics["accumulation_steps"]) == ("trainer", 1, 4)
+    assert [u["step"] for u in metrics["updates"]] == list(range(1, 7))
+    assert metrics["updates"][0]["learning_rate"] == 0.0
+    assert metrics["updates"][1]["learning_rate"] == pytest.approx(2e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["loop", "trainer"])
+def test_two_cpu_processes_end_to_end(engine, tmp_path):
+    out = tmp_path / f"{engine}2"
+    proc = run_script(TORCHRUN_2, out, f"engine={engine}", "training.max_steps=4")
+    metrics = read_metrics(out)
+    check_outputs(out, metrics)
+    assert metrics["world_size"] == 2
+    # Same global batch as one process: the accumulation halves.
+    assert (metrics["micro_batch_size"], metrics["accumulation_steps"], metrics["global_batch_size"]) == (8, 2, 32)
+    assert len(metrics["updates"]) == 4
+    key = "sequences" if engine == "loop" else "sequences_per_update"
+    if key in metrics["updates"][0]:
+        # Sequences are counted over both ranks: 8 x 2 x 2.
+        assert all(u[key] == 32 for u in metrics["updates"])
+    assert "x 2 processes" in proc.stdout
+    assert proc.stdout.count("resolved config:") == 1  # printed by the main process only
+
+
+def test_qlora_runs_on_cpu_with_the_tiny_model(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    out = tmp_path / "qlora"
+    run_script(
+        PYTHON, out, "--config", "recipes/configs/llama3_8b_qlora.yaml", "model.name_or_path=hf_accum:tiny-llama",
+        "model.dtype=float32", "training.bf16=false", "quantization.bnb_4bit_compute_dtype=float32",
+        "data.dataset=hf_accum:synthetic-tasks", "data.eval_split=test", "data.max_length=128", "training.max_steps=2",
+        "global_batch_size=8",
+    )
+    metrics = read_metrics(out)
+    assert metrics["trainable"]["quantized_linear_layers"] > 0
+    assert len(metrics["updates"]) == 2 and metrics["accumulation_steps"] == 4
+
+
+# -- bad input: exit code 2, a clear message, nothing written ----------------------------------
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("finetune_llama", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fails_cleanly(argv, out, capsys) -> str:
+    code = R.run_cli(load_script().run, [*SMALL, f"training.output_dir={out}", *argv])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert not os.path.exists(out), "nothing may be written when validation fails"
+    assert err.strip().splitlines()[-1].startswith("error: ")  # one clear line, last
+    return err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["training.learnig_rate=1e-4"], "Did you mean 'learning_rate'"),
+        (["training.learning_rate=fast"], "training.learning_rate: expected float"),
+        (["global_batch_size=null", "training.gradient_accumulation_steps=0"], "must be >= 1"),
+        (["global_batch_size=30"], "nearest valid global_batch_size: 24 or 32"),
+        (["data.dataset=/nonexistent/train.jsonl", "data.eval_split=null"], "data file not found"),
+        (["lora.target_modules=[q_proj, qkv_proj]"], "'qkv_proj'"),
+        (["lora.modules_to_save=[embed_token]"], "did you mean 'embed_tokens'"),
+        (["quantization={load_in_4bit: true}", "lora=null"], "quantization needs lora"),
+    ],
+)
+def test_bad_input_fails_before_writing(argv, message, tmp_path, capsys):
+    assert message in fails_cleanly(argv, tmp_path / "out", capsys)
+
+
+def test_empty_dataset_fails_before_writing(tmp_path, capsys):
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n\n")
+    err = fails_cleanly([f"data.dataset={blank}", "data.eval_split=null"], tmp_path / "out", capsys)
+    assert "blank.jsonl" in err
+
+
+def test_bf16_where_unsupported_fails_before_writing(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine supports bf16")
+    err = fails_cleanly(["training.use_cpu=false", "training.bf16=true"], tmp_path / "out", capsys)
+    assert "bf16 requested" in err
+
+
+def test_qlora_without_bitsandbytes_fails_before_writing(tmp_path, capsys, monkeypatch):
+    from hf_accum import modeling
+
+    monkeypatch.setattr(modeling, "bnb_available", lambda: False)
+    err = fails_cleanly(["quantization={load_in_4bit: true}"], tmp_path / "out", capsys)
+    assert "needs bitsandbytes" in err
+
+
+def test_output_dir_of_a_different_run_is_left_alone(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    previous = C.resolve(C.load_config(None, {"training.output_dir": str(out), "training.learning_rate": 1e-4}))
+    C.save_config(previous, str(out))
+    before = sorted(os.listdir(out))
+    code = R.run_cli(load_script().run, [*SMALL, f"training.output_dir={out}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "holds a different run" in err and "learning_rate" in err
+    assert sorted(os.listdir(out)) == before
+    assert yaml.safe_load(open(out / C.RESOLVED_CONFIG_NAME))["training"]["learning_rate"] == 1e-4
