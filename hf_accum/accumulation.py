@@ -131,8 +131,8 @@ class WindowTotals:
 class WindowTally:
     """Running per-rank sums of the current window, reduced across ranks in one all-reduce.
 
-    Detached scalars are accumulated as tensors on the device so that no micro-step forces
-    a device->host sync; the only sync happens in :meth:`reduce`, once per update.
+    Loss and counts stay tensors on the device (no device->host sync per micro-step for them);
+    the window's one sync is :meth:`reduce`, once per update.
     """
 
     device: torch.device | str = "cpu"
@@ -144,16 +144,13 @@ class WindowTally:
             [
                 loss_sum.detach().to(torch.float64).reshape(()),
                 torch.as_tensor(n_targets).to(self.device, torch.float64).reshape(()),
-                torch.tensor(float(sequences), dtype=torch.float64, device=self.device),
+                torch.as_tensor(sequences).to(self.device, torch.float64).reshape(()),
                 torch.as_tensor(real_tokens).to(self.device, torch.float64).reshape(()),
                 torch.tensor(float(total_tokens), dtype=torch.float64, device=self.device),
                 torch.ones((), dtype=torch.float64, device=self.device),  # one micro-batch
             ]
         ).to(self.device)
         self._sums = row if self._sums is None else self._sums + row
-
-    def local_targets(self) -> int:
-        return 0 if self._sums is None else int(self._sums[1].item())
 
     def reduce(self, accelerator: Any) -> WindowTotals:
         """All ranks' totals of this window. Every rank must call it (it is a collective)."""
@@ -172,7 +169,7 @@ class WindowTally:
         self._sums = None
 
 
-def batch_shape_counts(batch: Mapping[str, Any]) -> tuple[int, int | torch.Tensor, int]:
+def batch_shape_counts(batch: Mapping[str, Any]) -> tuple[int | torch.Tensor, int | torch.Tensor, int]:
     """(sequences, real tokens, token positions) of a collated micro-batch.
 
     Padding-free packed batches (``position_ids`` restarting at 0, no attention mask) count
@@ -186,7 +183,7 @@ def batch_shape_counts(batch: Mapping[str, Any]) -> tuple[int, int | torch.Tenso
     mask = batch.get("attention_mask")
     position_ids = batch.get("position_ids")
     if mask is None and position_ids is not None and input_ids.shape[0] == 1:
-        return int(position_ids.eq(0).sum().item()), total, total
+        return position_ids.eq(0).sum(), total, total  # a tensor: counted on the device
     real = mask.sum() if mask is not None else total
     return int(input_ids.shape[0]), real, total
 

@@ -6,6 +6,9 @@
   local model directory) under :class:`hf_accum.verify.BigBatchAuditor` and report, per update,
   how far the applied gradient is from the big-batch gradient -- for hf_accum's loop and for the
   naive ``loss / K`` loop side by side.
+* ``hf-accum bench`` -- measure the accumulation trade-off (tokens/s and peak memory against the
+  accumulation steps, table + PNG + JSON) and the DESIGN.md speed/memory targets, with ratios taken
+  side by side in one run (:mod:`hf_accum.bench`; ``benchmarks/README.md`` explains each number).
 """
 
 from __future__ import annotations
@@ -51,7 +54,45 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--examples", type=int, default=22, help="synthetic rows of uneven length")
     check.add_argument("--tolerance", type=float, default=1e-8, help="max relative gradient error to pass")
     check.set_defaults(run=_run_check)
+
+    _add_bench_parser(commands)
     return parser
+
+
+def _add_bench_parser(commands) -> None:
+    from hf_accum.bench import SECTIONS, BenchConfig
+
+    d = BenchConfig()
+    bench = commands.add_parser(
+        "bench", help="tokens/s and peak memory vs accumulation steps, and the speed/memory targets",
+        description="Measure the accumulation trade-off and the DESIGN.md targets; see benchmarks/README.md.",
+    )
+    bench.add_argument("--model", default=d.model, help="'tiny' (built-in, random init) or a local model directory")
+    bench.add_argument("--device", choices=["cpu", "cuda"], default=d.device)
+    bench.add_argument("--dtype", choices=["float32", "bfloat16"], default=d.dtype, help="weights dtype")
+    bench.add_argument("--global-batch-size", type=int, default=d.global_batch_size, help="sequences per update")
+    bench.add_argument("--accumulation-steps", type=int, nargs="+", default=list(d.accumulation_steps),
+                       help="K values to sweep; each must divide the global batch")
+    bench.add_argument("--updates", type=int, default=d.updates, help="timed updates per run")
+    bench.add_argument("--repeats", type=int, default=d.repeats, help="sweep runs per K (median reported)")
+    bench.add_argument("--min-length", type=int, default=d.min_length, help="shortest random row (tokens)")
+    bench.add_argument("--max-length", type=int, default=d.max_length, help="longest random row (tokens)")
+    bench.add_argument("--overhead-accumulation", type=int, default=d.overhead_accumulation,
+                       help="K of the ours-vs-bare comparison")
+    bench.add_argument("--overhead-repeats", type=int, default=d.overhead_repeats, help="interleaved pairs")
+    bench.add_argument("--memory-micro-batch", type=int, default=d.memory_micro_batch)
+    bench.add_argument("--memory-accumulation", type=int, default=d.memory_accumulation)
+    bench.add_argument("--loss-vocab", type=int, default=d.loss_vocab)
+    bench.add_argument("--loss-tokens", type=int, default=d.loss_tokens)
+    bench.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), metavar="SECTION",
+                       help=f"sections to run (default: all of {', '.join(SECTIONS)})")
+    bench.add_argument("--output-dir", default=d.output_dir, help="bench.json and accumulation_tradeoff.png go here")
+    bench.add_argument("--seed", type=int, default=d.seed)
+    bench.add_argument("--threads", type=int, default=d.threads,
+                       help="torch CPU threads (default: torch's); 1 is steadier on a CPU shared with other jobs")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bars")
+    bench.add_argument("--strict", action="store_true", help="exit 1 when a measured target FAILs")
+    bench.set_defaults(run=_run_bench)
 
 
 def _run_plan(args: argparse.Namespace) -> int:
@@ -73,6 +114,22 @@ def _run_check(args: argparse.Namespace) -> int:
     print(report.table())
     print(report.verdict())
     return 0 if report.passed else 1
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from hf_accum.bench import BenchConfig, run_bench
+
+    config = BenchConfig(
+        model=args.model, device=args.device, dtype=args.dtype, global_batch_size=args.global_batch_size,
+        accumulation_steps=tuple(args.accumulation_steps), updates=args.updates, repeats=args.repeats,
+        min_length=args.min_length, max_length=args.max_length, overhead_accumulation=args.overhead_accumulation,
+        overhead_repeats=args.overhead_repeats, memory_micro_batch=args.memory_micro_batch,
+        memory_accumulation=args.memory_accumulation, loss_vocab=args.loss_vocab, loss_tokens=args.loss_tokens,
+        sections=tuple(dict.fromkeys(args.only)), output_dir=args.output_dir, seed=args.seed,
+        threads=args.threads, disable_tqdm=args.no_progress,
+    )
+    report = run_bench(config)  # BenchError is a ValueError: main() prints it and exits 2
+    return 1 if args.strict and report.failed else 0
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import contextlib
 import logging
 import math
 from dataclasses import asdict, dataclass, field
+from itertools import count
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -37,10 +38,17 @@ from hf_accum.accumulation import (
     WindowTotals,
     drop_gradients_,
     exact_mean_factor,
+    global_sum,
     rescale_gradients_,
 )
-from hf_accum.loss import LossKind, infer_loss_kind, token_loss_sum, unwrap_model
-from hf_accum.schedule import BatchPlan, create_update_scheduler, epochs_needed, planned_updates
+from hf_accum.loss import LossKind, infer_loss_kind, model_problem_type, token_loss_sum, unwrap_model
+from hf_accum.schedule import (
+    BatchPlan,
+    create_update_scheduler,
+    epochs_needed,
+    planned_updates,
+    repeated_examples_warning,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -126,8 +134,8 @@ def train(
     config = config or LoopConfig()
     _check_supported(accelerator, train_dataloader)
     accumulation_steps = accelerator.gradient_accumulation_steps
-    micro_batches = len(train_dataloader)
-    total_updates = planned_updates(micro_batches, accumulation_steps, config.num_train_epochs, config.max_steps)
+    micro_batches = _micro_batches_per_epoch(train_dataloader, accelerator, config)
+    total_updates = planned_updates(micro_batches or 0, accumulation_steps, config.num_train_epochs, config.max_steps)
     scheduler = (lr_scheduler or _default_scheduler(config))(optimizer, total_updates)
     loss_sum_fn = loss_sum_fn or default_loss_sum_fn(model, config)
     plan = BatchPlan(_micro_batch_size(train_dataloader), accumulation_steps, accelerator.num_processes)
@@ -139,15 +147,17 @@ def train(
     params = [p for p in model.parameters() if p.requires_grad]
     fp32_sums = _fp32_accumulator(params, accelerator, config)
     model.train()
+    window = _WindowState(WindowTally(device=accelerator.device), fp32_sums, accelerator.scaler is not None)
+    epochs = range(epochs_needed(total_updates, micro_batches, accumulation_steps)) if micro_batches else count()
     with _cache_disabled(model), _removing(fp32_sums):
-        for epoch in range(epochs_needed(total_updates, micro_batches, accumulation_steps)):
+        for epoch in epochs:
             _set_epoch(train_dataloader, epoch)
             for step_in_epoch, totals, grad_norm, skip_reason, lr in _epoch_updates(
-                model, optimizer, scheduler, train_dataloader, accelerator, params, loss_sum_fn, config, fp32_sums
+                model, optimizer, scheduler, train_dataloader, accelerator, params, loss_sum_fn, config, window
             ):
                 update = UpdateLog(
                     step=len(result.updates) + 1,
-                    epoch=epoch + step_in_epoch / micro_batches,
+                    epoch=epoch + (step_in_epoch / micro_batches if micro_batches else 0.0),
                     loss=totals.mean_loss,
                     learning_rate=lr,
                     grad_norm=grad_norm,
@@ -168,29 +178,65 @@ def train(
     return result
 
 
+@dataclass
+class _WindowState:
+    """What carries from micro-batch to micro-batch: the window's tally, the fp32 gradient sums, and
+    the magnitude hint for fp16.
+
+    ``magnitude`` multiplies every micro-batch's summed loss and the boundary divides it out again,
+    so it never changes the applied gradient. It exists for fp16's GradScaler only: a summed loss
+    is ~N/K times a mean, and its gradients overflow fp16 at scales a mean's would not -- each
+    overflow skips a whole window. It is the previous window's ``K * W / N`` (the same on every
+    rank, since N is all-reduced), which makes each micro-batch's loss about a per-token mean; the
+    first window takes ``W / n`` from the very first micro-batch (one extra all-reduce per run).
+    """
+
+    tally: WindowTally
+    fp32_sums: Fp32GradientAccumulator | None
+    track_magnitude: bool
+    magnitude: float | None = None
+
+    def scaled(self, loss_sum: torch.Tensor, n_targets: torch.Tensor, accelerator: Accelerator) -> torch.Tensor:
+        """The loss to backpropagate: the sum, times the window's magnitude when fp16 needs one."""
+        if not self.track_magnitude:
+            return loss_sum
+        if self.magnitude is None:  # first micro-batch of the run: every rank is here together
+            first = global_sum(torch.as_tensor(n_targets, dtype=torch.float64, device=accelerator.device), accelerator)
+            self.magnitude = accelerator.num_processes / max(1.0, float(first))
+        return loss_sum * self.magnitude
+
+    def unscale_factor(self) -> float:
+        return 1.0 / self.magnitude if self.track_magnitude else 1.0
+
+    def next_magnitude(self, totals: WindowTotals, accelerator: Accelerator) -> None:
+        if self.track_magnitude and totals.targets > 0:
+            self.magnitude = accelerator.gradient_accumulation_steps * accelerator.num_processes / totals.targets
+
+
 def _epoch_updates(
-    model, optimizer, scheduler, dataloader, accelerator, params, loss_sum_fn, config, fp32_sums
-) -> Iterator[tuple[int, WindowTotals, float | None, bool, float]]:
+    model, optimizer, scheduler, dataloader, accelerator, params, loss_sum_fn, config, window: _WindowState
+) -> Iterator[tuple[int, WindowTotals, float | None, str, float]]:
     """Run one epoch; yield ``(micro_batches_done, totals, grad_norm, skip_reason, lr)`` per update."""
-    tally = WindowTally(device=accelerator.device)
     for step, batch in enumerate(dataloader, start=1):
         with accelerator.accumulate(model):
             labels, inputs = _split_labels(batch)
             loss_sum, n_targets = loss_sum_fn(model(**inputs), labels)
-            # Backward of the *sum*: the one normalization happens at the boundary below.
-            accelerator.backward(loss_sum)
-            tally.add(loss_sum, n_targets, batch)
+            # Backward of the *sum* (times a constant of the window): the one normalization is at the boundary.
+            accelerator.backward(window.scaled(loss_sum, n_targets, accelerator))
+            window.tally.add(loss_sum, n_targets, batch)
             if not accelerator.sync_gradients:
                 continue
-            totals = tally.reduce(accelerator)
-            tally.reset()
+            totals = window.tally.reduce(accelerator)
+            window.tally.reset()
             lr = scheduler.get_last_lr()[0]
-            grad_norm, skip_reason = _apply_update(optimizer, scheduler, accelerator, params, totals, config, fp32_sums)
+            grad_norm, skip_reason = _apply_update(optimizer, scheduler, accelerator, params, totals, config, window)
+            window.next_magnitude(totals, accelerator)
         yield step, totals, grad_norm, skip_reason, lr
 
 
-def _apply_update(optimizer, scheduler, accelerator, params, totals: WindowTotals, config, fp32_sums):
+def _apply_update(optimizer, scheduler, accelerator, params, totals: WindowTotals, config, window: _WindowState):
     """Scale to the exact mean, clip, step. Returns ``(grad_norm, skip_reason)``; '' when applied."""
+    fp32_sums = window.fp32_sums
     if totals.targets == 0:
         # No target anywhere in the window (all ranks agree: the count was all-reduced).
         # There is no mean to apply; AdamW would still move weights via momentum/decay.
@@ -198,8 +244,10 @@ def _apply_update(optimizer, scheduler, accelerator, params, totals: WindowTotal
             fp32_sums.clear()
         drop_gradients_(params)
         return None, "no targets in window"
-    # accelerator.backward divided each micro-batch by K; replace that by the exact W / N.
+    # accelerator.backward divided each micro-batch by K (and we multiplied by the magnitude hint):
+    # replace both by the exact W / N.
     factor = accelerator.gradient_accumulation_steps * exact_mean_factor(totals.targets, accelerator.num_processes)
+    factor *= window.unscale_factor()
     if fp32_sums is not None:
         fp32_sums.write_gradients_(factor)  # low-precision weights: scaled in fp32, rounded once
     rescale_gradients_(params if fp32_sums is None else fp32_sums.other_parameters(params), factor)
@@ -237,9 +285,12 @@ def _removing(fp32_sums: Fp32GradientAccumulator | None):
 
 def default_loss_sum_fn(model: torch.nn.Module, config: LoopConfig) -> LossSumFn:
     kind = config.loss_kind or infer_loss_kind(model)
+    problem_type = model_problem_type(model)
 
     def loss_sum(outputs, labels):
-        return token_loss_sum(outputs.logits, labels, kind=kind, label_smoothing=config.label_smoothing)
+        return token_loss_sum(
+            outputs.logits, labels, kind=kind, label_smoothing=config.label_smoothing, problem_type=problem_type
+        )
 
     return loss_sum
 
@@ -287,6 +338,34 @@ def _check_supported(accelerator: Accelerator, dataloader: Any) -> None:
             "pass a dataloader returned by accelerator.prepare: accumulate() needs it to close the short "
             "last window of an epoch"
         )
+    if not accelerator.gradient_state.sync_with_dataloader:
+        raise ValueError(
+            "GradientAccumulationPlugin(sync_with_dataloader=False) carries the short last window into the next "
+            "epoch, where its targets would be counted in no window; hf_accum needs sync_with_dataloader=True"
+        )
+
+
+def _micro_batches_per_epoch(dataloader: Any, accelerator: Accelerator, config: LoopConfig) -> int | None:
+    """Micro-batches per epoch on this process, the same on every process; None for a stream."""
+    try:
+        micro_batches = len(dataloader)
+    except TypeError:
+        if not config.max_steps or config.max_steps <= 0:
+            raise ValueError(
+                "the dataloader has no length (a stream): set LoopConfig(max_steps=...) so the LR schedule "
+                "has a horizon in updates"
+            ) from None
+        return None
+    if accelerator.num_processes > 1:
+        lengths = accelerator.gather(torch.tensor([micro_batches], device=accelerator.device)).tolist()
+        if min(lengths) != max(lengths):
+            # A rank with fewer micro-batches would leave the others waiting in the last window's all-reduce.
+            raise ValueError(
+                f"micro-batches per epoch differ across processes ({lengths}): with even_batches=False the "
+                "dataset must be a multiple of micro_batch_size x num_processes; keep Accelerate's even_batches=True "
+                "or trim the dataset"
+            )
+    return micro_batches
 
 
 def _micro_batch_size(dataloader: Any) -> int:
@@ -303,33 +382,28 @@ def _set_epoch(dataloader: Any, epoch: int) -> None:
 
 
 def _warn_repeated_samples(accelerator: Accelerator, dataloader: Any, plan: BatchPlan) -> None:
-    """Accelerate's ``even_batches`` fills the last batch of each rank by *repeating* samples from the
-    start of the dataset: the last update then counts those samples twice (no longer the big batch)."""
     dataset = getattr(dataloader, "dataset", None)
-    per_round = plan.micro_batch_size * plan.num_processes
-    if plan.num_processes < 2 or dataset is None or not hasattr(dataset, "__len__"):
+    if dataset is not None and hasattr(dataset, "__len__"):
+        message = repeated_examples_warning(len(dataset), plan, getattr(accelerator, "even_batches", True))
+        if message:
+            logger.warning(message)
+
+
+def _log_start(accelerator: Accelerator, plan: BatchPlan, micro_batches: int | None, total_updates: int) -> None:
+    if not accelerator.is_main_process:
         return
-    repeated = -len(dataset) % per_round
-    if repeated and getattr(accelerator, "even_batches", True):
-        logger.warning(
-            "%d examples do not fill %d ranks x %d: Accelerate (even_batches=True) repeats %d examples in the "
-            "last micro-batches, so the last update of each epoch counts them twice. Use a dataset size that is "
-            "a multiple of %d to keep every update exactly the big batch.",
-            len(dataset), plan.num_processes, plan.micro_batch_size, repeated, per_round,
-        )
-
-
-def _log_start(accelerator: Accelerator, plan: BatchPlan, micro_batches: int, total_updates: int) -> None:
-    if accelerator.is_main_process:
-        short = micro_batches % plan.accumulation_steps
-        logger.info(
-            "%s; %d micro-batches/epoch per process -> %d updates/epoch%s; %d updates planned",
-            plan.describe(),
-            micro_batches,
-            math.ceil(micro_batches / plan.accumulation_steps),
-            f" (last window {short} micro-batches, normalized by its own token count)" if short else "",
-            total_updates,
-        )
+    if micro_batches is None:
+        logger.info("%s; a stream: %d updates planned (max_steps)", plan.describe(), total_updates)
+        return
+    short = micro_batches % plan.accumulation_steps
+    logger.info(
+        "%s; %d micro-batches/epoch per process -> %d updates/epoch%s; %d updates planned",
+        plan.describe(),
+        micro_batches,
+        math.ceil(micro_batches / plan.accumulation_steps),
+        f" (last window {short} micro-batches, normalized by its own token count)" if short else "",
+        total_updates,
+    )
 
 
 def _report(update: UpdateLog, progress, accelerator: Accelerator, on_update) -> None:

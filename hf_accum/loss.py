@@ -16,8 +16,11 @@ Loss kinds:
   ``labels[:, i + 1]`` (the causal shift), so position 0 of a row is never a target.
 * ``token`` -- logits ``[B, T, C]``, labels ``[B, T]`` aligned with the logits (token
   classification, encoder-decoder LMs whose decoder inputs are already shifted).
-* ``sequence`` -- logits ``[B, C]``, labels ``[B]``: one target per sequence (sequence
-  classification). ``C == 1`` with float labels is regression (squared error).
+* ``sequence`` -- logits ``[B, C]`` of a sequence-classification head, with transformers' three
+  problem types (same inference as ``ForSequenceClassificationLoss``: ``C == 1`` is regression,
+  integer labels are single-label, float labels multi-label; ``config.problem_type`` wins):
+  single-label cross-entropy (a target per labelled row), multi-label binary cross-entropy and
+  regression squared error (a target per label *element*, as transformers' mean counts them).
 """
 
 from __future__ import annotations
@@ -31,12 +34,14 @@ from torch.utils.checkpoint import checkpoint
 IGNORE_INDEX = -100
 LossKind = Literal["causal_lm", "token", "sequence"]
 LOSS_KINDS: tuple[str, ...] = ("causal_lm", "token", "sequence")
+PROBLEM_TYPES: tuple[str, ...] = ("single_label_classification", "multi_label_classification", "regression")
 
-# Rows of logits upcast to fp32 at a time. Above this many targets the cross-entropy is
-# computed chunk by chunk under activation checkpointing, so the fp32 copy of the logits
-# (V floats per target: 0.5 MB per token at a 128k vocabulary) never exists for the whole
-# micro-batch at once; only one chunk's worth is live in forward and in backward.
-DEFAULT_CHUNK_TARGETS = 4096
+# Bytes of loss-dtype (fp32) logits processed at a time. Above this, the cross-entropy runs chunk
+# by chunk under activation checkpointing: neither the fp32 upcast of bf16 logits nor the
+# log-softmax that cross_entropy saves for backward (each V x 4 bytes per position: 0.5 MB per
+# token at a 128k vocabulary) ever exists for the whole micro-batch, only for one chunk. Sized
+# in bytes, not rows, so one chunk stays the same size whatever the vocabulary.
+DEFAULT_CHUNK_BYTES = 256 * 2**20
 
 
 def infer_loss_kind(model: torch.nn.Module) -> LossKind:
@@ -97,8 +102,26 @@ def count_targets(labels: torch.Tensor, kind: LossKind = "causal_lm") -> torch.T
     if kind == "causal_lm":
         return labels[..., 1:].ne(IGNORE_INDEX).sum()
     if kind == "sequence" and labels.is_floating_point():
-        return torch.tensor(labels.shape[0], device=labels.device)  # regression: every row counts
+        # Regression and multi-label: every label element is a target (transformers' mean counts them all).
+        return torch.tensor(labels.numel(), device=labels.device)
     return aligned_targets(labels, kind).ne(IGNORE_INDEX).sum()
+
+
+def sequence_problem_type(num_labels: int, labels: torch.Tensor, problem_type: str | None = None) -> str:
+    """transformers' rule (``ForSequenceClassificationLoss``): the config's problem_type, else
+    regression for one output, single-label for integer labels, multi-label for float labels."""
+    if problem_type is not None:
+        if problem_type not in PROBLEM_TYPES:
+            raise ValueError(f"problem_type={problem_type!r}; allowed: {PROBLEM_TYPES}")
+        return problem_type
+    if num_labels == 1:
+        return "regression"
+    return "multi_label_classification" if labels.is_floating_point() else "single_label_classification"
+
+
+def model_problem_type(model: torch.nn.Module) -> str | None:
+    """``config.problem_type`` of a (wrapped) model, if it sets one."""
+    return getattr(getattr(unwrap_model(model), "config", None), "problem_type", None)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -111,38 +134,52 @@ def token_loss_sum(
     labels: torch.Tensor,
     kind: LossKind = "causal_lm",
     label_smoothing: float = 0.0,
-    chunk_targets: int | None = DEFAULT_CHUNK_TARGETS,
+    chunk_bytes: int | None = DEFAULT_CHUNK_BYTES,
+    problem_type: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed loss over the micro-batch's targets and the number of targets.
 
     The sum is taken in :func:`compute_dtype` (fp32 for bf16/fp16 logits), never in the
     logits' low precision. Label smoothing follows ``torch.nn.functional.cross_entropy``:
     per target ``(1 - eps) * nll + eps * mean_c(-log p_c)``, so sum / n equals torch's mean.
+    ``problem_type`` only matters for ``kind="sequence"`` (see :func:`sequence_problem_type`).
     """
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1)")
-    if kind == "sequence" and labels.is_floating_point():
-        return _regression_loss_sum(logits, labels)
+    if kind == "sequence":
+        problem = sequence_problem_type(logits.shape[-1], labels, problem_type)
+        if problem == "regression":
+            return _regression_loss_sum(logits, labels)
+        if problem == "multi_label_classification":
+            return _multi_label_loss_sum(logits, labels)
     targets = aligned_targets(labels, kind).reshape(-1).to(logits.device)
     flat_logits = logits.reshape(-1, logits.shape[-1])
     if flat_logits.shape[0] != targets.shape[0]:
         raise ValueError(
             f"labels {tuple(labels.shape)} do not match logits {tuple(logits.shape)} for loss_kind={kind!r}"
         )
-    valid = targets.ne(IGNORE_INDEX)
-    n_targets = valid.sum()
-    # Only rows with a target take part: with prompt masking most rows are skipped, and the
-    # fp32 upcast below then costs memory for answer tokens only.
-    rows, row_targets = flat_logits[valid], targets[valid]
-    if chunk_targets is None or rows.shape[0] <= chunk_targets:
-        return _cross_entropy_sum(rows, row_targets, label_smoothing), n_targets
-    total = rows.new_zeros((), dtype=compute_dtype(rows.dtype))
-    for start in range(0, rows.shape[0], chunk_targets):
-        stop = start + chunk_targets
+    n_targets = targets.ne(IGNORE_INDEX).sum()
+    rows = rows_per_chunk(flat_logits.shape[-1], flat_logits.dtype, chunk_bytes)
+    if rows >= flat_logits.shape[0]:
+        # Small enough: one call. No copy of the target rows either -- cross_entropy skips the
+        # ignore_index rows itself, and a copy would cost a gather now and a scatter in backward.
+        return _cross_entropy_sum(flat_logits, targets, label_smoothing), n_targets
+    total = flat_logits.new_zeros((), dtype=compute_dtype(flat_logits.dtype))
+    for start in range(0, flat_logits.shape[0], rows):
+        # Slices are views: only the chunk's fp32 upcast / log-softmax is live, and recomputed in backward.
         total = total + checkpoint(
-            _cross_entropy_sum, rows[start:stop], row_targets[start:stop], label_smoothing, use_reentrant=False
+            _cross_entropy_sum, flat_logits[start : start + rows], targets[start : start + rows], label_smoothing,
+            use_reentrant=False,
         )
     return total, n_targets
+
+
+def rows_per_chunk(vocab_size: int, dtype: torch.dtype, chunk_bytes: int | None = DEFAULT_CHUNK_BYTES) -> int:
+    """Positions per cross-entropy chunk so that one chunk's loss-dtype logits fit ``chunk_bytes``."""
+    if chunk_bytes is None:
+        return 2**62  # never chunk
+    bytes_per_row = vocab_size * torch.finfo(compute_dtype(dtype)).bits // 8
+    return max(1, chunk_bytes // bytes_per_row)
 
 
 def _cross_entropy_sum(rows: torch.Tensor, targets: torch.Tensor, label_smoothing: float) -> torch.Tensor:
@@ -152,7 +189,17 @@ def _cross_entropy_sum(rows: torch.Tensor, targets: torch.Tensor, label_smoothin
 
 
 def _regression_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Squared error summed over every label element (transformers: MSELoss mean over elements)."""
     dtype = compute_dtype(logits.dtype)
-    predictions = logits.reshape(labels.shape[0], -1).to(dtype).squeeze(-1)
-    loss_sum = (predictions - labels.to(dtype)).pow(2).sum()
-    return loss_sum, torch.tensor(labels.shape[0], device=logits.device)
+    predictions = logits.to(dtype).reshape(labels.shape)
+    loss_sum = (predictions - labels.to(logits.device, dtype)).pow(2).sum()
+    return loss_sum, torch.tensor(labels.numel(), device=logits.device)
+
+
+def _multi_label_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Binary cross-entropy summed over every (row, class) element (transformers: BCEWithLogits mean)."""
+    dtype = compute_dtype(logits.dtype)
+    loss_sum = F.binary_cross_entropy_with_logits(
+        logits.to(dtype), labels.to(logits.device, dtype), reduction="sum"
+    )
+    return loss_sum, torch.tensor(labels.numel(), device=logits.device)

@@ -27,13 +27,13 @@ def planned_updates(
 ) -> int:
     """Total optimizer updates of a run: ``max_steps`` when given (> 0), else epochs x updates/epoch.
 
-    A fractional ``num_epochs`` (e.g. 1.5) counts the updates of the started epoch in full windows.
+    A fractional ``num_epochs`` rounds up to whole updates, as ``Trainer`` does
+    (``ceil(num_epochs * updates_per_epoch)``; 1.1 x 10 is 11, not the 12 that splitting off the
+    whole epochs gives through float rounding).
     """
     if max_steps is not None and max_steps > 0:
         return int(max_steps)
-    per_epoch = updates_per_epoch(micro_batches_per_epoch, accumulation_steps)
-    whole = int(num_epochs)
-    return whole * per_epoch + math.ceil((num_epochs - whole) * per_epoch)
+    return math.ceil(num_epochs * updates_per_epoch(micro_batches_per_epoch, accumulation_steps))
 
 
 def epochs_needed(total_updates: int, micro_batches_per_epoch: int, accumulation_steps: int) -> int:
@@ -82,6 +82,21 @@ class BatchPlan:
             f"{self.accumulation_steps} accumulation x {self.num_processes} "
             f"process{'es' if self.num_processes != 1 else ''}"
         )
+
+
+def repeated_examples_warning(num_examples: int, plan: BatchPlan, even_batches: bool = True) -> str | None:
+    """Accelerate's ``even_batches`` fills each rank's last micro-batch by *repeating* examples from
+    the start of the dataset; the last update of each epoch then counts them twice and is no longer
+    the big batch. Returns the warning to log, or None when nothing is repeated."""
+    per_round = plan.micro_batch_size * plan.num_processes
+    repeated = -num_examples % per_round
+    if plan.num_processes < 2 or not even_batches or not repeated:
+        return None
+    return (
+        f"{num_examples} examples do not fill {plan.num_processes} ranks x {plan.micro_batch_size}: Accelerate "
+        f"(even_batches=True) repeats {repeated} examples in the last micro-batches, so the last update of each "
+        f"epoch counts them twice. Use a multiple of {per_round} examples to keep every update exactly the big batch."
+    )
 
 
 def plan_global_batch(global_batch_size: int, micro_batch_size: int, num_processes: int = 1) -> BatchPlan:

@@ -40,8 +40,8 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, has_length
 
 from hf_accum.accumulation import WindowTally, WindowTotals, drop_gradients_, exact_mean_factor, global_sum
-from hf_accum.loss import LossKind, count_targets, infer_loss_kind, token_loss_sum
-from hf_accum.schedule import BatchPlan, planned_updates
+from hf_accum.loss import LossKind, count_targets, infer_loss_kind, model_problem_type, token_loss_sum
+from hf_accum.schedule import BatchPlan, planned_updates, repeated_examples_warning
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +93,6 @@ class AccumTrainer(Trainer):
         # We compute the loss from logits, so the model never sees labels or num_items_in_batch:
         # this also stops Trainer's own (rank-local when average_tokens_across_devices=False) count.
         self.model_accepts_loss_kwargs = False
-        # Label smoothing goes through token_loss_sum (summed in >= fp32, normalized by the global N).
-        self.label_smoother = None
         # The effective batch the user asked for; auto_find_batch_size must keep it.
         self._requested_batch = (self._train_batch_size, self.args.gradient_accumulation_steps)
         self._micro_batches_per_epoch: int | None = None
@@ -126,7 +124,11 @@ class AccumTrainer(Trainer):
         window's global count once. ``inputs`` are the forward's inputs (labels removed).
         """
         return token_loss_sum(
-            outputs.logits, labels, kind=self.loss_kind, label_smoothing=self.args.label_smoothing_factor
+            outputs.logits,
+            labels,
+            kind=self.loss_kind,
+            label_smoothing=self.args.label_smoothing_factor,
+            problem_type=model_problem_type(self.model),
         )
 
     # -- counting the window (before any forward) ---------------------------------------------
@@ -202,6 +204,11 @@ class AccumTrainer(Trainer):
         )
         if self.args.should_log:
             logger.info("%s (sequences per update)", self.batch_plan.describe())
+            dataset = self.train_dataset
+            if dataset is not None and has_length(dataset):
+                message = repeated_examples_warning(len(dataset), self.batch_plan, self.accelerator.even_batches)
+                if message:
+                    logger.warning(message)
         return dataloader
 
     def _keep_effective_batch(self) -> None:

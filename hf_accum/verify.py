@@ -51,6 +51,8 @@ class BigBatchAuditor:
     pad_token_id: int = 0
     reference_dtype: torch.dtype | None = None
     """Compute the reference in this dtype (e.g. float64 for a bf16 run); default: the model's."""
+    problem_type: str | None = None
+    """Sequence heads: as transformers' config.problem_type (inferred like transformers when None)."""
     records: list[AuditRecord] = field(default_factory=list)
     _pending: deque = field(default_factory=deque, repr=False)
     _forwards: int = field(default=0, repr=False)
@@ -102,9 +104,23 @@ class BigBatchAuditor:
         device = next(reference.parameters()).device
         logits = reference(**{k: v.to(device) for k, v in big.items()}, use_cache=False).logits
         logits, labels = _shift(logits, labels.to(device), self.loss_kind)
-        targets = int(labels.ne(-100).sum())
+        loss, targets = self._mean_loss(logits, labels)
         if targets == 0:
             return {n: torch.zeros_like(p) for n, p in reference.named_parameters() if p.requires_grad}, 0, float("nan")
+        loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters() if p.requires_grad}
+        return grads, targets, float(loss.detach())
+
+    def _mean_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The big batch's loss as transformers defines it: a mean over every target."""
+        problem = self._sequence_problem(logits, labels) if self.loss_kind == "sequence" else None
+        if problem == "regression":
+            return F.mse_loss(logits.reshape(labels.shape), labels.to(logits.dtype)), labels.numel()
+        if problem == "multi_label_classification":
+            return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype)), labels.numel()
+        targets = int(labels.ne(-100).sum())
+        if targets == 0:
+            return logits.sum() * 0, 0
         loss = F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]),
             labels.reshape(-1),
@@ -112,9 +128,14 @@ class BigBatchAuditor:
             reduction="mean",
             label_smoothing=self.label_smoothing,
         )
-        loss.backward()
-        grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters() if p.requires_grad}
-        return grads, targets, float(loss.detach())
+        return loss, targets
+
+    def _sequence_problem(self, logits: torch.Tensor, labels: torch.Tensor) -> str:
+        if self.problem_type is not None:
+            return self.problem_type
+        if logits.shape[-1] == 1:
+            return "regression"
+        return "multi_label_classification" if labels.is_floating_point() else "single_label_classification"
 
     @property
     def max_relative_error(self) -> float:
@@ -129,19 +150,20 @@ def _shift(logits: torch.Tensor, labels: torch.Tensor, kind: str):
 
 def _concatenate(micro_batches: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
     """One big batch: padded rows are re-padded (right) to the longest and stacked; packed
-    single-row micro-batches (position_ids, no attention mask) are joined into one packed row."""
+    single-row micro-batches (position_ids, no attention mask) are joined into one packed row.
+    Labels not laid out per token (sequence heads: ``[B]`` or ``[B, C]``) are stacked as they are."""
     packed = "attention_mask" not in micro_batches[0] and "position_ids" in micro_batches[0]
     if packed:
         return {k: torch.cat([b[k] for b in micro_batches], dim=1) for k in micro_batches[0]}
-    if micro_batches[0]["labels"].dim() == 1:  # sequence classification: one label per row
-        length = max(b["input_ids"].shape[1] for b in micro_batches)
-        out = {k: torch.cat([_pad_to(b[k], length, _fill(k, pad_token_id)) for b in micro_batches])
-               for k in micro_batches[0] if k != "labels"}
-        out["labels"] = torch.cat([b["labels"] for b in micro_batches])
-        return out
     length = max(b["input_ids"].shape[1] for b in micro_batches)
-    return {k: torch.cat([_pad_to(b[k], length, _fill(k, pad_token_id)) for b in micro_batches])
-            for k in micro_batches[0]}
+    per_token_labels = micro_batches[0]["labels"].shape == micro_batches[0]["input_ids"].shape
+    big = {}
+    for key in micro_batches[0]:
+        if key == "labels" and not per_token_labels:
+            big[key] = torch.cat([b[key] for b in micro_batches])
+        else:
+            big[key] = torch.cat([_pad_to(b[key], length, _fill(key, pad_token_id)) for b in micro_batches])
+    return big
 
 
 def _fill(key: str, pad_token_id: int) -> int:

@@ -44,6 +44,20 @@ class AllReduceCounter:
         return default_hooks.allreduce_hook(None, bucket)
 
 
+def uneven_ranks_refusal() -> str:
+    """26 rows with even_batches=False: 7 micro-batches on rank 0, 6 on rank 1. Without the check,
+    rank 0's last window would wait forever in an all-reduce rank 1 never joins."""
+    from accelerate import DataLoaderConfiguration
+
+    uneven = Scenario("uneven", tiny_causal_lm, EXAMPLES[:26], PaddingCollator(PAD), micro_batch=2, accumulation=3,
+                      accelerator_kwargs={"dataloader_config": DataLoaderConfiguration(even_batches=False)})
+    try:
+        run_exact(uneven)
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
 def main(out_path: str) -> None:
     counter = AllReduceCounter()
     result, exact = run_exact(scenario(), on_model=counter.attach)
@@ -56,6 +70,7 @@ def main(out_path: str) -> None:
         "naive_errors": [r.relative_error for r in naive.records],
         "learning_rates": [r.learning_rate for r in exact.records],
         "allreduce_rounds": counter.rounds,
+        "uneven_ranks_error": uneven_ranks_refusal(),
     }
     if dist.get_rank() == 0:
         with open(out_path, "w") as handle:

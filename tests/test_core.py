@@ -43,9 +43,9 @@ def test_token_loss_sum_matches_torch_mean_times_count(smoothing):
 def test_chunked_loss_equals_unchunked_in_value_and_gradient():
     logits, labels = _logits_labels(batch=4, length=50)
     logits.requires_grad_(True)
-    whole, _ = token_loss_sum(logits, labels, chunk_targets=None)
+    whole, _ = token_loss_sum(logits, labels, chunk_bytes=None)
     (grad_whole,) = torch.autograd.grad(whole, logits)
-    chunked, _ = token_loss_sum(logits, labels, chunk_targets=16)
+    chunked, _ = token_loss_sum(logits, labels, chunk_bytes=16 * 11 * 8)  # 16 rows of 11 float64 logits
     (grad_chunked,) = torch.autograd.grad(chunked, logits)
     torch.testing.assert_close(chunked, whole, rtol=1e-13, atol=0)
     torch.testing.assert_close(grad_chunked, grad_whole, rtol=1e-13, atol=1e-15)
@@ -69,6 +69,31 @@ def test_sequence_and_regression_heads():
     targets = torch.randn(4, dtype=torch.float64)
     loss_sum, n = token_loss_sum(values, targets, "sequence")
     torch.testing.assert_close(loss_sum / n, F.mse_loss(values.squeeze(-1), targets))
+
+
+def test_sequence_problem_types_follow_transformers():
+    """Regression (one output or problem_type) and multi-label sum per label element; the mean
+    equals the loss transformers' own head computes."""
+    from transformers import LlamaForSequenceClassification
+
+    from tiny import tiny_config
+
+    cases = {
+        "regression": (1, torch.randn(4, dtype=torch.float64)),
+        "multi_label_classification": (3, torch.randint(0, 2, (4, 3)).to(torch.float64)),
+        "single_label_classification": (3, torch.tensor([0, 2, 1, 1])),
+    }
+    input_ids = torch.randint(3, 40, (4, 6))
+    for problem, (num_labels, labels) in cases.items():
+        torch.manual_seed(0)
+        model = LlamaForSequenceClassification(tiny_config(num_labels=num_labels)).double()
+        outputs = model(input_ids=input_ids, labels=labels)  # transformers' own loss, a mean
+        loss_sum, n = token_loss_sum(outputs.logits, labels, "sequence")
+        assert int(n) == int(count_targets(labels, "sequence")) == (labels.numel() if problem != "single_label_classification" else 4)
+        torch.testing.assert_close(loss_sum / n, outputs.loss, rtol=1e-12, atol=0, msg=problem)
+        assert model.config.problem_type == problem  # transformers inferred the same problem type
+    with pytest.raises(ValueError, match="problem_type='ranking'"):
+        token_loss_sum(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), "sequence", problem_type="ranking")
 
 
 def test_infer_loss_kind_from_model_class():
@@ -110,6 +135,17 @@ def test_planned_updates_counts_short_windows_and_max_steps():
     assert planned_updates(11, 4, num_epochs=2) == 6
     assert planned_updates(11, 4, num_epochs=2, max_steps=4) == 4
     assert planned_updates(8, 4, num_epochs=1.5) == 3
+    assert planned_updates(20, 2, num_epochs=1.1) == 11  # not 12: 1.1 - 1 is 0.10000000000000009
+
+
+def test_repeated_examples_warning_names_the_count():
+    from hf_accum.schedule import BatchPlan, repeated_examples_warning
+
+    plan = BatchPlan(micro_batch_size=2, accumulation_steps=3, num_processes=2)
+    assert "repeats 1 examples" in repeated_examples_warning(27, plan)
+    assert repeated_examples_warning(28, plan) is None
+    assert repeated_examples_warning(27, plan, even_batches=False) is None
+    assert repeated_examples_warning(27, BatchPlan(2, 3, 1)) is None
 
 
 def test_plan_global_batch_derives_accumulation_and_names_nearest_valid_values():

@@ -41,3 +41,8 @@ def test_ddp_lr_matches_big_batch(report):
     updates_per_epoch = math.ceil(28 / (2 * 3 * 2))
     expected = big_batch_learning_rates(2 * updates_per_epoch, warmup=1)
     assert report["learning_rates"] == pytest.approx(expected, rel=1e-12, abs=0)
+
+
+@pytest.mark.slow
+def test_ranks_with_different_micro_batch_counts_are_refused(report):
+    assert "micro-batches per epoch differ across processes ([7, 6])" in report["uneven_ranks_error"]

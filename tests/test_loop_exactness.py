@@ -53,6 +53,14 @@ SCENARIOS = {
         accumulation=3,
         loss_kind="sequence",
     ),
+    "sequence_regression": Scenario(
+        "sequence_regression", lambda: tiny_sequence_classifier(num_labels=1), uneven_examples(13, seed=9, num_labels=3),
+        ClassificationCollator("regression"), accumulation=3, loss_kind="sequence",
+    ),
+    "sequence_multi_label": Scenario(
+        "sequence_multi_label", tiny_sequence_classifier, uneven_examples(13, seed=10, num_labels=3),
+        ClassificationCollator("multi_label"), accumulation=3, loss_kind="sequence",
+    ),
     "packed_position_ids": Scenario(
         "packed_position_ids", tiny_causal_lm, uneven_examples(18, seed=7, prompt_masking=True), PackingCollator(),
         micro_batch=3, accumulation=4,
@@ -99,3 +107,49 @@ def test_window_without_targets_applies_no_update():
     assert [u.applied for u in result.updates] == [True, False]
     assert result.updates[1].targets == 0 and result.updates[1].grad_norm is None
     assert len(auditor.records) == 1  # optimizer.step was called once only
+
+
+def test_stream_without_length_runs_max_steps_exactly():
+    """An IterableDataset (no __len__) works with max_steps: windows are closed by accumulate()."""
+    from torch.utils.data import IterableDataset
+
+    class Stream(IterableDataset):
+        def __init__(self, examples):
+            self.examples = examples
+
+        def __iter__(self):
+            return iter(self.examples)
+
+    scenario = Scenario("stream", tiny_causal_lm, Stream(uneven_examples(22, seed=12)), PaddingCollator(PAD),
+                        max_steps=4)
+    result, auditor = run_exact(scenario)
+    assert len(result.updates) == len(auditor.records) == 4  # 3 windows in pass 1 (4, 4, 3), then pass 2
+    assert [u.micro_batches for u in result.updates] == [4, 4, 3, 4]
+    assert auditor.max_relative_error < EXACT
+
+
+def test_stream_without_max_steps_is_refused():
+    from torch.utils.data import IterableDataset
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(uneven_examples(4))
+
+    with pytest.raises(ValueError, match="max_steps"):
+        run_exact(Scenario("stream", tiny_causal_lm, Stream(), PaddingCollator(PAD)))
+
+
+def test_sync_with_dataloader_false_is_refused():
+    from accelerate.utils import GradientAccumulationPlugin
+
+    from hf_accum.checking import fresh_accelerator
+    from hf_accum.loop import LoopConfig, train
+
+    accelerator = fresh_accelerator(
+        1, gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=4, sync_with_dataloader=False)
+    )
+    loader = accelerator.prepare(torch.utils.data.DataLoader(uneven_examples(8), batch_size=2,
+                                                             collate_fn=PaddingCollator(PAD)))
+    model = tiny_causal_lm()
+    with pytest.raises(ValueError, match="sync_with_dataloader=True"):
+        train(model, torch.optim.SGD(model.parameters(), lr=0.1), loader, accelerator, LoopConfig())

@@ -82,3 +82,55 @@ def test_skipped_fp16_update_does_not_advance_the_scheduler():
     assert [u.applied for u in result.updates] == [True, False, True]
     rates = [u.learning_rate for u in result.updates]
     assert rates[2] == rates[1] != rates[0]  # the skipped update did not consume a schedule step
+
+
+def _fp16_autocast_run(vocab=32000, micro_batch=2, length=128, accumulation=4, updates=2):
+    """The loop under CPU fp16 autocast with a GradScaler at its default initial scale 2**16."""
+    from torch.utils.data import DataLoader
+
+    from hf_accum.loop import LoopConfig, train
+    from loops import fresh_accelerator
+
+    accelerator = fresh_accelerator(accumulation)
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)  # Accelerate has none on CPU
+    model = tiny_causal_lm(dtype=torch.float32, vocab_size=vocab)
+    model.forward = torch.autocast("cpu", dtype=torch.float16)(model.forward)
+    generator = torch.Generator().manual_seed(0)
+    rows = [torch.randint(3, vocab, (length,), generator=generator) for _ in range(micro_batch * accumulation * updates)]
+    loader = DataLoader(rows, batch_size=micro_batch, collate_fn=lambda b: {"input_ids": torch.stack(b),
+                                                                             "labels": torch.stack(b)})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    result = train(model, optimizer, loader, accelerator, LoopConfig(max_grad_norm=1.0, disable_tqdm=True))
+    return [u.applied for u in result.updates]
+
+
+def test_fp16_summed_losses_keep_mean_magnitudes_so_no_window_is_skipped(monkeypatch):
+    """A summed loss is ~N/K times a mean: under fp16 its activation gradients overflow at the default
+    loss scale and the GradScaler throws the whole window away. The loop multiplies each micro-batch's
+    sum by a per-window constant (divided out at the boundary) that keeps it mean-sized."""
+    import hf_accum.loop as loop
+
+    assert _fp16_autocast_run() == [True, True]
+    # Negative control: without the magnitude constant, the first window overflows and is skipped.
+    monkeypatch.setattr(loop._WindowState, "scaled", lambda self, loss_sum, n_targets, accelerator: loss_sum)
+    monkeypatch.setattr(loop._WindowState, "unscale_factor", lambda self: 1.0)
+    assert _fp16_autocast_run()[0] is False
+
+
+def test_magnitude_constant_keeps_the_update_exact(monkeypatch):
+    """With a GradScaler attached, windows of different N get different constants; still the big batch."""
+    import hf_accum.checking as checking
+
+    original = checking.fresh_accelerator
+
+    def with_scaler(accumulation, **kwargs):
+        accelerator = original(accumulation, **kwargs)
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+        return accelerator
+
+    monkeypatch.setattr(checking, "fresh_accelerator", with_scaler)
+    scenario = Scenario("scaler", tiny_causal_lm, uneven_examples(22, seed=34), PaddingCollator(PAD))
+    result, auditor = run_exact(scenario)
+    assert len({u.targets for u in result.updates}) > 1
+    assert auditor.max_relative_error < 1e-10, [r.relative_error for r in auditor.records]

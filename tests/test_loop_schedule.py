@@ -58,3 +58,10 @@ def test_naive_micro_batch_horizon_stretches_the_schedule():
     applied = [r.learning_rate for r in auditor.records]
     assert len(applied) == len(expected)
     assert max(abs(a - e) for a, e in zip(applied, expected)) > 0.1 * LR
+
+
+def test_lr_matches_big_batch_with_fractional_epochs():
+    """1.1 epochs of 3 updates is ceil(3.3) = 4 updates, as the big-batch Trainer run plans it."""
+    expected = big_batch_learning_rates(4, warmup=2)
+    result, auditor = run_exact(_scenario(epochs=1.1))
+    assert [r.learning_rate for r in auditor.records] == pytest.approx(expected, rel=1e-12, abs=0)

@@ -136,6 +136,15 @@ def test_lr_with_max_steps_crossing_an_epoch(tmp_path):
     assert run.max_error < EXACT
 
 
+def test_lr_with_fractional_epochs_that_float_rounding_would_overshoot(tmp_path):
+    """20 rows, micro-batch 1, K=2: 10 updates per epoch; 1.1 epochs is 11 updates (a horizon of 12,
+    from 0.10000000000000009 * 10 rounded up, would make every LR differ)."""
+    scenario = TrainerScenario("fractional_epochs", tiny_causal_lm, uneven_examples(20, seed=13), PaddingCollator(PAD),
+                               micro_batch=1, accumulation=2, epochs=1.1, scheduler="linear")
+    run = run_trainer(scenario, str(tmp_path), AccumTrainer)
+    assert run.lrs == pytest.approx(big_batch_lrs(scenario, 11), rel=0, abs=1e-15)
+
+
 # -- subclassing: a custom loss through the one override point ----------------------------------
 
 def readme_example(tag: str) -> dict:

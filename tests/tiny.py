@@ -77,7 +77,11 @@ def uneven_examples(
 
 
 class ClassificationCollator:
-    """Right-padded rows with one class label per row (sequence classification)."""
+    """Right-padded rows with one label per row (sequence classification). ``label_kind``:
+    ``class`` (an int), ``regression`` (a float derived from the row), ``multi_label`` (3 floats)."""
+
+    def __init__(self, label_kind: str = "class"):
+        self.label_kind = label_kind
 
     def __call__(self, examples):
         length = max(len(e["input_ids"]) for e in examples)
@@ -86,5 +90,11 @@ class ClassificationCollator:
         for i, e in enumerate(examples):
             ids[i, : len(e["input_ids"])] = torch.tensor(e["input_ids"])
             mask[i, : len(e["input_ids"])] = 1
-        labels = torch.tensor([e["label"] for e in examples], dtype=torch.long)
+        classes = torch.tensor([e["label"] for e in examples], dtype=torch.long)
+        if self.label_kind == "regression":
+            labels = classes.to(torch.float64) * 0.7 - 0.4
+        elif self.label_kind == "multi_label":
+            labels = torch.stack([(classes + shift) % 2 for shift in range(3)], dim=1).to(torch.float64)
+        else:
+            labels = classes
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}

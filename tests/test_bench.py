@@ -1,0 +1,119 @@
+"""``hf-accum bench`` end to end on a tiny setting, its refusals, and its memory instruments.
+
+No timing target is asserted here: unit tests share the machine with other jobs, and the
+targets are checked by the benchmark itself, which measures ratios side by side.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import torch
+
+from hf_accum.bench import SavedActivations, measure_memory, median_interval
+from hf_accum.cli import main
+
+TINY = [
+    "bench", "--global-batch-size", "4", "--accumulation-steps", "1", "2", "4", "--updates", "1",
+    "--repeats", "1", "--min-length", "4", "--max-length", "12", "--overhead-accumulation", "2",
+    "--overhead-repeats", "2", "--memory-micro-batch", "1", "--memory-accumulation", "2",
+    "--loss-vocab", "512", "--loss-tokens", "64", "--no-progress",
+]
+
+
+def _positive_finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def test_bench_writes_table_plot_and_json(tmp_path, capsys):
+    out = tmp_path / "bench"
+    assert main([*TINY, "--output-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+
+    report = json.loads((out / "bench.json").read_text())
+    png = (out / "accumulation_tradeoff.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 1000
+
+    rows = report["sweep"]
+    assert [r["accumulation_steps"] for r in rows] == [1, 2, 4]
+    assert [r["micro_batch"] for r in rows] == [4, 2, 1]
+    for row in rows:
+        for key in ("tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "peak_memory_bytes",
+                    "peak_saved_activation_bytes"):
+            assert _positive_finite(row[key]), (key, row)
+        assert 0.0 <= row["padding_fraction"] < 1.0
+    table_rows = [re.match(r"\s*(\d+)\s+(\d+)\s+\d+\s+\(\d+-\d+\)", line) for line in printed.splitlines()]
+    assert [(int(m[1]), int(m[2])) for m in table_rows if m] == [(1, 4), (2, 2), (4, 1)]  # one row per K
+
+    assert _positive_finite(report["overhead"]["ratio"]) and len(report["overhead"]["ratios"]) == 2
+    memory = report["memory"]
+    assert _positive_finite(memory["single_bytes"]) and _positive_finite(memory["accumulated_bytes"])
+    assert _positive_finite(memory["ratio"])
+    loss = report["loss"]
+    assert _positive_finite(loss["chunked_peak_bytes"]) and _positive_finite(loss["plain_peak_bytes"])
+    assert len(report["summary"]) == 3  # one row per measured target
+    assert {row["verdict"] for row in report["summary"]} <= {"PASS", "FAIL", "INCONCLUSIVE", "UNMEASURED"}
+    assert "Summary" in printed
+
+
+def test_sections_can_be_selected(tmp_path):
+    out = tmp_path / "only-loss"
+    assert main([*TINY, "--only", "loss", "--output-dir", str(out)]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert report["sweep"] == [] and report["overhead"] is None and report["loss"] is not None
+    assert not (out / "accumulation_tradeoff.png").exists()  # no sweep, no plot
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--accumulation-steps", "1", "3"], "valid values: 1, 2, 4, 8, 16"),
+        (["--overhead-accumulation", "5"], "valid values: 1, 2, 4, 8, 16"),
+        (["--global-batch-size", "0"], "global_batch_size=0"),
+        (["--min-length", "50", "--max-length", "10"], "min_length <= max_length"),
+        (["--model", "/nonexistent/model"], "neither 'tiny' nor a local model directory"),
+    ],
+)
+def test_bad_input_is_refused_before_anything_is_written(tmp_path, capsys, args, message):
+    out = tmp_path / "out"
+    assert main(["bench", *args, "--output-dir", str(out)]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_unknown_section_is_an_argparse_error(tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--only", "speed", "--output-dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert not (tmp_path / "out").exists()
+
+
+def test_measure_memory_sees_a_known_allocation():
+    with measure_memory(torch.device("cpu")) as reading:
+        block = torch.empty(10_000_000, dtype=torch.uint8)
+        del block
+        small = torch.empty(1000, dtype=torch.float32)
+    assert reading.largest_allocation == 10_000_000
+    assert reading.peak_bytes >= 10_000_000
+    del small
+
+
+def test_saved_activations_count_distinct_storages_and_skip_parameters():
+    weight = torch.nn.Parameter(torch.randn(100, 100))
+    x = torch.randn(50, 100, requires_grad=True)
+    tracker = SavedActivations([weight])
+    with tracker.hooks():
+        y = (x @ weight).exp()  # saves x (the weight is excluded) and exp's output y
+        z = y.sum()
+    assert tracker.current == x.numel() * 4 + y.numel() * 4
+    z.backward()
+    del y, z
+    assert tracker.current == 0 and tracker.peak == (50 * 100 + 50 * 100) * 4
+
+
+def test_median_interval_brackets_the_median():
+    low, high = median_interval([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0])
+    assert low <= 6.0 <= high and (low, high) == (2.0, 10.0)
