@@ -54,3 +54,13 @@ def test_ddp_lr_matches_big_batch_and_steps_once_per_update(report):
     for name in ("accum_avg_true", "accum_avg_false"):
         assert report[name]["learning_rates"] == pytest.approx(expected, abs=1e-15)
         assert report[name]["scheduler_steps"] == 6
+
+
+def test_resume_on_another_world_size_is_refused(report, tmp_path):
+    """A checkpoint trained on 2 processes, resumed on 1 with the same micro-batch and accumulation:
+    the effective batch would halve, so AccumTrainer refuses and names the difference."""
+    from hf_accum import AccumTrainer
+    from trainer_harness import run_trainer
+
+    with pytest.raises(ValueError, match="number of processes 2 -> 1"):
+        run_trainer(scenario(), str(tmp_path), AccumTrainer, resume_from_checkpoint=report["two_process_checkpoint"])

@@ -43,9 +43,11 @@ def main(report_path: str) -> None:
         "stock_avg_false": (Trainer, False),
     }
     for name, (trainer_cls, average) in runs.items():
+        # One run leaves checkpoints (trained on 2 processes) for the resume-on-1-process refusal test.
+        saving = {"save_strategy": "steps", "save_steps": 2} if name == "accum_avg_true" else {}
         run = run_trainer(
             scenario(), os.path.join(out_dir, name), trainer_cls, average_tokens_across_devices=average,
-            ddp_find_unused_parameters=False,
+            ddp_find_unused_parameters=False, **saving,
         )
         report[name] = {
             "errors": run.errors,
@@ -57,6 +59,7 @@ def main(report_path: str) -> None:
             "plan": run.trainer.batch_plan.describe() if isinstance(run.trainer, AccumTrainer) else None,
         }
     report["world_size"] = dist.get_world_size()
+    report["two_process_checkpoint"] = os.path.join(out_dir, "accum_avg_true", "checkpoint-2")
     if dist.get_rank() == 0:
         with open(report_path, "w") as handle:
             json.dump(report, handle)
