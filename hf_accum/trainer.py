@@ -100,6 +100,8 @@ class AccumTrainer(Trainer):
         self._window_targets = 0
         self._tally = WindowTally(device=self.args.device)
         self._interval = _LogInterval()
+        self._run_totals = WindowTotals()  # every window of this train() call: the exact final train_loss
+        self._eval_tally = WindowTally(device=self.args.device)  # the exact eval_loss
         if self.args.world_size > 1 and not self.args.average_tokens_across_devices:
             logger.info(
                 "average_tokens_across_devices=False is ignored: AccumTrainer always normalizes by the "
@@ -152,6 +154,7 @@ class AccumTrainer(Trainer):
         outputs = model(**forward_inputs)  # no labels: no model-side loss, no wasted (fp32) loss math
         loss_sum, n_targets = self.loss_sum_and_count(outputs, labels, forward_inputs)
         if num_items_in_batch is None:
+            self._eval_tally.add(loss_sum, n_targets, inputs)
             loss = loss_sum / torch.clamp(torch.as_tensor(n_targets, device=loss_sum.device), min=1)
         else:
             self._tally.add(loss_sum, n_targets, inputs)
@@ -187,6 +190,7 @@ class AccumTrainer(Trainer):
                 "update %d: no prediction targets in the window; no gradient applied", self.state.global_step + 1
             )
         self._interval.add(totals)
+        self._run_totals.add(totals)
 
     # -- batch plan, auto_find_batch_size, LR horizon -----------------------------------------
     def get_train_dataloader(self):
@@ -194,6 +198,7 @@ class AccumTrainer(Trainer):
         # inherit a half-tallied window.
         self._tally.reset()
         self._interval = _LogInterval()
+        self._run_totals = WindowTotals()
         self._keep_effective_batch()
         dataloader = super().get_train_dataloader()
         self._micro_batches_per_epoch = len(dataloader) if has_length(dataloader) else None
@@ -258,6 +263,9 @@ class AccumTrainer(Trainer):
         if "loss" in logs and self._interval.updates:
             logs.update(self._interval.as_logs())
             self._interval = _LogInterval()
+        if "train_loss" in logs and self._run_totals.targets:
+            # Trainer's final train_loss is a mean of per-update means; ours weighs every target alike.
+            logs["train_loss"] = self._run_totals.mean_loss
         super().log(logs, start_time)
 
     # -- checkpoints and resume ---------------------------------------------------------------
@@ -274,7 +282,22 @@ class AccumTrainer(Trainer):
             checkpoint = get_last_checkpoint(self.args.output_dir)
         if isinstance(checkpoint, str):
             self._check_resume_plan(checkpoint)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        output = super().train(resume_from_checkpoint, *args, **kwargs)
+        if "train_loss" in output.metrics:  # set by log() above: the per-target mean of the whole run
+            output = output._replace(training_loss=output.metrics["train_loss"])
+        return output
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):
+        """Stock ``eval_loss`` averages per-batch means weighted by rows; ours is the mean over every
+        target of the evaluation set (all batches, all ranks), like the training loss."""
+        self._eval_tally.reset()
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        totals = self._eval_tally.reduce(self.accelerator)  # every rank runs the evaluation loop
+        self._eval_tally.reset()
+        if totals.targets and f"{metric_key_prefix}_loss" in output.metrics:
+            output.metrics[f"{metric_key_prefix}_loss"] = totals.mean_loss
+        return output
 
     def _check_resume_plan(self, checkpoint: str) -> None:
         """Refuse to resume with other batch arithmetic: Trainer maps ``global_step`` to a data position

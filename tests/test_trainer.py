@@ -251,6 +251,41 @@ def test_evaluation_loss_is_the_plain_mean(tmp_path):
     assert float(loss) == pytest.approx(float(expected), rel=1e-12)
 
 
+def _exact_mean_loss(model, collator, examples, batch_size):
+    """Independent per-target mean over a whole dataset: summed cross-entropy / total targets."""
+    total, targets = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(examples), batch_size):
+            batch = collator(examples[start : start + batch_size])
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            labels = batch["labels"][:, 1:].reshape(-1)
+            total += float(F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels, reduction="sum"))
+            targets += int(labels.ne(-100).sum())
+    return total / targets
+
+
+@pytest.mark.parametrize("trainer_cls", [AccumTrainer, Trainer])
+def test_eval_loss_is_the_per_target_mean_of_the_whole_set(tmp_path, trainer_cls):
+    scenario, _ = SCENARIOS["prompt_masking"]
+    run = run_trainer(scenario, str(tmp_path), trainer_cls, max_steps=1, per_device_eval_batch_size=3)
+    eval_set = uneven_examples(10, seed=14, prompt_masking=True)
+    metrics = run.trainer.evaluate(eval_dataset=eval_set)
+    exact = _exact_mean_loss(run.trainer.model, scenario.collator, eval_set, batch_size=3)
+    if trainer_cls is AccumTrainer:
+        assert metrics["eval_loss"] == pytest.approx(exact, rel=1e-12)
+    else:  # negative control: stock Trainer averages per-batch means, weighted by rows
+        assert abs(metrics["eval_loss"] - exact) > 1e-6 * exact
+
+
+def test_final_train_loss_weighs_every_target_alike(tmp_path):
+    scenario, _ = SCENARIOS["short_last_window_2_epochs"]
+    run = run_trainer(scenario, str(tmp_path), AccumTrainer)
+    records = run.auditor.records
+    exact = sum(r.reference_loss * r.targets for r in records) / sum(r.targets for r in records)
+    (final,) = [log for log in run.logs if "train_loss" in log]
+    assert final["train_loss"] == pytest.approx(exact, rel=1e-10)
+
+
 # -- independent arithmetic of the big-batch run --------------------------------------------------
 
 def _big_batch_updates(scenario: TrainerScenario) -> int:
