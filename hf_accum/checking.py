@@ -6,6 +6,7 @@ test suite, so the product's check and the tests exercise the very same code pat
 
 from __future__ import annotations
 
+import os
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -188,6 +189,9 @@ def _model_factory(model: str):
             return keep_norm_dtype(LlamaForCausalLM(config).to(torch.float64))
 
         return tiny, config.vocab_size, 0
+
+    if not os.path.isdir(model):
+        raise ValueError(f"--model {model!r}: not 'tiny' and not a directory (nothing is downloaded; pass a local model)")
 
     def local():
         try:
