@@ -9,6 +9,12 @@ This module owns the benchmark logic (the CLI in :mod:`hf_accum.cli` only parses
   ours / bare tokens/s (target: >= 0.98).
 * **memory** -- peak memory of one update of K micro-batches of size b vs one micro-batch of size b
   (target: ratio <= 1.05).
+* **padding** -- variable-length SFT-like rows (random prompt and answer lengths, prompt masked):
+  real (non-pad) tokens/s of stock ``transformers.Trainer`` with default batching (right padding,
+  random order) vs :class:`hf_accum.AccumTrainer` with padding-free packing
+  (:class:`hf_accum.batching.PackingCollator`) and vs AccumTrainer with the same padding; same model,
+  data, micro-batch (in sequences) and accumulation, interleaved (targets: packed / stock >= 1.5,
+  ours / stock at the same batching >= 0.98).
 * **loss** -- the loss step at a large vocabulary: :func:`hf_accum.loss.token_loss_sum` (chunked)
   vs plain ``F.cross_entropy(logits.float())``; the largest single allocation tells whether the
   full fp32 logits were materialized.
@@ -51,8 +57,10 @@ from tqdm.auto import tqdm
 from hf_accum.batching import PaddingCollator
 from hf_accum.loss import IGNORE_INDEX, aligned_targets, rows_per_chunk, token_loss_sum
 
-SECTIONS = ("sweep", "overhead", "memory", "loss")
+SECTIONS = ("sweep", "overhead", "memory", "padding", "loss")
 OVERHEAD_TARGET = 0.98  # ours / bare tokens/s: "within 2% of a bare PyTorch loop"
+PACKING_TARGET = 1.5  # packed AccumTrainer / stock Trainer (default batching) real tokens/s
+TRAINER_TARGET = 0.98  # AccumTrainer / stock Trainer real tokens/s at the same batching: "no slower"
 MEMORY_TARGET = 1.05  # K micro-batches of b vs one micro-batch of b: "within 5%"
 MiB = 2**20
 
@@ -95,6 +103,13 @@ class BenchConfig:
     """Interleaved (bare, ours) pairs; the median of the per-pair ratios is reported."""
     memory_micro_batch: int = 2
     memory_accumulation: int = 8
+    padding_micro_batch: int = 8
+    """Sequences per micro-batch in the padding section (padded rows, or one packed row)."""
+    padding_accumulation: int = 2
+    padding_updates: int = 3
+    """Optimizer updates per Trainer run in the padding section."""
+    padding_repeats: int = 5
+    """Interleaved (stock, packed, ours-padded) triples; medians of the per-triple ratios are reported."""
     loss_vocab: int = 32768
     loss_tokens: int = 8192
     """Positions in the loss step; above loss.DEFAULT_CHUNK_BYTES of fp32 logits it runs in chunks."""
@@ -122,6 +137,8 @@ def validate(config: BenchConfig) -> None:
         global_batch_size=config.global_batch_size, updates=config.updates, repeats=config.repeats,
         overhead_repeats=config.overhead_repeats, memory_micro_batch=config.memory_micro_batch,
         memory_accumulation=config.memory_accumulation, loss_vocab=config.loss_vocab,
+        padding_micro_batch=config.padding_micro_batch, padding_accumulation=config.padding_accumulation,
+        padding_updates=config.padding_updates, padding_repeats=config.padding_repeats,
     )
     valid = divisors(config.global_batch_size)
     for name, values in (("accumulation steps", config.accumulation_steps), ("overhead accumulation",
@@ -439,7 +456,7 @@ def training_memory(work: Workload, examples: list, micro_batch: int, accumulati
 
 
 # ----------------------------------------------------------------------------------------------
-# The four sections
+# The sections
 # ----------------------------------------------------------------------------------------------
 
 
@@ -611,6 +628,181 @@ def accumulation_memory(config: BenchConfig, work: Workload) -> MemoryResult:
     return MemoryResult(b, k, config.max_length, single.peak_bytes, accumulated.peak_bytes, gradient_bytes)
 
 
+def sft_examples(n: int, vocab_size: int, pad_id: int, min_length: int, max_length: int, seed: int) -> list[dict]:
+    """SFT-like rows: random total length in ``[min_length, max_length]``, split at a random point
+    into a prompt (``prompt_length``: masked, no target) and an answer (the targets)."""
+    rows = random_examples(n, vocab_size, pad_id, min_length, max_length, seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    for row in rows:
+        length = len(row["input_ids"])
+        row["prompt_length"] = int(torch.randint(1, length, (1,), generator=generator))
+    return rows
+
+
+class _CountingCollator:
+    """Wrap a collator; count the real (non-pad) tokens and the positions it hands to the model."""
+
+    def __init__(self, collate: Callable):
+        self.collate = collate
+        self.real = self.total = 0
+
+    def __call__(self, examples):
+        batch = self.collate(examples)
+        mask = batch.get("attention_mask")
+        self.total += batch["input_ids"].numel()
+        self.real += int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+        return batch
+
+
+@dataclass
+class TrainerRun:
+    timing: Timing
+    real_tokens: int
+    positions: int
+
+
+def run_trainer(work: Workload, examples: list, micro_batch: int, accumulation: int, *, accum: bool,
+                packing: bool, output_dir: str, seed: int) -> TrainerRun:
+    """One epoch over ``examples`` with stock ``Trainer`` (``accum=False``) or ``AccumTrainer``,
+    padded or packed; times ``train()`` from ``on_train_begin`` to ``on_train_end`` (the optimizer,
+    scheduler and dataloader are built before; construction of the Trainer is not timed)."""
+    from accelerate.state import AcceleratorState, GradientState
+    from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+
+    from hf_accum.batching import PackingCollator
+    from hf_accum.trainer import AccumTrainer
+
+    device = work.device
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, *_args, **_kwargs):
+            _synchronize(device)
+            self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+        def on_train_end(self, *_args, **_kwargs):
+            _synchronize(device)
+            self.timing = Timing(time.perf_counter() - self.wall, time.process_time() - self.cpu)
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    model = work.reset()
+    args = TrainingArguments(
+        output_dir=output_dir, per_device_train_batch_size=micro_batch, gradient_accumulation_steps=accumulation,
+        num_train_epochs=1, learning_rate=1e-4, report_to="none", save_strategy="no", logging_strategy="no",
+        disable_tqdm=True, remove_unused_columns=False, use_cpu=device.type == "cpu", seed=seed,
+        dataloader_num_workers=0,
+    )
+    collator = _CountingCollator(PackingCollator() if packing else PaddingCollator(work.pad_token_id))
+    clock = Clock()
+    cls = AccumTrainer if accum else Trainer
+    trainer = cls(model=model, args=args, train_dataset=examples, data_collator=collator, callbacks=[clock])
+    trainer.remove_callback(PrinterCallback)  # no log dicts on stdout
+    trainer.train()
+    return TrainerRun(clock.timing, collator.real, collator.total)
+
+
+PADDING_VARIANTS = {
+    # name: (AccumTrainer?, packing?)
+    "stock": (False, False),
+    "packed": (True, True),
+    "ours_padded": (True, False),
+}
+
+
+@dataclass
+class PaddingResult:
+    micro_batch: int
+    accumulation_steps: int
+    updates: int
+    clock: str
+    """Which time the verdicts use: 'cpu' (process CPU seconds; CPU device) or 'wall' (CUDA)."""
+    real_tokens: int
+    """Real (non-pad) tokens per run (the same in every variant)."""
+    stock_padding_fraction: float
+    """Share of pad positions stock Trainer computed (random order, right padding)."""
+    packed_ratios: list[float]
+    """Per triple: packed AccumTrainer / stock Trainer real tokens/s, by ``clock``."""
+    trainer_ratios: list[float]
+    """Per triple: AccumTrainer / stock Trainer real tokens/s at the same (padded) batching."""
+    packed_wall_ratio: float
+    trainer_wall_ratio: float
+    tokens_per_s: dict[str, float]
+    """Median wall-clock real tokens/s of each variant."""
+
+    @property
+    def packed_ratio(self) -> float:
+        return statistics.median(self.packed_ratios)
+
+    @property
+    def trainer_ratio(self) -> float:
+        return statistics.median(self.trainer_ratios)
+
+    @property
+    def packed_interval(self) -> tuple[float, float]:
+        return median_interval(self.packed_ratios)
+
+    @property
+    def trainer_interval(self) -> tuple[float, float]:
+        return median_interval(self.trainer_ratios)
+
+    @property
+    def packed_passed(self) -> bool | None:
+        return _interval_verdict(self.packed_interval, PACKING_TARGET)
+
+    @property
+    def trainer_passed(self) -> bool | None:
+        return _interval_verdict(self.trainer_interval, TRAINER_TARGET)
+
+
+def _interval_verdict(interval: tuple[float, float], target: float) -> bool | None:
+    """As :attr:`OverheadResult.passed`: decided only when the whole ~95% interval is on one side."""
+    low, high = interval
+    if low >= target:
+        return True
+    if high < target:
+        return False
+    return None
+
+
+def padding(config: BenchConfig, work: Workload) -> PaddingResult:
+    """Stock Trainer (default batching) vs packed AccumTrainer vs padded AccumTrainer, interleaved."""
+    import tempfile
+
+    b, k, updates = config.padding_micro_batch, config.padding_accumulation, config.padding_updates
+    examples = sft_examples(b * k * updates, work.vocab_size, work.pad_token_id, config.min_length,
+                            config.max_length, config.seed + 3)
+    names = list(PADDING_VARIANTS)
+    runs: dict[str, list[TrainerRun]] = {name: [] for name in names}
+    with tempfile.TemporaryDirectory(prefix="hf_accum_bench_") as tmp:
+        def run(name: str, rows: list) -> TrainerRun:
+            accum, packing = PADDING_VARIANTS[name]
+            return run_trainer(work, rows, b, k, accum=accum, packing=packing, output_dir=tmp, seed=config.seed)
+
+        for name in names:  # warm-up (one update each), not timed
+            run(name, examples[: b * k])
+        with _progress(config.padding_repeats, "padding triples", config) as bar:
+            for rep in range(config.padding_repeats):
+                for name in names[rep % 3:] + names[: rep % 3]:  # rotate: no fixed position per variant
+                    runs[name].append(run(name, examples))
+                bar.update(1)
+    real = {runs[name][0].real_tokens for name in names}
+    if len(real) != 1:
+        raise RuntimeError(f"the variants saw different real token counts: {real}")
+    tokens = real.pop()
+    clock = "cpu" if work.device.type == "cpu" else "wall"
+
+    def ratios(name: str, by: str) -> list[float]:
+        return [getattr(s.timing, by) / getattr(o.timing, by) for s, o in zip(runs["stock"], runs[name])]
+
+    stock = runs["stock"][0]
+    return PaddingResult(
+        b, k, updates, clock, tokens, 1.0 - stock.real_tokens / stock.positions,
+        ratios("packed", clock), ratios("ours_padded", clock),
+        statistics.median(ratios("packed", "wall")), statistics.median(ratios("ours_padded", "wall")),
+        {name: tokens / statistics.median(r.timing.wall for r in runs[name]) for name in names},
+    )
+
+
 @dataclass
 class LossResult:
     vocab_size: int
@@ -685,6 +877,7 @@ class BenchReport:
     sweep: list[SweepRow] = field(default_factory=list)
     overhead: OverheadResult | None = None
     memory: MemoryResult | None = None
+    padding: PaddingResult | None = None
     loss: LossResult | None = None
 
     def summary(self) -> list[dict]:
@@ -705,6 +898,23 @@ class BenchReport:
                 measured=(f"{m.ratio:.3f} ({_mib(m.accumulated_bytes)} vs {_mib(m.single_bytes)}; excess = "
                           f"{m.excess_in_gradients:.2f} x gradient bytes)"),
                 threshold=f"<= {MEMORY_TARGET:.2f}", verdict=_verdict(m.passed),
+            ))
+        if self.padding is not None:
+            p = self.padding
+            where = f"micro-batch {p.micro_batch} sequences, K={p.accumulation_steps}"
+            rows.append(dict(
+                target=f"padding: real tokens/s packed AccumTrainer / stock Trainer default batching ({where})",
+                measured=(f"{p.packed_ratio:.3f} by {p.clock} time (median of {len(p.packed_ratios)} triples, ~95% "
+                          f"interval {p.packed_interval[0]:.3f}-{p.packed_interval[1]:.3f}; wall "
+                          f"{p.packed_wall_ratio:.3f}; stock padding {p.stock_padding_fraction:.1%})"),
+                threshold=f">= {PACKING_TARGET:.2f}", verdict=_verdict(p.packed_passed, "INCONCLUSIVE"),
+            ))
+            rows.append(dict(
+                target=f"trainer overhead: AccumTrainer / stock Trainer, same batching ({where}, padded)",
+                measured=(f"{p.trainer_ratio:.3f} by {p.clock} time (median of {len(p.trainer_ratios)} triples, ~95% "
+                          f"interval {p.trainer_interval[0]:.3f}-{p.trainer_interval[1]:.3f}; wall "
+                          f"{p.trainer_wall_ratio:.3f})"),
+                threshold=f">= {TRAINER_TARGET:.2f}", verdict=_verdict(p.trainer_passed, "INCONCLUSIVE"),
             ))
         if self.loss is not None:
             s = self.loss
@@ -727,6 +937,11 @@ class BenchReport:
             memory=None if self.memory is None else {
                 **asdict(self.memory), "ratio": self.memory.ratio, "passed": self.memory.passed,
                 "excess_in_gradients": self.memory.excess_in_gradients},
+            padding=None if self.padding is None else {
+                **asdict(self.padding), "packed_ratio": self.padding.packed_ratio,
+                "packed_interval": self.padding.packed_interval, "packed_passed": self.padding.packed_passed,
+                "trainer_ratio": self.padding.trainer_ratio, "trainer_interval": self.padding.trainer_interval,
+                "trainer_passed": self.padding.trainer_passed},
             loss=None if self.loss is None else {**asdict(self.loss), "ratio": self.loss.ratio, "passed": self.loss.passed},
             summary=self.summary(),
         )
@@ -780,6 +995,9 @@ def run_bench(config: BenchConfig, echo: Callable[[str], None] = print) -> Bench
     if "memory" in config.sections:
         report.memory = accumulation_memory(config, work)
         echo(memory_text(report.memory))
+    if "padding" in config.sections:
+        report.padding = padding(config, work)
+        echo(padding_text(report.padding))
     if "loss" in config.sections:
         report.loss = loss_memory(config, work.device)
         echo(loss_text(report.loss))
@@ -826,6 +1044,24 @@ def memory_text(m: MemoryResult) -> str:
         f"allocated through every later forward, while a lone micro-batch (zero_grad(set_to_none=True)) has none "
         f"during its forward"
     )
+
+
+def padding_text(p: PaddingResult) -> str:
+    t = p.tokens_per_s
+    names = {"stock": "stock Trainer, padded (default batching)", "packed": "AccumTrainer, packed (padding-free)",
+             "ours_padded": "AccumTrainer, padded (same batching as stock)"}
+    lines = [
+        f"\nPadding: SFT-like rows (random prompt/answer split, prompt masked), micro-batch {p.micro_batch} "
+        f"sequences, K={p.accumulation_steps}, {p.updates} updates per run, {p.real_tokens} real tokens per run; "
+        f"stock pads {p.stock_padding_fraction:.1%} of positions",
+        f"  {'variant':<48} {'real tokens/s':>14} {'/ stock (' + p.clock + ')':>14} {'/ stock (wall)':>15}",
+        f"  {names['stock']:<48} {t['stock']:>14.0f} {1.0:>14.3f} {1.0:>15.3f}",
+        f"  {names['packed']:<48} {t['packed']:>14.0f} {p.packed_ratio:>14.3f} {p.packed_wall_ratio:>15.3f}",
+        f"  {names['ours_padded']:<48} {t['ours_padded']:>14.0f} {p.trainer_ratio:>14.3f} {p.trainer_wall_ratio:>15.3f}",
+        f"  packed/stock per triple ({p.clock}): {', '.join(f'{r:.3f}' for r in p.packed_ratios)}",
+        f"  ours/stock per triple ({p.clock}):   {', '.join(f'{r:.3f}' for r in p.trainer_ratios)}",
+    ]
+    return "\n".join(lines)
 
 
 def loss_text(s: LossResult) -> str:

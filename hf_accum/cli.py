@@ -82,6 +82,14 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument("--overhead-repeats", type=int, default=d.overhead_repeats, help="interleaved pairs")
     bench.add_argument("--memory-micro-batch", type=int, default=d.memory_micro_batch)
     bench.add_argument("--memory-accumulation", type=int, default=d.memory_accumulation)
+    bench.add_argument("--padding-micro-batch", type=int, default=d.padding_micro_batch,
+                       help="padding section: sequences per micro-batch (padded rows, or one packed row)")
+    bench.add_argument("--padding-accumulation", type=int, default=d.padding_accumulation,
+                       help="padding section: accumulation steps")
+    bench.add_argument("--padding-updates", type=int, default=d.padding_updates,
+                       help="padding section: optimizer updates per Trainer run")
+    bench.add_argument("--padding-repeats", type=int, default=d.padding_repeats,
+                       help="padding section: interleaved (stock, packed, ours-padded) triples")
     bench.add_argument("--loss-vocab", type=int, default=d.loss_vocab)
     bench.add_argument("--loss-tokens", type=int, default=d.loss_tokens)
     bench.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), metavar="SECTION",
@@ -124,7 +132,9 @@ def _run_bench(args: argparse.Namespace) -> int:
         accumulation_steps=tuple(args.accumulation_steps), updates=args.updates, repeats=args.repeats,
         min_length=args.min_length, max_length=args.max_length, overhead_accumulation=args.overhead_accumulation,
         overhead_repeats=args.overhead_repeats, memory_micro_batch=args.memory_micro_batch,
-        memory_accumulation=args.memory_accumulation, loss_vocab=args.loss_vocab, loss_tokens=args.loss_tokens,
+        memory_accumulation=args.memory_accumulation, padding_micro_batch=args.padding_micro_batch,
+        padding_accumulation=args.padding_accumulation, padding_updates=args.padding_updates,
+        padding_repeats=args.padding_repeats, loss_vocab=args.loss_vocab, loss_tokens=args.loss_tokens,
         sections=tuple(dict.fromkeys(args.only)), output_dir=args.output_dir, seed=args.seed,
         threads=args.threads, disable_tqdm=args.no_progress,
     )

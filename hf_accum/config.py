@@ -69,7 +69,7 @@ EMBEDDED_DEFAULT: dict[str, Any] = {
     "global_batch_size": 32,
     "model": {"name_or_path": "hf_accum:tiny-llama", "dtype": "float32"},
     "data": {"dataset": "hf_accum:synthetic-tasks", "eval_split": "test", "max_length": 128, "num_train_examples": 5000,
-             "num_eval_examples": 200, "eval_max_new_tokens": 16},
+             "num_eval_examples": 200, "eval_max_new_tokens": 16, "packing": False},
     "lora": {
         "r": 32, "lora_alpha": 64, "lora_dropout": 0.0,
         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
@@ -121,6 +121,12 @@ class DataSection:
     system_prompt: str | None = None
     max_length: int = 512
     """Tokens per example after the chat template; longer ones are truncated (and counted)."""
+    packing: bool = False
+    """Padding-free packing (both engines): each micro-batch's sequences are concatenated into one
+    row with ``position_ids`` restarting per sequence (``hf_accum.batching.PackingCollator``) instead
+    of right-padded rows. Same sequences per micro-batch, same targets (loss on answers only), no pad
+    tokens computed. Needs an attention implementation that honours restarting ``position_ids``
+    (transformers' sdpa/eager/flash_attention_2 for Llama-style models do)."""
     max_eval_examples: int = 200
     eval_max_new_tokens: int = 32
     num_train_examples: int = 6000

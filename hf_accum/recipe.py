@@ -165,12 +165,20 @@ def barrier() -> None:
         torch.distributed.barrier()
 
 
+def make_collator(config: C.RecipeConfig, tokenizer):
+    """``data.packing``: padding-free packing (one row per micro-batch, ``position_ids`` restarting
+    per sequence) or right padding; both mask the prompt (loss on answers only). Both engines train
+    with ``use_cache=False``, which packed rows need."""
+    from hf_accum.batching import PackingCollator, PaddingCollator
+
+    return PackingCollator() if config.data.packing else PaddingCollator(tokenizer.pad_token_id)
+
+
 def train_loop(model, tokenizer, data: RecipeData, config: C.RecipeConfig, args) -> EngineResult:
     """The Accelerate engine: ``hf_accum.loop.train`` with the exact normalization."""
     from accelerate import Accelerator
     from tqdm.auto import tqdm
 
-    from hf_accum.batching import PaddingCollator
     from hf_accum.loop import LoopConfig, train
 
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
@@ -180,7 +188,7 @@ def train_loop(model, tokenizer, data: RecipeData, config: C.RecipeConfig, args)
     generator = torch.Generator().manual_seed(args.seed)
     loader = torch.utils.data.DataLoader(
         data.train.examples, batch_size=args.per_device_train_batch_size, shuffle=True, generator=generator,
-        collate_fn=PaddingCollator(tokenizer.pad_token_id), num_workers=args.dataloader_num_workers,
+        collate_fn=make_collator(config, tokenizer), num_workers=args.dataloader_num_workers,
     )
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
@@ -216,7 +224,7 @@ def train_trainer(model, tokenizer, data: RecipeData, config: C.RecipeConfig, ar
     from transformers import TrainerCallback
 
     from hf_accum import AccumTrainer
-    from hf_accum.batching import PaddingCollator
+
     records: list[dict[str, Any]] = []
 
     class Collect(TrainerCallback):
@@ -226,7 +234,7 @@ def train_trainer(model, tokenizer, data: RecipeData, config: C.RecipeConfig, ar
 
     trainer = AccumTrainer(
         model=model, args=args, train_dataset=data.train.examples,
-        data_collator=PaddingCollator(tokenizer.pad_token_id), processing_class=tokenizer, callbacks=[Collect()],
+        data_collator=make_collator(config, tokenizer), processing_class=tokenizer, callbacks=[Collect()],
     )
     plan = batch_plan(args)
     trainer.train()

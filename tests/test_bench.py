@@ -20,6 +20,7 @@ TINY = [
     "bench", "--global-batch-size", "4", "--accumulation-steps", "1", "2", "4", "--updates", "1",
     "--repeats", "1", "--min-length", "4", "--max-length", "12", "--overhead-accumulation", "2",
     "--overhead-repeats", "2", "--memory-micro-batch", "1", "--memory-accumulation", "2",
+    "--padding-micro-batch", "2", "--padding-accumulation", "2", "--padding-updates", "1", "--padding-repeats", "1",
     "--loss-vocab", "512", "--loss-tokens", "64", "--no-progress",
 ]
 
@@ -54,7 +55,8 @@ def test_bench_writes_table_plot_and_json(tmp_path, capsys):
     assert _positive_finite(memory["ratio"])
     loss = report["loss"]
     assert _positive_finite(loss["chunked_peak_bytes"]) and _positive_finite(loss["plain_peak_bytes"])
-    assert len(report["summary"]) == 3  # one row per measured target
+    assert report["padding"] is not None
+    assert len(report["summary"]) == 5  # one row per measured target
     assert {row["verdict"] for row in report["summary"]} <= {"PASS", "FAIL", "INCONCLUSIVE", "UNMEASURED"}
     assert "Summary" in printed
 
@@ -67,12 +69,42 @@ def test_sections_can_be_selected(tmp_path):
     assert not (out / "accumulation_tradeoff.png").exists()  # no sweep, no plot
 
 
+def test_padding_section_writes_its_numbers(tmp_path, capsys):
+    out = tmp_path / "only-padding"
+    assert main([*TINY, "--only", "padding", "--padding-repeats", "2", "--output-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((out / "bench.json").read_text())
+    assert report["sweep"] == [] and report["overhead"] is None and report["loss"] is None
+    padding = report["padding"]
+    assert (padding["micro_batch"], padding["accumulation_steps"], padding["updates"]) == (2, 2, 1)
+    assert padding["real_tokens"] > 0 and 0.0 <= padding["stock_padding_fraction"] < 1.0
+    assert len(padding["packed_ratios"]) == len(padding["trainer_ratios"]) == 2
+    for key in ("packed_ratio", "trainer_ratio", "packed_wall_ratio", "trainer_wall_ratio"):
+        assert _positive_finite(padding[key]), key
+    assert set(padding["tokens_per_s"]) == {"stock", "packed", "ours_padded"}
+    assert all(_positive_finite(v) for v in padding["tokens_per_s"].values())
+    targets = [row["target"] for row in report["summary"]]
+    assert len(targets) == 2 and targets[0].startswith("padding:") and targets[1].startswith("trainer overhead:")
+    assert {row["verdict"] for row in report["summary"]} <= {"PASS", "FAIL", "INCONCLUSIVE"}
+    assert "AccumTrainer, packed" in printed and "stock Trainer, padded" in printed
+
+
+def test_sft_examples_mask_a_random_prompt():
+    from hf_accum.bench import sft_examples
+
+    rows = sft_examples(20, 100, 0, 4, 12, seed=0)
+    assert all(4 <= len(r["input_ids"]) <= 12 and 1 <= r["prompt_length"] < len(r["input_ids"]) for r in rows)
+    assert all(0 not in r["input_ids"] for r in rows)  # never the pad id
+    assert len({r["prompt_length"] for r in rows}) > 3
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
         (["--accumulation-steps", "1", "3"], "valid values: 1, 2, 4, 8, 16"),
         (["--overhead-accumulation", "5"], "valid values: 1, 2, 4, 8, 16"),
         (["--global-batch-size", "0"], "global_batch_size=0"),
+        (["--padding-repeats", "0"], "padding_repeats=0"),
         (["--min-length", "50", "--max-length", "10"], "min_length <= max_length"),
         (["--model", "/nonexistent/model"], "neither 'tiny' nor a local model directory"),
     ],

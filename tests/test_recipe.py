@@ -96,6 +96,33 @@ def test_trainer_engine_one_process_end_to_end(tmp_path):
     assert metrics["updates"][1]["learning_rate"] == pytest.approx(2e-3)
 
 
+@pytest.mark.parametrize("engine", ["loop", "trainer"])
+def test_packing_trains_the_same_targets_without_padding(engine, tmp_path, monkeypatch):
+    """``data.packing=true``: same sequences and answer-only targets per update as padding, no pad
+    positions, and (same weights, same data order) the same first-update loss."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    run = load_script().run
+    runs = {}
+    for packing in (False, True):
+        out = tmp_path / f"{engine}-packing-{packing}"
+        runs[packing] = run([*SMALL, f"training.output_dir={out}", f"engine={engine}", "training.max_steps=3",
+                             f"data.packing={str(packing).lower()}", "data.num_eval_examples=2"])
+        assert read_metrics(out)["updates"] == json.loads(json.dumps(runs[packing]["updates"], default=str))
+    padded, packed = runs[False]["updates"], runs[True]["updates"]
+    assert len(padded) == len(packed) == 3
+    seqs = "sequences" if engine == "loop" else "sequences_per_update"
+    targets = "targets" if engine == "loop" else "tokens_per_update"
+    assert [u[seqs] for u in packed] == [u[seqs] for u in padded] == [32, 32, 32]
+    assert [u[targets] for u in packed] == [u[targets] for u in padded]  # answers only, nothing lost or added
+    assert all(u["padding_fraction"] == 0.0 for u in packed)
+    assert all(u["padding_fraction"] > 0.1 for u in padded)  # strongly varying lengths: padding is real
+    assert packed[0]["loss"] == pytest.approx(padded[0]["loss"], rel=1e-5)
+
+
+def test_packing_must_be_a_bool(tmp_path, capsys):
+    assert "data.packing: expected bool" in fails_cleanly(["data.packing=often"], tmp_path / "out", capsys)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["loop", "trainer"])
 def test_two_cpu_processes_end_to_end(engine, tmp_path):
