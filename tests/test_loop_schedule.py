@@ -6,9 +6,8 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
-from transformers import get_scheduler
 
+import references
 from hf_accum.batching import PaddingCollator
 from loops import Scenario, run_exact, run_naive
 from tiny import PAD, tiny_causal_lm, uneven_examples
@@ -17,15 +16,7 @@ N_EXAMPLES, MICRO, K, LR = 22, 2, 4, 1e-2
 
 
 def big_batch_learning_rates(total_updates: int, warmup: int, name: str = "linear") -> list[float]:
-    """LRs a big-batch run (batch = MICRO * K, one update per batch) applies at updates 1..total."""
-    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=LR)
-    scheduler = get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total_updates)
-    rates = []
-    for _ in range(total_updates):
-        rates.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        scheduler.step()
-    return rates
+    return references.big_batch_learning_rates(LR, total_updates, warmup, name)
 
 
 def _scenario(**kwargs) -> Scenario:

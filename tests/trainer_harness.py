@@ -13,10 +13,11 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from transformers import Trainer, TrainerCallback, TrainingArguments, get_scheduler
+from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from hf_accum.verify import BigBatchAuditor
+from references import big_batch_learning_rates
 
 # Keep test output quiet: Trainer's own info lines are not what we test.
 logging.getLogger("transformers.trainer").setLevel(logging.WARNING)
@@ -158,14 +159,5 @@ class NoKwargsForCausalLM(nn.Module):
 
 
 def big_batch_lrs(scenario: TrainerScenario, total_updates: int) -> list[float]:
-    """LR at each update of the big-batch run: transformers.get_scheduler over its number of updates."""
-    parameter = torch.nn.Parameter(torch.zeros(1))
-    optimizer = torch.optim.SGD([parameter], lr=scenario.lr)
-    scheduler = get_scheduler(scenario.scheduler, optimizer, num_warmup_steps=scenario.warmup_steps,
-                              num_training_steps=total_updates)
-    lrs = []
-    for _ in range(total_updates):
-        lrs.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        scheduler.step()
-    return lrs
+    """LR at each update of the scenario's big-batch run."""
+    return big_batch_learning_rates(scenario.lr, total_updates, scenario.warmup_steps, scenario.scheduler)
