@@ -90,6 +90,8 @@ class AccumTrainer(Trainer):
                 "AccumTrainer.loss_sum_and_count(outputs, labels, inputs) -> (loss_sum, n_targets) instead"
             )
         self._loss_kind = loss_kind
+        # Read once: the head's problem type does not change during a run (sequence heads only).
+        self._problem_type = model_problem_type(self.model)
         # We compute the loss from logits, so the model never sees labels or num_items_in_batch:
         # this also stops Trainer's own (rank-local when average_tokens_across_devices=False) count.
         self.model_accepts_loss_kwargs = False
@@ -130,7 +132,7 @@ class AccumTrainer(Trainer):
             labels,
             kind=self.loss_kind,
             label_smoothing=self.args.label_smoothing_factor,
-            problem_type=model_problem_type(self.model),
+            problem_type=self._problem_type,
         )
 
     # -- counting the window (before any forward) ---------------------------------------------

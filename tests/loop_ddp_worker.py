@@ -15,7 +15,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
 
 from hf_accum.batching import PaddingCollator  # noqa: E402
-from loops import Scenario, run_exact, run_naive  # noqa: E402
+from hf_accum.checking import Scenario, run_exact, run_naive  # noqa: E402
 from tiny import PAD, tiny_causal_lm, uneven_examples  # noqa: E402
 
 # 28 rows, micro-batch 2 -> 14 micro-batches, 7 per rank -> windows of 3, 3 and a short 1.

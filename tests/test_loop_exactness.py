@@ -8,7 +8,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from hf_accum.batching import PackingCollator, PaddingCollator
-from loops import Scenario, run_exact, run_naive
+from hf_accum.checking import Scenario, run_exact, run_naive
 from tiny import PAD, ClassificationCollator, tiny_causal_lm, tiny_sequence_classifier, uneven_examples
 
 EXACT = 1e-10

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_accum.batching import PaddingCollator
-from loops import Scenario, run_exact, run_naive
+from hf_accum.checking import Scenario, run_exact, run_naive
 from tiny import PAD, tiny_causal_lm, uneven_examples
 
 K = 16
@@ -62,7 +62,7 @@ def test_skipped_fp16_update_does_not_advance_the_scheduler():
 
     from hf_accum.loop import LoopConfig, train
     from hf_accum.loss import token_loss_sum
-    from loops import fresh_accelerator
+    from hf_accum.checking import fresh_accelerator
 
     accelerator = fresh_accelerator(2)
     accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)  # Accelerate has none on CPU
@@ -89,7 +89,7 @@ def _fp16_autocast_run(vocab=32000, micro_batch=2, length=128, accumulation=4, u
     from torch.utils.data import DataLoader
 
     from hf_accum.loop import LoopConfig, train
-    from loops import fresh_accelerator
+    from hf_accum.checking import fresh_accelerator
 
     accelerator = fresh_accelerator(accumulation)
     accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)  # Accelerate has none on CPU

@@ -9,7 +9,7 @@ import pytest
 
 import references
 from hf_accum.batching import PaddingCollator
-from loops import Scenario, run_exact, run_naive
+from hf_accum.checking import Scenario, run_exact, run_naive
 from tiny import PAD, tiny_causal_lm, uneven_examples
 
 N_EXAMPLES, MICRO, K, LR = 22, 2, 4, 1e-2

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable
 
 import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from hf_accum.checking import Scenario
 from hf_accum.verify import BigBatchAuditor
 from references import big_batch_learning_rates
 
@@ -24,20 +24,10 @@ logging.getLogger("transformers.trainer").setLevel(logging.WARNING)
 
 
 @dataclass
-class TrainerScenario:
-    name: str
-    model_factory: Callable[[], nn.Module]
-    examples: list
-    collator: Any
-    micro_batch: int = 2
-    accumulation: int = 4
-    epochs: float = 1
-    max_steps: int = -1
-    label_smoothing: float = 0.0
-    loss_kind: str = "causal_lm"
-    lr: float = 1e-2
-    scheduler: str = "constant"
-    warmup_steps: int = 0
+class TrainerScenario(Scenario):
+    """A loop scenario (hf_accum.checking.Scenario) plus extra TrainingArguments; the loop-only
+    fields (accelerator/loop kwargs, max_grad_norm) are unused here."""
+
     args: dict = field(default_factory=dict)  # extra TrainingArguments
 
 
