@@ -114,7 +114,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 
 def _run_check(args: argparse.Namespace) -> int:
-    from hf_accum.checking import check_model  # heavy imports only for this command
+    from hf_accum.testing.check import check_model  # heavy imports only for this command
 
     report = check_model(
         args.model, args.micro_batch_size, args.accumulation_steps, args.examples, tolerance=args.tolerance

@@ -96,16 +96,20 @@ def load_tokenizer(name_or_path: str, chat_template: str | None = None, trust_re
 # ----------------------------------------------------------------------------------------------
 
 
-def tiny_llama_config(tokenizer, overrides: dict[str, Any] | None = None):
+def tiny_llama_config(**values):
+    """A ``LlamaConfig`` of the tiny shape (:data:`TINY_LLAMA`), ``values`` on top. The one place a tiny
+    Llama config is built: the recipe's default model, the tests and the benchmarks pass their sizes."""
     from transformers import LlamaConfig
 
-    settings = {**TINY_LLAMA, **(overrides or {})}
-    return LlamaConfig(
-        vocab_size=len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        **settings,
+    return LlamaConfig(**{**TINY_LLAMA, **values})
+
+
+def recipe_tiny_config(tokenizer, overrides: dict[str, Any] | None = None):
+    """The embedded default model's config: the tokenizer's vocabulary and special ids, plus
+    ``model.config_overrides``."""
+    return tiny_llama_config(
+        vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None, **(overrides or {}),
     )
 
 
@@ -115,7 +119,7 @@ def build_tiny_llama(tokenizer, seed: int = 0, overrides: dict[str, Any] | None 
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(tiny_llama_config(tokenizer, overrides))
+        model = LlamaForCausalLM(recipe_tiny_config(tokenizer, overrides))
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
 
@@ -138,8 +142,6 @@ def load_model(
     device_map: Any = None,
 ):
     """Load the base causal LM. ``quantization`` is a ``transformers.BitsAndBytesConfig`` or None."""
-    from transformers import AutoModelForCausalLM
-
     torch_dtype = DTYPES[dtype]
     if name_or_path == TINY_MODEL:
         model = build_tiny_llama(tokenizer, seed, config_overrides)
@@ -177,7 +179,7 @@ def model_skeleton(name_or_path: str, tokenizer, config_overrides=None, trust_re
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if name_or_path == TINY_MODEL:
-        config = tiny_llama_config(tokenizer, config_overrides)
+        config = recipe_tiny_config(tokenizer, config_overrides)
     else:
         config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     with init_empty_weights():

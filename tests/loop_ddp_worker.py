@@ -6,22 +6,18 @@ number of gradient all-reduce rounds counted by a DDP comm hook.
 """
 
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-import torch.distributed as dist  # noqa: E402
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
-
-from hf_accum.batching import PaddingCollator  # noqa: E402
-from hf_accum.checking import Scenario, run_exact, run_naive  # noqa: E402
-from tiny import PAD, tiny_causal_lm, uneven_examples  # noqa: E402
+from hf_accum.batching import PaddingCollator
+from hf_accum.testing import PAD, Scenario, random_rows, run_exact, run_naive, tiny_causal_lm
 
 # 28 rows, micro-batch 2 -> 14 micro-batches, 7 per rank -> windows of 3, 3 and a short 1.
 # Accelerate hands micro-batch j to rank j % 2, so rows 4m, 4m+1 (long) land on rank 0 and
 # rows 4m+2, 4m+3 (3-5 tokens) on rank 1.
-EXAMPLES = uneven_examples(28, seed=21, min_len=3, max_len=40, long_rows=lambda i: (i // 2) % 2 == 0)
+EXAMPLES = random_rows(28, seed=21, min_len=3, max_len=40, long_rows=lambda i: (i // 2) % 2 == 0)
 
 
 def scenario() -> Scenario:

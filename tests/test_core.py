@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from hf_accum.accumulation import WindowTally, exact_mean_factor, rescale_gradients_
 from hf_accum.loss import count_targets, infer_loss_kind, token_loss_sum
 from hf_accum.schedule import plan_global_batch, planned_updates, updates_per_epoch
-from tiny import tiny_causal_lm, tiny_sequence_classifier
+from hf_accum.testing import tiny_causal_lm, tiny_sequence_classifier
 
 
 def _logits_labels(seed=0, batch=3, length=7, vocab=11, dtype=torch.float64):
@@ -76,7 +76,7 @@ def test_sequence_problem_types_follow_transformers():
     equals the loss transformers' own head computes."""
     from transformers import LlamaForSequenceClassification
 
-    from tiny import tiny_config
+    from hf_accum.testing import tiny_config
 
     cases = {
         "regression": (1, torch.randn(4, dtype=torch.float64)),

@@ -4,15 +4,19 @@ one gradient all-reduce per update, LR equal to the big-batch run's."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
-from launch import run_torchrun
-from test_loop_schedule import big_batch_learning_rates
+from hf_accum.testing import big_batch_learning_rates
+from hf_accum.testing.launch import run_torchrun
+
+HERE = os.path.dirname(__file__)
+
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    return run_torchrun("loop_ddp_worker.py", tmp_path_factory.mktemp("ddp") / "report.json")
+    return run_torchrun(os.path.join(HERE, "loop_ddp_worker.py"), tmp_path_factory.mktemp("ddp") / "report.json")
 
 
 @pytest.mark.slow
@@ -39,7 +43,7 @@ def test_one_gradient_allreduce_per_update(report):
 @pytest.mark.slow
 def test_ddp_lr_matches_big_batch(report):
     updates_per_epoch = math.ceil(28 / (2 * 3 * 2))
-    expected = big_batch_learning_rates(2 * updates_per_epoch, warmup=1)
+    expected = big_batch_learning_rates(1e-2, 2 * updates_per_epoch, warmup=1)  # the worker scenario: lr 1e-2, linear
     assert report["learning_rates"] == pytest.approx(expected, rel=1e-12, abs=0)
 
 

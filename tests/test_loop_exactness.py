@@ -8,8 +8,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from hf_accum.batching import PackingCollator, PaddingCollator
-from hf_accum.checking import Scenario, run_exact, run_naive
-from tiny import PAD, ClassificationCollator, tiny_causal_lm, tiny_sequence_classifier, uneven_examples
+from hf_accum.testing import PAD, ClassificationCollator, random_rows, run_exact, run_naive, Scenario, tiny_causal_lm, tiny_sequence_classifier
 
 EXACT = 1e-10
 NAIVE_IS_WRONG = 1e-3
@@ -28,41 +27,41 @@ def _checkpointed_model():
 
 
 SCENARIOS = {
-    "right_padding": Scenario("right_padding", tiny_causal_lm, uneven_examples(16), PaddingCollator(PAD)),
+    "right_padding": Scenario("right_padding", tiny_causal_lm, random_rows(16), PaddingCollator(PAD)),
     "prompt_masking": Scenario(
-        "prompt_masking", tiny_causal_lm, uneven_examples(16, seed=1, prompt_masking=True), PaddingCollator(PAD)
+        "prompt_masking", tiny_causal_lm, random_rows(16, seed=1, prompt_masking=True), PaddingCollator(PAD)
     ),
     # 11 micro-batches per epoch with K=4: windows of 4, 4 and a short 3, twice.
     "short_last_window_2_epochs": Scenario(
-        "short_last_window_2_epochs", tiny_causal_lm, uneven_examples(22, seed=2), PaddingCollator(PAD), epochs=2
+        "short_last_window_2_epochs", tiny_causal_lm, random_rows(22, seed=2), PaddingCollator(PAD), epochs=2
     ),
     "label_smoothing": Scenario(
-        "label_smoothing", tiny_causal_lm, uneven_examples(16, seed=3), PaddingCollator(PAD), label_smoothing=0.1
+        "label_smoothing", tiny_causal_lm, random_rows(16, seed=3), PaddingCollator(PAD), label_smoothing=0.1
     ),
     "gradient_checkpointing": Scenario(
-        "gradient_checkpointing", _checkpointed_model, uneven_examples(16, seed=4), PaddingCollator(PAD)
+        "gradient_checkpointing", _checkpointed_model, random_rows(16, seed=4), PaddingCollator(PAD)
     ),
-    "peft_lora": Scenario("peft_lora", _lora_model, uneven_examples(16, seed=5, prompt_masking=True),
+    "peft_lora": Scenario("peft_lora", _lora_model, random_rows(16, seed=5, prompt_masking=True),
                           PaddingCollator(PAD)),
     "sequence_classification": Scenario(
         "sequence_classification",
         tiny_sequence_classifier,
         # 13 rows, micro-batch 2, K=3: windows of 6, 6 and a short one of 1 row.
-        uneven_examples(13, seed=6, num_labels=3),
+        random_rows(13, seed=6, num_labels=3),
         ClassificationCollator(),
         accumulation=3,
         loss_kind="sequence",
     ),
     "sequence_regression": Scenario(
-        "sequence_regression", lambda: tiny_sequence_classifier(num_labels=1), uneven_examples(13, seed=9, num_labels=3),
+        "sequence_regression", lambda: tiny_sequence_classifier(num_labels=1), random_rows(13, seed=9, num_labels=3),
         ClassificationCollator("regression"), accumulation=3, loss_kind="sequence",
     ),
     "sequence_multi_label": Scenario(
-        "sequence_multi_label", tiny_sequence_classifier, uneven_examples(13, seed=10, num_labels=3),
+        "sequence_multi_label", tiny_sequence_classifier, random_rows(13, seed=10, num_labels=3),
         ClassificationCollator("multi_label"), accumulation=3, loss_kind="sequence",
     ),
     "packed_position_ids": Scenario(
-        "packed_position_ids", tiny_causal_lm, uneven_examples(18, seed=7, prompt_masking=True), PackingCollator(),
+        "packed_position_ids", tiny_causal_lm, random_rows(18, seed=7, prompt_masking=True), PackingCollator(),
         micro_batch=3, accumulation=4,
     ),
 }
@@ -94,7 +93,7 @@ def test_logged_loss_is_exact_window_mean():
 
 
 def test_window_without_targets_applies_no_update():
-    examples = uneven_examples(8, seed=8)
+    examples = random_rows(8, seed=8)
     for example in examples[4:]:
         example["prompt_length"] = len(example["input_ids"])  # every label of window 2 masked
     scenario = Scenario("empty_window", tiny_causal_lm, examples, PaddingCollator(PAD), micro_batch=2, accumulation=2)
@@ -120,7 +119,7 @@ def test_stream_without_length_runs_max_steps_exactly():
         def __iter__(self):
             return iter(self.examples)
 
-    scenario = Scenario("stream", tiny_causal_lm, Stream(uneven_examples(22, seed=12)), PaddingCollator(PAD),
+    scenario = Scenario("stream", tiny_causal_lm, Stream(random_rows(22, seed=12)), PaddingCollator(PAD),
                         max_steps=4)
     result, auditor = run_exact(scenario)
     assert len(result.updates) == len(auditor.records) == 4  # 3 windows in pass 1 (4, 4, 3), then pass 2
@@ -133,7 +132,7 @@ def test_stream_without_max_steps_is_refused():
 
     class Stream(IterableDataset):
         def __iter__(self):
-            return iter(uneven_examples(4))
+            return iter(random_rows(4))
 
     with pytest.raises(ValueError, match="max_steps"):
         run_exact(Scenario("stream", tiny_causal_lm, Stream(), PaddingCollator(PAD)))
@@ -142,13 +141,13 @@ def test_stream_without_max_steps_is_refused():
 def test_sync_with_dataloader_false_is_refused():
     from accelerate.utils import GradientAccumulationPlugin
 
-    from hf_accum.checking import fresh_accelerator
+    from hf_accum.testing import fresh_accelerator
     from hf_accum.loop import LoopConfig, train
 
     accelerator = fresh_accelerator(
         1, gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=4, sync_with_dataloader=False)
     )
-    loader = accelerator.prepare(torch.utils.data.DataLoader(uneven_examples(8), batch_size=2,
+    loader = accelerator.prepare(torch.utils.data.DataLoader(random_rows(8), batch_size=2,
                                                              collate_fn=PaddingCollator(PAD)))
     model = tiny_causal_lm()
     with pytest.raises(ValueError, match="sync_with_dataloader=True"):

@@ -6,15 +6,14 @@ import pytest
 import torch
 
 from hf_accum.batching import PaddingCollator
-from hf_accum.checking import Scenario, run_exact, run_naive
-from tiny import PAD, tiny_causal_lm, uneven_examples
+from hf_accum.testing import PAD, random_rows, run_exact, run_naive, Scenario, tiny_causal_lm
 
 K = 16
 
 
 def _bf16_weights_error(seed: int, fp32_accumulation: bool) -> float:
     scenario = Scenario(
-        "bf16_weights", lambda: tiny_causal_lm(seed=seed, dtype=torch.bfloat16), uneven_examples(K, seed=seed),
+        "bf16_weights", lambda: tiny_causal_lm(seed=seed, dtype=torch.bfloat16), random_rows(K, seed=seed),
         PaddingCollator(PAD), micro_batch=1, accumulation=K, lr=0.0, reference_dtype=torch.float64,
         loop_kwargs={"fp32_grad_accumulation": fp32_accumulation},
     )
@@ -34,7 +33,7 @@ def test_fp32_accumulation_of_bf16_weights_beats_bf16_accumulation():
 
 def test_bf16_autocast_mixed_precision_stays_exact_to_bf16_precision():
     scenario = Scenario(
-        "bf16_autocast", lambda: tiny_causal_lm(dtype=torch.float32), uneven_examples(16, seed=31),
+        "bf16_autocast", lambda: tiny_causal_lm(dtype=torch.float32), random_rows(16, seed=31),
         PaddingCollator(PAD), accelerator_kwargs={"mixed_precision": "bf16"}, reference_dtype=torch.float64,
     )
     result, auditor = run_exact(scenario)
@@ -48,7 +47,7 @@ def test_clipping_happens_once_per_update_on_the_exact_mean():
     micro-batches and the normalization), and the applied gradient has norm max_grad_norm."""
     max_norm = 1e-3
     scenario = Scenario(
-        "clip", tiny_causal_lm, uneven_examples(22, seed=32), PaddingCollator(PAD), max_grad_norm=max_norm
+        "clip", tiny_causal_lm, random_rows(22, seed=32), PaddingCollator(PAD), max_grad_norm=max_norm
     )
     result, auditor = run_exact(scenario)
     for update, record in zip(result.updates, auditor.records, strict=True):
@@ -62,12 +61,12 @@ def test_skipped_fp16_update_does_not_advance_the_scheduler():
 
     from hf_accum.loop import LoopConfig, train
     from hf_accum.loss import token_loss_sum
-    from hf_accum.checking import fresh_accelerator
+    from hf_accum.testing import fresh_accelerator
 
     accelerator = fresh_accelerator(2)
     accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)  # Accelerate has none on CPU
     model = tiny_causal_lm(dtype=torch.float32)
-    loader = DataLoader(uneven_examples(12, seed=33), batch_size=2, collate_fn=PaddingCollator(PAD))
+    loader = DataLoader(random_rows(12, seed=33), batch_size=2, collate_fn=PaddingCollator(PAD))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     micro_batches_seen = []
@@ -89,7 +88,7 @@ def _fp16_autocast_run(vocab=32000, micro_batch=2, length=128, accumulation=4, u
     from torch.utils.data import DataLoader
 
     from hf_accum.loop import LoopConfig, train
-    from hf_accum.checking import fresh_accelerator
+    from hf_accum.testing import fresh_accelerator
 
     accelerator = fresh_accelerator(accumulation)
     accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)  # Accelerate has none on CPU
@@ -120,17 +119,17 @@ def test_fp16_summed_losses_keep_mean_magnitudes_so_no_window_is_skipped(monkeyp
 
 def test_magnitude_constant_keeps_the_update_exact(monkeypatch):
     """With a GradScaler attached, windows of different N get different constants; still the big batch."""
-    import hf_accum.checking as checking
+    import hf_accum.testing.scenarios as scenarios
 
-    original = checking.fresh_accelerator
+    original = scenarios.fresh_accelerator
 
     def with_scaler(accumulation, **kwargs):
         accelerator = original(accumulation, **kwargs)
         accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
         return accelerator
 
-    monkeypatch.setattr(checking, "fresh_accelerator", with_scaler)
-    scenario = Scenario("scaler", tiny_causal_lm, uneven_examples(22, seed=34), PaddingCollator(PAD))
+    monkeypatch.setattr(scenarios, "fresh_accelerator", with_scaler)
+    scenario = Scenario("scaler", tiny_causal_lm, random_rows(22, seed=34), PaddingCollator(PAD))
     result, auditor = run_exact(scenario)
     assert len({u.targets for u in result.updates}) > 1
     assert auditor.max_relative_error < 1e-10, [r.relative_error for r in auditor.records]

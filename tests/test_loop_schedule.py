@@ -7,21 +7,20 @@ import math
 
 import pytest
 
-import references
 from hf_accum.batching import PaddingCollator
-from hf_accum.checking import Scenario, run_exact, run_naive
-from tiny import PAD, tiny_causal_lm, uneven_examples
+from hf_accum import testing
+from hf_accum.testing import PAD, Scenario, random_rows, run_exact, run_naive, tiny_causal_lm
 
 N_EXAMPLES, MICRO, K, LR = 22, 2, 4, 1e-2
 
 
 def big_batch_learning_rates(total_updates: int, warmup: int, name: str = "linear") -> list[float]:
-    return references.big_batch_learning_rates(LR, total_updates, warmup, name)
+    return testing.big_batch_learning_rates(LR, total_updates, warmup, name)
 
 
 def _scenario(**kwargs) -> Scenario:
     return Scenario(
-        "lr", tiny_causal_lm, uneven_examples(N_EXAMPLES, seed=11), PaddingCollator(PAD), micro_batch=MICRO,
+        "lr", tiny_causal_lm, random_rows(N_EXAMPLES, seed=11), PaddingCollator(PAD), micro_batch=MICRO,
         accumulation=K, lr=LR, scheduler="linear", warmup_steps=2, **kwargs,
     )
 

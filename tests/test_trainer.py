@@ -21,8 +21,7 @@ from transformers import Trainer
 from hf_accum import AccumTrainer
 from hf_accum.batching import PackingCollator, PaddingCollator
 from hf_accum.verify import BigBatchAuditor, _concatenate, _shift
-from tiny import PAD, ClassificationCollator, tiny_causal_lm, tiny_sequence_classifier, uneven_examples
-from trainer_harness import NoKwargsForCausalLM, TrainerScenario, big_batch_lrs, run_trainer
+from hf_accum.testing import PAD, ClassificationCollator, NoKwargsForCausalLM, random_rows, run_trainer, Scenario, tiny_causal_lm, tiny_sequence_classifier
 
 EXACT = 1e-10
 BROKEN = 1e-3  # a negative control must miss by more than this where stock Trainer is wrong
@@ -38,59 +37,59 @@ CHECKPOINTING = {"activation_checkpointing": True, "activation_checkpointing_kwa
 # name -> (scenario, what stock Trainer does: "broken" (> 1e-3), "fp32" (right up to its fp32 loss math)).
 SCENARIOS = {
     "uneven_right_padding": (
-        TrainerScenario("uneven_right_padding", tiny_causal_lm, uneven_examples(16, seed=1), PaddingCollator(PAD)),
+        Scenario("uneven_right_padding", tiny_causal_lm, random_rows(16, seed=1), PaddingCollator(PAD)),
         "fp32",
     ),
     "prompt_masking": (
-        TrainerScenario(
-            "prompt_masking", tiny_causal_lm, uneven_examples(16, seed=2, prompt_masking=True), PaddingCollator(PAD)
+        Scenario(
+            "prompt_masking", tiny_causal_lm, random_rows(16, seed=2, prompt_masking=True), PaddingCollator(PAD)
         ),
         "fp32",
     ),
     "short_last_window_2_epochs": (
         # 11 micro-batches per epoch, K=4: windows of 4, 4, 3 micro-batches; warmup + linear decay.
-        TrainerScenario(
-            "short_last_window_2_epochs", tiny_causal_lm, uneven_examples(22, seed=3), PaddingCollator(PAD),
+        Scenario(
+            "short_last_window_2_epochs", tiny_causal_lm, random_rows(22, seed=3), PaddingCollator(PAD),
             epochs=2, scheduler="linear", warmup_steps=2,
         ),
         "fp32",
     ),
     "label_smoothing": (
-        TrainerScenario(
-            "label_smoothing", tiny_causal_lm, uneven_examples(16, seed=4), PaddingCollator(PAD), label_smoothing=0.3
+        Scenario(
+            "label_smoothing", tiny_causal_lm, random_rows(16, seed=4), PaddingCollator(PAD), label_smoothing=0.3
         ),
         "fp32",
     ),
     "gradient_checkpointing": (
-        TrainerScenario(
-            "gradient_checkpointing", tiny_causal_lm, uneven_examples(16, seed=5), PaddingCollator(PAD),
+        Scenario(
+            "gradient_checkpointing", tiny_causal_lm, random_rows(16, seed=5), PaddingCollator(PAD),
             args=CHECKPOINTING,
         ),
         "fp32",
     ),
     "lora_gradient_checkpointing": (
-        TrainerScenario(
-            "lora_gradient_checkpointing", _lora_model, uneven_examples(16, seed=6, prompt_masking=True),
+        Scenario(
+            "lora_gradient_checkpointing", _lora_model, random_rows(16, seed=6, prompt_masking=True),
             PaddingCollator(PAD), args=CHECKPOINTING,
         ),
         "fp32",
     ),
     "sequence_classification": (
-        TrainerScenario(
-            "sequence_classification", tiny_sequence_classifier, uneven_examples(14, seed=7, num_labels=3),
+        Scenario(
+            "sequence_classification", tiny_sequence_classifier, random_rows(14, seed=7, num_labels=3),
             ClassificationCollator(), loss_kind="sequence",
         ),
         "broken",  # head accepts **kwargs, ignores num_items_in_batch: K times too large
     ),
     "packed_padding_free": (
-        TrainerScenario(
-            "packed_padding_free", tiny_causal_lm, uneven_examples(16, seed=8, prompt_masking=True), PackingCollator()
+        Scenario(
+            "packed_padding_free", tiny_causal_lm, random_rows(16, seed=8, prompt_masking=True), PackingCollator()
         ),
         "fp32",
     ),
     "forward_without_kwargs": (
-        TrainerScenario(
-            "forward_without_kwargs", lambda: NoKwargsForCausalLM(tiny_causal_lm()), uneven_examples(16, seed=9),
+        Scenario(
+            "forward_without_kwargs", lambda: NoKwargsForCausalLM(tiny_causal_lm()), random_rows(16, seed=9),
             PaddingCollator(PAD),
         ),
         "broken",  # Trainer averages micro-batch means (each divided by K)
@@ -121,7 +120,7 @@ def test_gradient_equals_big_batch_and_stock_trainer_is_measured(name, tmp_path)
 def test_lr_matches_big_batch_schedule_and_steps_once_per_update(tmp_path):
     scenario, _ = SCENARIOS["short_last_window_2_epochs"]
     run = run_trainer(scenario, str(tmp_path), AccumTrainer)
-    expected = big_batch_lrs(scenario, _big_batch_updates(scenario))
+    expected = scenario.big_batch_learning_rates(_big_batch_updates(scenario))
     assert len(run.lrs) == len(expected) == 6
     assert run.lrs == pytest.approx(expected, rel=0, abs=1e-15)
     assert run.trainer.lr_scheduler.last_epoch == len(run.auditor.records)  # scheduler steps == updates
@@ -130,19 +129,19 @@ def test_lr_matches_big_batch_schedule_and_steps_once_per_update(tmp_path):
 
 def test_lr_with_max_steps_crossing_an_epoch(tmp_path):
     base, _ = SCENARIOS["short_last_window_2_epochs"]
-    scenario = TrainerScenario(**{**base.__dict__, "max_steps": 5, "epochs": 1})
+    scenario = Scenario(**{**base.__dict__, "max_steps": 5, "epochs": 1})
     run = run_trainer(scenario, str(tmp_path), AccumTrainer)
-    assert run.lrs == pytest.approx(big_batch_lrs(scenario, 5), abs=1e-15)
+    assert run.lrs == pytest.approx(scenario.big_batch_learning_rates(5), abs=1e-15)
     assert run.max_error < EXACT
 
 
 def test_lr_with_fractional_epochs_that_float_rounding_would_overshoot(tmp_path):
     """20 rows, micro-batch 1, K=2: 10 updates per epoch; 1.1 epochs is 11 updates (a horizon of 12,
     from 0.10000000000000009 * 10 rounded up, would make every LR differ)."""
-    scenario = TrainerScenario("fractional_epochs", tiny_causal_lm, uneven_examples(20, seed=13), PaddingCollator(PAD),
+    scenario = Scenario("fractional_epochs", tiny_causal_lm, random_rows(20, seed=13), PaddingCollator(PAD),
                                micro_batch=1, accumulation=2, epochs=1.1, scheduler="linear")
     run = run_trainer(scenario, str(tmp_path), AccumTrainer)
-    assert run.lrs == pytest.approx(big_batch_lrs(scenario, 11), rel=0, abs=1e-15)
+    assert run.lrs == pytest.approx(scenario.big_batch_learning_rates(11), rel=0, abs=1e-15)
 
 
 # -- subclassing: a custom loss through the one override point ----------------------------------
@@ -222,10 +221,10 @@ def test_logs_carry_exact_window_loss_tokens_sequences_padding(tmp_path, caplog)
 
 
 def test_window_without_targets_applies_nothing(tmp_path, caplog):
-    examples = uneven_examples(16, seed=10)
+    examples = random_rows(16, seed=10)
     for example in examples[8:16]:  # the second window (micro-batches 5-8): every label masked
         example["prompt_length"] = len(example["input_ids"])
-    scenario = TrainerScenario("no_targets", tiny_causal_lm, examples, PaddingCollator(PAD))
+    scenario = Scenario("no_targets", tiny_causal_lm, examples, PaddingCollator(PAD))
     run = run_trainer(scenario, str(tmp_path), AccumTrainer)
     assert run.grads_were_none == [False, True]  # AdamW skips every parameter: no momentum, no decay
     assert run.max_error < EXACT
@@ -268,7 +267,7 @@ def _exact_mean_loss(model, collator, examples, batch_size):
 def test_eval_loss_is_the_per_target_mean_of_the_whole_set(tmp_path, trainer_cls):
     scenario, _ = SCENARIOS["prompt_masking"]
     run = run_trainer(scenario, str(tmp_path), trainer_cls, max_steps=1, per_device_eval_batch_size=3)
-    eval_set = uneven_examples(10, seed=14, prompt_masking=True)
+    eval_set = random_rows(10, seed=14, prompt_masking=True)
     metrics = run.trainer.evaluate(eval_dataset=eval_set)
     exact = _exact_mean_loss(run.trainer.model, scenario.collator, eval_set, batch_size=3)
     if trainer_cls is AccumTrainer:
@@ -288,7 +287,7 @@ def test_final_train_loss_weighs_every_target_alike(tmp_path):
 
 # -- independent arithmetic of the big-batch run --------------------------------------------------
 
-def _big_batch_updates(scenario: TrainerScenario) -> int:
+def _big_batch_updates(scenario: Scenario) -> int:
     if scenario.max_steps > 0:
         return scenario.max_steps
     micro_batches = math.ceil(len(scenario.examples) / scenario.micro_batch)

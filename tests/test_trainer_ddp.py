@@ -5,18 +5,21 @@ negative control. All runs share one torchrun launch (tests/trainer_ddp_worker.p
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
-from launch import run_torchrun
+from hf_accum.testing.launch import run_torchrun
 from trainer_ddp_worker import ACCUMULATION, EPOCHS, EXAMPLES, MICRO_BATCH, scenario
-from trainer_harness import big_batch_lrs
+
+
+HERE = os.path.dirname(__file__)
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     """Launch with torchrun: `accelerate launch --cpu --num_processes 2` silently starts ONE process."""
-    return run_torchrun("trainer_ddp_worker.py", tmp_path_factory.mktemp("trainer_ddp") / "report.json")
+    return run_torchrun(os.path.join(HERE, "trainer_ddp_worker.py"), tmp_path_factory.mktemp("trainer_ddp") / "report.json")
 
 
 def test_two_processes_really_started(report):
@@ -50,7 +53,7 @@ def test_stock_trainer_without_token_averaging_is_wrong(report):
 
 
 def test_ddp_lr_matches_big_batch_and_steps_once_per_update(report):
-    expected = big_batch_lrs(scenario(), 6)
+    expected = scenario().big_batch_learning_rates(6)
     for name in ("accum_avg_true", "accum_avg_false"):
         assert report[name]["learning_rates"] == pytest.approx(expected, abs=1e-15)
         assert report[name]["scheduler_steps"] == 6
@@ -60,7 +63,7 @@ def test_resume_on_another_world_size_is_refused(report, tmp_path):
     """A checkpoint trained on 2 processes, resumed on 1 with the same micro-batch and accumulation:
     the effective batch would halve, so AccumTrainer refuses and names the difference."""
     from hf_accum import AccumTrainer
-    from trainer_harness import run_trainer
+    from hf_accum.testing import run_trainer
 
     with pytest.raises(ValueError, match="number of processes 2 -> 1"):
         run_trainer(scenario(), str(tmp_path), AccumTrainer, resume_from_checkpoint=report["two_process_checkpoint"])

@@ -14,12 +14,11 @@ from transformers import Trainer
 from hf_accum import AccumTrainer
 from hf_accum.batching import PaddingCollator
 from hf_accum.verify import BigBatchAuditor
-from tiny import PAD, tiny_causal_lm, uneven_examples
-from trainer_harness import TrainerScenario, big_batch_lrs, run_trainer
+from hf_accum.testing import PAD, random_rows, run_trainer, Scenario, tiny_causal_lm
 
 # 11 micro-batches per epoch, K=4: windows of 4, 4, 3; 2 epochs = 6 updates; shuffled each epoch.
-SCENARIO = TrainerScenario(
-    "resume", tiny_causal_lm, uneven_examples(22, seed=12, prompt_masking=True), PaddingCollator(PAD),
+SCENARIO = Scenario(
+    "resume", tiny_causal_lm, random_rows(22, seed=12, prompt_masking=True), PaddingCollator(PAD),
     epochs=2, scheduler="linear", warmup_steps=2, args={"train_sampling_strategy": "random", "save_strategy": "steps",
                                                          "save_steps": 2},
 )
@@ -38,7 +37,7 @@ def test_resume_reproduces_gradients_and_lrs_across_the_epoch_boundary(uninterru
     for full, again in zip(uninterrupted.grads[2:], resumed.grads):
         assert torch.linalg.vector_norm(full - again) <= 1e-12 * torch.linalg.vector_norm(full)
     assert resumed.lrs == pytest.approx(uninterrupted.lrs[2:], abs=1e-15)
-    assert uninterrupted.lrs == pytest.approx(big_batch_lrs(SCENARIO, 6), abs=1e-15)
+    assert uninterrupted.lrs == pytest.approx(SCENARIO.big_batch_learning_rates(6), abs=1e-15)
     assert max(uninterrupted.errors + resumed.errors) < 1e-10
     assert [r.micro_batches for r in resumed.auditor.records] == [3, 4, 4, 3]  # short window, then epoch 2
 
@@ -78,7 +77,7 @@ def _oom_above_two_rows(base: type[Trainer], auditor: BigBatchAuditor) -> type[T
     return OutOfMemoryAboveTwoRows
 
 
-AUTO = TrainerScenario("auto_batch", tiny_causal_lm, uneven_examples(24, seed=13), PaddingCollator(PAD),
+AUTO = Scenario("auto_batch", tiny_causal_lm, random_rows(24, seed=13), PaddingCollator(PAD),
                        micro_batch=4, accumulation=2, args={"auto_find_batch_size": True})
 
 

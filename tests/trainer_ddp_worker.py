@@ -16,18 +16,17 @@ from transformers import Trainer
 
 from hf_accum import AccumTrainer
 from hf_accum.batching import PaddingCollator
-from tiny import PAD, tiny_causal_lm, uneven_examples
-from trainer_harness import TrainerScenario, run_trainer
+from hf_accum.testing import PAD, random_rows, run_trainer, Scenario, tiny_causal_lm
 
 MICRO_BATCH, ACCUMULATION, EXAMPLES, EPOCHS = 2, 3, 28, 2
 
 
-def scenario() -> TrainerScenario:
+def scenario() -> Scenario:
     # Accelerate deals micro-batch i to rank i % 2 (sequential sampler): rank 0 gets only 40-token
     # rows, rank 1 only 3-5-token rows -- per-rank counts differ ~10x. 14 micro-batches = 7 per
     # rank = windows of 3, 3, 1 micro-batches: a short last window in each of the 2 epochs.
-    examples = uneven_examples(EXAMPLES, seed=11, long_rows=lambda i: (i // MICRO_BATCH) % 2 == 0)
-    return TrainerScenario(
+    examples = random_rows(EXAMPLES, seed=11, long_rows=lambda i: (i // MICRO_BATCH) % 2 == 0)
+    return Scenario(
         "ddp", tiny_causal_lm, examples, PaddingCollator(PAD), micro_batch=MICRO_BATCH,
         accumulation=ACCUMULATION, epochs=EPOCHS, scheduler="linear", warmup_steps=1,
     )

@@ -1,4 +1,4 @@
-"""Launch a test worker on 2 real CPU processes.
+"""Launch a worker script on 2 real CPU processes (gloo) and read back its JSON report.
 
 torchrun, not ``accelerate launch --cpu --num_processes 2`` (which silently starts ONE process);
 ``--standalone`` picks a free rendezvous port (``--master_port 0`` would hand port 0 itself to the
@@ -12,14 +12,14 @@ import json
 import os
 import subprocess
 import sys
+from typing import Sequence
 
-HERE = os.path.dirname(__file__)
 
-
-def run_torchrun(worker: str, out_path, nproc: int = 2, timeout: int = 300) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+def run_torchrun(worker: str, out_path, nproc: int = 2, timeout: int = 300, extra_args: Sequence[str] = ()) -> dict:
+    """Run ``worker OUT.json [extra_args]`` under torchrun; return the JSON it wrote (rank 0)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone",
-               os.path.join(HERE, worker), str(out_path)]
+               worker, str(out_path), *extra_args]
     completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     assert completed.returncode == 0, completed.stderr[-4000:]
     with open(out_path) as handle:

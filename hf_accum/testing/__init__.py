@@ -1,0 +1,56 @@
+"""Test support shared by the test suite, ``hf-accum check`` and the benchmarks (like Accelerate's
+``test_utils``): tiny models built from config, uneven random data, audited training runs, and a
+torchrun launcher. Nothing here is used by training itself.
+
+* :mod:`~hf_accum.testing.models` -- tiny Llamas (float64, dtype-keeping RMSNorm), a causal LM
+  whose ``forward`` takes no ``**kwargs``;
+* :mod:`~hf_accum.testing.data` -- random rows of uneven length (prompt masking, classification
+  labels, long/short rows per rank);
+* :mod:`~hf_accum.testing.scenarios` -- a scenario (model, data, batch arithmetic) run through the
+  hf_accum loop, the naive ``loss / K`` loop or a ``Trainer``, each under
+  :class:`hf_accum.verify.BigBatchAuditor`; the big-batch LR reference;
+* :mod:`~hf_accum.testing.launch` -- start a worker on 2 real CPU processes with torchrun.
+"""
+
+from hf_accum.testing.data import ClassificationCollator, random_rows
+from hf_accum.testing.models import (
+    PAD,
+    VOCAB,
+    NoKwargsForCausalLM,
+    keep_norm_dtype,
+    tiny_causal_lm,
+    tiny_config,
+    tiny_sequence_classifier,
+)
+from hf_accum.testing.scenarios import (
+    AuditedTrainerRun,
+    Scenario,
+    big_batch_learning_rates,
+    fresh_accelerator,
+    loop_config,
+    run_exact,
+    run_naive,
+    run_trainer,
+    training_args,
+)
+
+__all__ = [
+    "PAD",
+    "VOCAB",
+    "AuditedTrainerRun",
+    "ClassificationCollator",
+    "NoKwargsForCausalLM",
+    "Scenario",
+    "big_batch_learning_rates",
+    "fresh_accelerator",
+    "keep_norm_dtype",
+    "loop_config",
+    "random_rows",
+    "run_exact",
+    "run_naive",
+    "run_trainer",
+    "tiny_causal_lm",
+    "tiny_config",
+    "tiny_sequence_classifier",
+    "training_args",
+]

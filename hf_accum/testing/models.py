@@ -1,0 +1,72 @@
+"""Tiny models for exactness checks: built from config, random init, fixed seed, float64.
+
+Exactness checks run in float64, where "equal" means ~1e-12. ``LlamaRMSNorm`` computes in float32
+even inside a float64 model; that fp32 island would put a ~1e-7 rounding floor under any float64
+comparison and hide what the check measures. :func:`keep_norm_dtype` therefore gives the *instances*
+of a test model a dtype-keeping norm (the same formula). The training code itself is never patched.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from hf_accum.modeling import tiny_llama_config
+
+VOCAB = 61
+PAD = 0
+# Smaller than the recipe's tiny Llama: a float64 big-batch reference per update stays cheap.
+TEST_SHAPE = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=256, rms_norm_eps=1e-6,
+)
+
+
+def tiny_config(**overrides) -> LlamaConfig:
+    values = dict(vocab_size=VOCAB, pad_token_id=PAD, bos_token_id=1, eos_token_id=2, **TEST_SHAPE)
+    values.update(overrides)
+    return tiny_llama_config(**values)
+
+
+def tiny_causal_lm(seed: int = 0, dtype: torch.dtype = torch.float64, **overrides) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return keep_norm_dtype(LlamaForCausalLM(tiny_config(**overrides)).to(dtype))
+
+
+def tiny_sequence_classifier(seed: int = 0, num_labels: int = 3, dtype=torch.float64):
+    torch.manual_seed(seed)
+    return keep_norm_dtype(LlamaForSequenceClassification(tiny_config(num_labels=num_labels)).to(dtype))
+
+
+def keep_norm_dtype(model: torch.nn.Module) -> torch.nn.Module:
+    """Make RMSNorm instances compute in the input dtype (same formula as transformers')."""
+
+    def forward(self, hidden_states):
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+            module.forward = types.MethodType(forward, module)
+    return model
+
+
+class NoKwargsForCausalLM(nn.Module):
+    """A causal LM whose forward takes no ``**kwargs`` (stock Trainer then averages micro-batch means)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.config = inner.config
+
+    def forward(self, input_ids, attention_mask=None, labels=None, use_cache=None):
+        out = self.inner(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        loss = None
+        if labels is not None:  # the textbook per-micro-batch mean (what stock Trainer relies on)
+            logits = out.logits[:, :-1].reshape(-1, out.logits.shape[-1])
+            loss = nn.functional.cross_entropy(logits, labels[:, 1:].reshape(-1), ignore_index=-100)
+        return CausalLMOutputWithPast(loss=loss, logits=out.logits)
