@@ -11,6 +11,23 @@ import logging
 # warning when it cannot (always, offline); it then uses its built-in kernel, which is correct.
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
+
+def _library_logger() -> None:
+    """hf_accum's own lines (the effective batch, the LR horizon, skipped updates) are shown at INFO
+    by default, on stderr, without touching the root logger (``HF_ACCUM_LOG_LEVEL`` changes it)."""
+    import os
+
+    library = logging.getLogger("hf_accum")
+    if not library.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[hf_accum] %(message)s"))
+        library.addHandler(handler)
+        library.setLevel(os.environ.get("HF_ACCUM_LOG_LEVEL", "INFO").upper())
+        library.propagate = False
+
+
+_library_logger()
+
 from hf_accum.accumulation import WindowTally, WindowTotals, exact_mean_factor  # noqa: E402
 from hf_accum.batching import PackingCollator, PaddingCollator  # noqa: E402
 from hf_accum.loss import count_targets, infer_loss_kind, token_loss_sum  # noqa: E402

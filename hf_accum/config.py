@@ -1,9 +1,10 @@
-"""The typed recipe config: YAML, then command-line overrides, validation, and the saved copy.
+"""The typed recipe config: layers (built-in defaults < YAML < command line), validation, the saved copy.
 
 This module owns the *shape* of a recipe run and every check that can be made before a model
-is loaded. A config has recipe fields plus five sections::
+is loaded. A config has recipe fields plus sections; the sections are ONE registry, the
+:class:`RecipeConfig` fields whose metadata holds a :class:`Section`::
 
-    engine: loop                # loop (hf_accum.loop.train) | trainer (hf_accum.AccumTrainer)
+    engine: loop                # a name from the recipe's engine table (loop | trainer)
     global_batch_size: 32       # optional; derives training.gradient_accumulation_steps
     model:        ModelSection  (this module)
     data:         DataSection   (this module)
@@ -11,21 +12,36 @@ is loaded. A config has recipe fields plus five sections::
     quantization: transformers.BitsAndBytesConfig fields (null: none; needs lora -> QLoRA)
     training:     transformers.TrainingArguments fields
 
-The HF sections are not re-declared here: their keys and types are read from the HF classes
-themselves (dataclass fields / ``__init__`` signature), values are type-checked against those
-annotations, and the objects are built by the HF constructors (which add their own checks).
+Adding a section means adding one such field. The HF sections are not re-declared here: their
+keys and types are read from the HF classes themselves (dataclass fields / ``__init__``
+signature), values are type-checked against those annotations, and the objects are built by the
+HF constructors (which add their own checks).
 
-Precedence: dataclass defaults < recipe defaults (:data:`TRAINING_DEFAULTS`) < YAML < command
-line. Overrides are dotted keys, in either form::
+Layers, lowest first, each remembered as the *source* of the keys it sets (errors name it):
 
-    --training.learning_rate 1e-4     --lora.r=16     training.max_steps=5     --lora null
+1. built-in defaults: the dataclass defaults and :data:`BUILTIN_DEFAULTS` (sensible for a real
+   fine-tune: LoRA on every linear layer, bf16 off, TrainingArguments' own defaults otherwise);
+2. the YAML: ``--config FILE``, or :data:`EMBEDDED_DEFAULT` (= ``recipes/configs/cpu_default.yaml``)
+   when no ``--config`` is given -- the tiny CPU job;
+3. the command line: dotted keys, in either form::
 
-values are parsed as YAML (``[q_proj, v_proj]``, ``null``, ``true``), then coerced to the
-field's type (so ``1e-4`` is a float even though YAML 1.1 reads it as a string).
+       --training.learning_rate 1e-4     --lora.r=16     training.max_steps=5     --lora null
+
+   values are parsed as YAML (``[q_proj, v_proj]``, ``null``, ``true``), then coerced to the
+   field's type (so ``1e-4`` is a float even though YAML 1.1 reads it as a string).
+
+Two rules keep the layers from mixing what belongs together:
+
+* a layer that sets ``data.dataset`` (or ``model.name_or_path``) to something new starts that
+  section afresh: the lower layer's data settings (splits, columns, sizes) described *its*
+  dataset, not this one;
+* ``training.gradient_accumulation_steps`` and ``global_batch_size`` both fix the accumulation:
+  the higher layer wins (logged); set in the same layer, they must agree.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import enum
@@ -34,29 +50,20 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import yaml
 
 RESOLVED_CONFIG_NAME = "resolved_config.yaml"
-ENGINES = ("loop", "trainer")
-# Recipe-level defaults for TrainingArguments that differ from transformers' own defaults.
-TRAINING_DEFAULTS: dict[str, Any] = {
-    "report_to": "none",
-    # The collators need `prompt_length`, which Trainer would drop (not a forward() argument).
-    "remove_unused_columns": False,
-    # The recipe saves the adapter/model itself at the end; no intermediate Trainer checkpoints.
-    "save_strategy": "no",
-    "logging_steps": 10,
-}
-# TrainingArguments fields the Accelerate loop engine honours; others only matter to `trainer`.
-LOOP_TRAINING_FIELDS = {
-    "output_dir", "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate",
-    "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "num_train_epochs", "max_steps",
-    "lr_scheduler_type", "warmup_steps", "max_grad_norm", "seed", "bf16", "fp16", "use_cpu",
-    "logging_steps", "disable_tqdm", "label_smoothing_factor", "dataloader_num_workers",
-    "gradient_checkpointing", "activation_checkpointing", "report_to", "remove_unused_columns", "save_strategy",
-    "per_device_eval_batch_size", "data_seed",
+BUILTIN = "built-in default"
+COMMAND_LINE = "command line"
+EMBEDDED_SOURCE = "embedded default (recipes/configs/cpu_default.yaml)"
+# Recipe-level defaults that differ from the HF classes' own defaults.
+BUILTIN_DEFAULTS: dict[str, Any] = {
+    "engine": "loop",
+    "lora": {"r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "target_modules": "all-linear"},
+    # remove_unused_columns: the collators read `prompt_length`, which Trainer would drop.
+    "training": {"report_to": "none", "logging_steps": 10, "remove_unused_columns": False},
 }
 
 
@@ -82,6 +89,8 @@ EMBEDDED_DEFAULT: dict[str, Any] = {
         "activation_checkpointing": True, "logging_steps": 10, "seed": 0, "use_cpu": True,
     },
 }
+# Keys whose new value makes the lower layers' settings of the same section meaningless.
+SECTION_IDENTITY = {"data": "dataset", "model": "name_or_path"}
 
 
 class ConfigError(ValueError):
@@ -137,70 +146,123 @@ class DataSection:
     """Embedded dataset only: generation seed."""
 
 
-SECTIONS = ("model", "data", "lora", "quantization", "training")
+@dataclass(frozen=True)
+class Section:
+    """A config section: where its keys and types come from, and the object it becomes.
+
+    Either a dataclass of this module (``recipe_class``: model, data) or an HF class named
+    ``"module:Class"`` (``hf_class``: lora, quantization, training), whose keys and types are read
+    from the class itself. ``nullable``: ``null`` switches the feature off. ``fixed``: values the
+    recipe always passes to the HF constructor. ``type_overrides``: keys the recipe reads with a wider
+    type than the class declares.
+    """
+
+    recipe_class: type | None = None
+    hf_class: str | None = None
+    nullable: bool = False
+    fixed: dict = field(default_factory=dict)
+    type_overrides: dict = field(default_factory=dict)
+
+    def cls(self) -> type:
+        if self.recipe_class is not None:
+            return self.recipe_class
+        import importlib
+
+        module, _, name = self.hf_class.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+    def types(self) -> dict[str, Any]:
+        return {**field_types(self.cls()), **self.type_overrides}
+
+    def check(self, name: str, raw: Any) -> Any:
+        """The section's typed value: a dataclass instance, a checked dict of HF fields, or None."""
+        if raw is None and self.nullable:
+            return None
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{name} must be a mapping of {self.cls().__name__} fields, got {raw!r}")
+        types_ = self.types()
+        for key in raw:
+            if key not in types_:
+                raise _unknown_key(f"{name}.", key, list(types_))
+        checked = {key: coerce(value, types_[key], f"{name}.{key}") for key, value in raw.items()}
+        return self.recipe_class(**checked) if self.recipe_class is not None else checked
+
+    def build(self, name: str, values: dict[str, Any] | None, **changes: Any):
+        """The HF object (its own validation errors become ConfigErrors naming the section)."""
+        if values is None:
+            return None
+        return _construct(name, self.cls(), {**self.fixed, **values, **changes})
+
+
+def _section(default: Any = None, **spec: Any):
+    factory = default if callable(default) else (lambda: copy.deepcopy(default))
+    return field(default_factory=factory, metadata={"section": Section(**spec)})
 
 
 @dataclass
 class RecipeConfig:
     engine: str = "loop"
-    """loop: hf_accum.loop.train on Accelerate; trainer: hf_accum.AccumTrainer."""
+    """A name from the recipe's engine table: loop (hf_accum.train on Accelerate), trainer (AccumTrainer)."""
     global_batch_size: int | None = None
     """Sequences per optimizer update over all processes; derives gradient_accumulation_steps."""
     overwrite_output_dir: bool = False
     """Allow writing into an output dir that holds a *different* run."""
-    model: ModelSection = field(default_factory=ModelSection)
-    data: DataSection = field(default_factory=DataSection)
-    lora: dict | None = field(default_factory=dict)
+    model: ModelSection = _section(ModelSection, recipe_class=ModelSection)
+    data: DataSection = _section(DataSection, recipe_class=DataSection)
+    lora: dict | None = _section({}, hf_class="peft:LoraConfig", nullable=True, fixed={"task_type": "CAUSAL_LM"})
     """peft.LoraConfig fields; null = full fine-tuning."""
-    quantization: dict | None = None
+    quantization: dict | None = _section(None, hf_class="transformers:BitsAndBytesConfig", nullable=True)
     """transformers.BitsAndBytesConfig fields; null = unquantized."""
-    training: dict = field(default_factory=dict)
+    training: dict = _section(
+        {}, hf_class="transformers:TrainingArguments",
+        # true (the latest complete checkpoint in output_dir, Trainer's convention) or a path.
+        type_overrides={"resume_from_checkpoint": typing.Optional[typing.Union[bool, str]]},
+    )
     """transformers.TrainingArguments fields."""
+    sources: dict = field(default_factory=dict, repr=False, compare=False, metadata={"derived": True})
+    """Which layer set each dotted key (for messages); not part of the saved config."""
+    notes: list = field(default_factory=list, repr=False, compare=False, metadata={"derived": True})
+    """Decisions taken while resolving (printed by the recipe); not part of the saved config."""
 
     # -- derived objects (built by the HF classes themselves) ------------------------------
     def lora_config(self):
-        if self.lora is None:
-            return None
-        from peft import LoraConfig
-
-        return _construct("lora", LoraConfig, {"task_type": "CAUSAL_LM", **self.lora})
+        return SECTIONS["lora"].build("lora", self.lora)
 
     def bnb_config(self):
-        if self.quantization is None:
-            return None
-        from transformers import BitsAndBytesConfig
-
-        return _construct("quantization", BitsAndBytesConfig, self.quantization)
+        return SECTIONS["quantization"].build("quantization", self.quantization)
 
     def training_arguments(self, **changes):
-        from transformers import TrainingArguments
+        return SECTIONS["training"].build("training", self.training, **changes)
 
-        return _construct("training", TrainingArguments, {**self.training, **changes})
+    def source(self, dotted: str) -> str:
+        """The layer that set ``dotted`` (e.g. ``training.learning_rate``)."""
+        return self.sources.get(dotted, BUILTIN)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {
+            f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self) if not f.metadata.get("derived")
+        }
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=100)
 
 
+def _plain(value: Any) -> Any:
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
+
+
+# The section registry: every RecipeConfig field that carries a Section.
+SECTIONS: dict[str, Section] = {
+    f.name: f.metadata["section"] for f in dataclasses.fields(RecipeConfig) if "section" in f.metadata
+}
+TOP_LEVEL = [f.name for f in dataclasses.fields(RecipeConfig) if not f.metadata.get("derived")]
+
+
 # ----------------------------------------------------------------------------------------------
 # Keys and types, read from the classes
 # ----------------------------------------------------------------------------------------------
-
-
-def _hf_class(section: str):
-    if section == "lora":
-        from peft import LoraConfig
-
-        return LoraConfig
-    if section == "quantization":
-        from transformers import BitsAndBytesConfig
-
-        return BitsAndBytesConfig
-    from transformers import TrainingArguments
-
-    return TrainingArguments
 
 
 def field_types(cls) -> dict[str, Any]:
@@ -225,11 +287,7 @@ def field_types(cls) -> dict[str, Any]:
 
 
 def section_types(section: str) -> dict[str, Any]:
-    if section == "model":
-        return field_types(ModelSection)
-    if section == "data":
-        return field_types(DataSection)
-    return field_types(_hf_class(section))
+    return SECTIONS[section].types()
 
 
 def _unknown_key(where: str, key: str, valid: Sequence[str], what: str = "key") -> ConfigError:
@@ -376,81 +434,85 @@ def load_yaml(path: str) -> dict[str, Any]:
     return data
 
 
-def apply_override(tree: dict[str, Any], dotted: str, value: Any) -> None:
-    """Set ``tree[a][b] = value`` for ``a.b``; ``section=null`` / ``section={...}`` set a whole section."""
-    head, _, rest = dotted.partition(".")
-    if not rest:
-        tree[head] = value
-        return
-    if head not in SECTIONS:
-        raise _unknown_key("", head, SECTIONS, what="section")
-    if tree.get(head) is None:
-        tree[head] = {}
-    if not isinstance(tree[head], dict):
-        raise ConfigError(f"{head} must be a mapping to override {dotted}")
-    if "." in rest and head in ("training",) and rest.split(".")[0] in section_types(head):
-        # e.g. training.gradient_checkpointing_kwargs.use_reentrant: a dict-valued field.
+def overrides_tree(overrides: dict[str, Any]) -> dict[str, Any]:
+    """``{"a.b": v}`` -> ``{"a": {"b": v}}``; ``section=null`` / ``section={...}`` give a whole section."""
+    tree: dict[str, Any] = {}
+    for dotted, value in overrides.items():
+        head, _, rest = dotted.partition(".")
+        if not rest:
+            tree[head] = value
+            continue
+        if head not in SECTIONS:
+            raise _unknown_key("", head, list(SECTIONS), what="section")
+        if tree.get(head) is None:
+            tree[head] = {}
+        if not isinstance(tree[head], dict):
+            raise ConfigError(f"{head} must be a mapping to override {dotted}")
         sub, _, leaf = rest.partition(".")
-        tree[head].setdefault(sub, {})[leaf] = value
-        return
-    tree[head][rest] = value
-
-
-def build_config(tree: dict[str, Any]) -> RecipeConfig:
-    """Check keys and types of a raw mapping and return the typed config (no cross-field checks)."""
-    top = {f.name: f for f in dataclasses.fields(RecipeConfig)}
-    for key in tree:
-        if key not in top:
-            raise _unknown_key("", key, list(top))
-    values: dict[str, Any] = {}
-    hints = typing.get_type_hints(RecipeConfig)
-    for key, raw in tree.items():
-        if key in ("model", "data"):
-            values[key] = _build_section(key, raw)
-        elif key in ("lora", "quantization", "training"):
-            values[key] = None if raw is None and key != "training" else _check_hf_section(key, raw)
+        if leaf and sub in section_types(head):
+            # e.g. training.gradient_checkpointing_kwargs.use_reentrant: a dict-valued field.
+            tree[head].setdefault(sub, {})[leaf] = value
         else:
-            values[key] = coerce(raw, hints[key], key)
-    config = RecipeConfig(**values)
-    config.training = {**TRAINING_DEFAULTS, **config.training}
-    return config
+            tree[head][rest] = value
+    return tree
 
 
-def _build_section(name: str, raw: Any):
-    cls = ModelSection if name == "model" else DataSection
-    if raw is None:
-        return cls()
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{name} must be a mapping, got {raw!r}")
-    types_ = field_types(cls)
-    for key in raw:
-        if key not in types_:
-            raise _unknown_key(f"{name}.", key, list(types_))
-    return cls(**{k: coerce(v, types_[k], f"{name}.{k}") for k, v in raw.items()})
+def merge_layers(layers: Sequence[tuple[str, dict[str, Any]]]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Merge ``(source, tree)`` layers, lowest first, into one tree and ``{dotted key: source}``.
+
+    Sections merge key by key; ``null`` switches a nullable section off; a new ``data.dataset`` /
+    ``model.name_or_path`` starts its section afresh (see the module docstring).
+    """
+    tree: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for source, layer in layers:
+        for key, value in layer.items():
+            if key not in TOP_LEVEL:
+                raise _unknown_key("", key, TOP_LEVEL)
+            if key in SECTIONS and isinstance(value, dict):
+                _merge_section(tree, sources, key, value, source)
+            else:
+                tree[key] = copy.deepcopy(value)
+                _forget(sources, key)
+                sources[key] = source
+    return tree, sources
 
 
-def _check_hf_section(name: str, raw: Any) -> dict[str, Any]:
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{name} must be a mapping of {_hf_class(name).__name__} fields, got {raw!r}")
-    types_ = section_types(name)
-    checked = {}
-    for key, value in raw.items():
-        if key not in types_:
-            raise _unknown_key(f"{name}.", key, list(types_))
-        checked[key] = coerce(value, types_[key], f"{name}.{key}")
-    return checked
+def _merge_section(tree, sources, name: str, values: dict[str, Any], source: str) -> None:
+    identity = SECTION_IDENTITY.get(name)
+    current = tree.get(name)
+    starts_afresh = identity in values and isinstance(current, dict) and values[identity] != current.get(identity)
+    if current is None or starts_afresh:
+        tree[name] = {}
+        _forget(sources, name)
+    for key, value in values.items():
+        tree[name][key] = copy.deepcopy(value)
+        sources[f"{name}.{key}"] = source
+
+
+def _forget(sources: dict[str, str], prefix: str) -> None:
+    for key in [k for k in sources if k == prefix or k.startswith(prefix + ".")]:
+        del sources[key]
+
+
+def build_config(tree: dict[str, Any], sources: dict[str, str] | None = None) -> RecipeConfig:
+    """Check keys and types of a raw mapping and return the typed config (no cross-field checks)."""
+    hints = typing.get_type_hints(RecipeConfig)
+    values: dict[str, Any] = {}
+    for key, raw in tree.items():
+        if key not in TOP_LEVEL:
+            raise _unknown_key("", key, TOP_LEVEL)
+        values[key] = SECTIONS[key].check(key, raw) if key in SECTIONS else coerce(raw, hints[key], key)
+    return RecipeConfig(**values, sources=dict(sources or {}))
 
 
 def load_config(path: str | None, overrides: dict[str, Any] | None = None) -> RecipeConfig:
-    """Defaults, then the YAML at ``path`` (if any), then ``overrides``; typed, not yet validated."""
-    import copy
-
-    tree = load_yaml(path) if path else copy.deepcopy(EMBEDDED_DEFAULT)
-    for dotted, value in (overrides or {}).items():
-        apply_override(tree, dotted, value)
-    return build_config(tree)
+    """Built-in defaults < the YAML at ``path`` (the embedded default when None) < ``overrides``;
+    typed, not yet validated."""
+    yaml_layer = (path, load_yaml(path)) if path else (EMBEDDED_SOURCE, EMBEDDED_DEFAULT)
+    layers = [(BUILTIN, BUILTIN_DEFAULTS), yaml_layer, (COMMAND_LINE, overrides_tree(overrides or {}))]
+    tree, sources = merge_layers(layers)
+    return build_config(tree, sources)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -463,16 +525,23 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def resolve(config: RecipeConfig, world_size: int | None = None, default_output_dir: str = "outputs/run") -> RecipeConfig:
+def resolve(
+    config: RecipeConfig,
+    engines: Sequence[str],
+    world_size: int | None = None,
+    default_output_dir: str = "outputs/run",
+) -> RecipeConfig:
     """Fill derived values (accumulation steps from the global batch, output_dir) and validate
-    everything that does not need the model. Returns a new config; raises ConfigError."""
-    config = dataclasses.replace(config, training=dict(config.training))
+    everything that does not need the model. ``engines``: the names of the recipe's engine table.
+    Returns a new config; raises ConfigError."""
+    config = dataclasses.replace(config, training=dict(config.training), notes=list(config.notes))
     world_size = world_size or world_size_from_env()
     t = config.training
     t.setdefault("output_dir", default_output_dir)
-    if config.engine not in ENGINES:
-        raise _unknown_key("engine=", config.engine, ENGINES, what="value")
+    if config.engine not in engines:
+        raise _unknown_key("engine=", config.engine, list(engines), what="value")
     _resolve_batch(config, world_size)
+    _check_duration(config)
     _check_precision(config)
     _check_quantization(config)
     _check_data(config.data)
@@ -481,29 +550,61 @@ def resolve(config: RecipeConfig, world_size: int | None = None, default_output_
     return config
 
 
+def _layer_rank(source: str) -> int:
+    return {BUILTIN: 0, COMMAND_LINE: 2}.get(source, 1)
+
+
 def _resolve_batch(config: RecipeConfig, world_size: int) -> None:
+    """``training.gradient_accumulation_steps`` from ``global_batch_size`` (the higher layer wins when
+    both are set; in one layer they must agree). Errors name the layer each value came from."""
     from hf_accum.schedule import plan_global_batch
 
     t = config.training
     micro = t.get("per_device_train_batch_size", 8)
-    if micro < 1:
-        raise ConfigError(f"training.per_device_train_batch_size={micro} must be >= 1")
-    if "gradient_accumulation_steps" in t and t["gradient_accumulation_steps"] < 1:
-        raise ConfigError(f"training.gradient_accumulation_steps={t['gradient_accumulation_steps']} must be >= 1")
+    for key in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+        if key in t and t[key] < 1:
+            raise ConfigError(f"training.{key}={t[key]} ({config.source('training.' + key)}) must be >= 1")
     if config.global_batch_size is None:
+        return
+    given = t.get("gradient_accumulation_steps")
+    batch_source = config.source("global_batch_size")
+    steps_source = config.source("training.gradient_accumulation_steps")
+    if given is not None and _layer_rank(steps_source) > _layer_rank(batch_source):
+        config.notes.append(
+            f"training.gradient_accumulation_steps={given} ({steps_source}) replaces global_batch_size="
+            f"{config.global_batch_size} ({batch_source}): effective batch {micro * given * world_size}"
+        )
+        config.global_batch_size = None
         return
     try:
         plan = plan_global_batch(config.global_batch_size, micro, world_size)
     except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
-    given = t.get("gradient_accumulation_steps")
-    if given is not None and given != plan.accumulation_steps:
+        raise ConfigError(f"{exc} [global_batch_size from {batch_source}]") from exc
+    if given is not None and given != plan.accumulation_steps and _layer_rank(steps_source) == _layer_rank(batch_source):
         raise ConfigError(
             f"global_batch_size={config.global_batch_size} with {micro} per device x {world_size} processes needs "
             f"gradient_accumulation_steps={plan.accumulation_steps}, but training.gradient_accumulation_steps={given}; "
-            "set only one of them"
+            f"both set in {batch_source}: set only one of them"
+        )
+    if given is not None and given != plan.accumulation_steps:
+        config.notes.append(
+            f"global_batch_size={config.global_batch_size} ({batch_source}) replaces "
+            f"training.gradient_accumulation_steps={given} ({steps_source}): {plan.accumulation_steps} accumulation steps"
         )
     t["gradient_accumulation_steps"] = plan.accumulation_steps
+
+
+def _check_duration(config: RecipeConfig) -> None:
+    """A run must have a length: max_steps > 0, or num_train_epochs > 0 (an untrained model saved
+    as a finished run is worse than an error)."""
+    t = config.training
+    max_steps, epochs = t.get("max_steps", -1), t.get("num_train_epochs", 3.0)
+    if max_steps == 0 or max_steps < -1:
+        raise ConfigError(f"training.max_steps={max_steps} ({config.source('training.max_steps')}): use a number of "
+                          "updates >= 1, or -1 to train for training.num_train_epochs")
+    if max_steps == -1 and not epochs > 0:
+        raise ConfigError(f"training.num_train_epochs={epochs} ({config.source('training.num_train_epochs')}) must "
+                          "be > 0 (or set training.max_steps >= 1)")
 
 
 def bf16_supported(use_cpu: bool) -> bool:
@@ -570,25 +671,13 @@ def _check_data(data: DataSection) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def check_output_dir(config: RecipeConfig) -> None:
-    """Refuse an output dir that holds a different run (its saved config differs) or unknown files."""
-    out = config.training["output_dir"]
-    if config.overwrite_output_dir or not os.path.isdir(out) or not os.listdir(out):
-        return
-    saved_path = os.path.join(out, RESOLVED_CONFIG_NAME)
-    if not os.path.isfile(saved_path):
-        raise ConfigError(
-            f"output dir {out!r} is not empty and holds no {RESOLVED_CONFIG_NAME} (not a recipe run); "
-            "choose another training.output_dir or set overwrite_output_dir: true"
-        )
-    with open(saved_path) as fh:
-        saved = yaml.safe_load(fh) or {}
-    diff = _differences(saved, config.to_dict())
-    if diff:
-        raise ConfigError(
-            f"output dir {out!r} holds a different run ({'; '.join(diff[:5])}); choose another "
-            "training.output_dir or set overwrite_output_dir: true"
-        )
+# Keys that say how to run, not what the run is: a resumed run may set them differently.
+NOT_PART_OF_THE_RUN = ("overwrite_output_dir", "training.resume_from_checkpoint")
+
+
+def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """``key: old -> new`` for every setting that differs between two saved configs (a different run)."""
+    return [line for line in _differences(saved, current) if not line.startswith(NOT_PART_OF_THE_RUN)]
 
 
 def _differences(old: Any, new: Any, prefix: str = "") -> list[str]:
@@ -600,8 +689,9 @@ def _differences(old: Any, new: Any, prefix: str = "") -> list[str]:
     return [] if old == new else [f"{prefix.rstrip('.')}: {old!r} -> {new!r}"]
 
 
-def save_config(config: RecipeConfig, directory: str) -> str:
-    path = os.path.join(directory, RESOLVED_CONFIG_NAME)
-    with open(path, "w") as fh:
-        fh.write(config.to_yaml())
-    return path
+def load_recipe_config(argv: Sequence[str], engines: Sequence[str]) -> RecipeConfig:
+    """The recipe's config from its command line: layers merged, typed and validated (nothing loaded,
+    nothing written). The default output dir is ``outputs/<config file name>``."""
+    path, overrides = parse_overrides(argv)
+    name = os.path.splitext(os.path.basename(path))[0] if path else "cpu_default"
+    return resolve(load_config(path, overrides), engines, default_output_dir=os.path.join("outputs", name))

@@ -307,3 +307,39 @@ def _generate(model, tokenizer, rows, columns: Columns, max_new_tokens: int) -> 
         eos_token_id=tokenizer.eos_token_id,
     )
     return tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# The recipe's data, from its config
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RecipeData:
+    train: list[dict[str, Any]]
+    eval_rows: list[dict[str, Any]]
+    columns: Columns
+    summary: str
+    facts: dict[str, Any]
+
+
+def load_tokenizer_and_data(model_section, data_section):
+    """The tokenizer and the encoded training examples (chat template applied, loss on the answer
+    only, truncation counted), plus the held-out rows for the metric."""
+    from hf_accum.modeling import load_tokenizer
+
+    m, d = model_section, data_section
+    tokenizer = load_tokenizer(m.name_or_path, m.chat_template, m.trust_remote_code)
+    columns = Columns(d.prompt_column, d.answer_column, d.messages_column, d.system_prompt)
+    if d.dataset == EMBEDDED_DATASET:
+        splits = synthetic_splits(d.num_train_examples, d.num_eval_examples, d.seed)
+        train_rows, eval_rows = splits["train"], splits.get(d.eval_split or "", [])
+    else:
+        train_rows = load_split(d.dataset, d.train_split)
+        eval_rows = load_split(d.dataset, d.eval_split) if d.eval_split else []
+    train = encode_rows(tokenizer, train_rows, columns, d.max_length)
+    eval_rows = eval_rows[: d.max_eval_examples]
+    summary = f"data: {d.dataset} train {train.summary()}; held-out {len(eval_rows)} examples"
+    facts = {"train_examples": len(train.examples), "truncated": train.truncated, "dropped": train.dropped,
+             "eval_examples": len(eval_rows)}
+    return tokenizer, RecipeData(train.examples, eval_rows, columns, summary, facts)

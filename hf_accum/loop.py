@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from itertools import count
 from typing import Any, Callable, Iterator, Mapping
 
@@ -77,6 +77,26 @@ class LoopConfig:
     """Sum the micro-batch gradients of bf16/fp16 *weights* in fp32 (single process; with
     mixed_precision='bf16' and fp32 weights, gradients are fp32 anyway)."""
 
+    @classmethod
+    def from_training_arguments(cls, args: Any, **changes: Any) -> "LoopConfig":
+        """The loop settings a ``transformers.TrainingArguments`` holds (same names, except that
+        ``label_smoothing_factor`` is ``label_smoothing`` and a ``warmup_steps`` below 1 is a ratio)."""
+        warmup = args.warmup_steps
+        values = {name: getattr(args, name) for name in cls.training_argument_names() if hasattr(args, name)}
+        values.update(
+            warmup_steps=int(warmup) if warmup >= 1 else 0,
+            warmup_ratio=warmup if warmup < 1 else 0.0,
+            label_smoothing=args.label_smoothing_factor,
+        )
+        values.pop("label_smoothing_factor", None)
+        return cls(**{**values, **changes})
+
+    @classmethod
+    def training_argument_names(cls) -> set[str]:
+        """The ``TrainingArguments`` fields this config mirrors."""
+        names = {f.name for f in fields(cls)} - {"label_smoothing", "loss_kind", "fp32_grad_accumulation", "warmup_ratio"}
+        return names | {"label_smoothing_factor"}
+
 
 @dataclass
 class UpdateLog:
@@ -108,9 +128,6 @@ class UpdateLog:
 class TrainResult:
     updates: list[UpdateLog] = field(default_factory=list)
     batch_plan: BatchPlan | None = None
-
-    def as_dicts(self) -> list[dict]:
-        return [asdict(u) for u in self.updates]
 
 
 def train(
@@ -410,6 +427,6 @@ def _report(update: UpdateLog, progress, accelerator: Accelerator, on_update) ->
     progress.update(1)
     progress.set_postfix(loss=f"{update.loss:.4f}", lr=f"{update.learning_rate:.2e}", refresh=False)
     if accelerator.is_main_process:
-        logger.info(update.line())
+        logger.debug(update.line())  # the caller decides what to print (on_update); the bar shows progress
     if on_update is not None:
         on_update(update)

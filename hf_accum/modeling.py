@@ -256,3 +256,33 @@ def trainable_summary(model: torch.nn.Module) -> dict[str, Any]:
         "trainable_parameters": count, "total_parameters": total, "trainable_fraction": count / max(1, total),
         "trainable_modules": groups, "quantized_linear_layers": quantized,
     }
+
+
+# ----------------------------------------------------------------------------------------------
+# The recipe's model, from its config
+# ----------------------------------------------------------------------------------------------
+
+
+def build_model(config, tokenizer, seed: int):
+    """The recipe's model: LoRA targets checked on a weightless skeleton first (a typo fails before
+    gigabytes load), then the weights, then LoRA/QLoRA and activation checkpointing."""
+    m, lora_config, quantization = config.model, config.lora_config(), config.bnb_config()
+    if lora_config is not None:
+        skeleton = model_skeleton(m.name_or_path, tokenizer, m.config_overrides, m.trust_remote_code)
+        check_lora_targets(skeleton, lora_config)
+    model = load_model(
+        m.name_or_path, tokenizer, m.dtype, quantization, seed=seed, config_overrides=m.config_overrides,
+        attn_implementation=m.attn_implementation, trust_remote_code=m.trust_remote_code,
+    )
+    checkpointing = checkpointing_requested(config.training)
+    if lora_config is not None:
+        return apply_lora(model, lora_config, quantization is not None, checkpointing)
+    if checkpointing:
+        enable_gradient_checkpointing(model)
+    return model
+
+
+def checkpointing_requested(training: dict[str, Any]) -> bool:
+    """``training.activation_checkpointing`` (or its deprecated alias ``gradient_checkpointing``)."""
+    value = training.get("activation_checkpointing")
+    return bool(training.get("gradient_checkpointing") if value is None else value)

@@ -33,13 +33,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, has_length
 
 from hf_accum.accumulation import WindowTally, WindowTotals, drop_gradients_, exact_mean_factor, global_sum
+from hf_accum.loop import UpdateLog
 from hf_accum.loss import LossKind, count_targets, infer_loss_kind, model_problem_type, token_loss_sum
 from hf_accum.schedule import BatchPlan, planned_updates, repeated_examples_warning
 
@@ -82,7 +83,13 @@ class AccumTrainer(Trainer):
     # compute_loss returns the window-normalized loss; Trainer must not divide by K again.
     loss_is_scaled_for_ga = True
 
-    def __init__(self, *args: Any, loss_kind: LossKind | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        loss_kind: LossKind | None = None,
+        on_update: Callable[[UpdateLog], None] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         if self.compute_loss_func is not None:
             raise ValueError(
@@ -104,6 +111,10 @@ class AccumTrainer(Trainer):
         self._interval = _LogInterval()
         self._run_totals = WindowTotals()  # every window of this train() call: the exact final train_loss
         self._eval_tally = WindowTally(device=self.args.device)  # the exact eval_loss
+        # Every update of this train() call, as the loop logs them (hf_accum.UpdateLog), whatever logging_steps is.
+        self.updates: list[UpdateLog] = []
+        self._on_update = on_update
+        self._closed_window: WindowTotals | None = None
         if self.args.world_size > 1 and not self.args.average_tokens_across_devices:
             logger.info(
                 "average_tokens_across_devices=False is ignored: AccumTrainer always normalizes by the "
@@ -193,6 +204,7 @@ class AccumTrainer(Trainer):
             )
         self._interval.add(totals)
         self._run_totals.add(totals)
+        self._closed_window = totals
 
     # -- batch plan, auto_find_batch_size, LR horizon -----------------------------------------
     def get_train_dataloader(self):
@@ -201,6 +213,7 @@ class AccumTrainer(Trainer):
         self._tally.reset()
         self._interval = _LogInterval()
         self._run_totals = WindowTotals()
+        self.updates = []
         self._keep_effective_batch()
         dataloader = super().get_train_dataloader()
         self._micro_batches_per_epoch = len(dataloader) if has_length(dataloader) else None
@@ -260,6 +273,30 @@ class AccumTrainer(Trainer):
         return super().create_scheduler(num_training_steps=planned, optimizer=optimizer)
 
     # -- logging ------------------------------------------------------------------------------
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time,
+                                 learning_rate=None):
+        # Trainer calls this after every update (and once more at the end of an epoch, with no new window).
+        self._record_update(grad_norm, learning_rate)
+        super()._maybe_log_save_evaluate(
+            tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, learning_rate=learning_rate
+        )
+
+    def _record_update(self, grad_norm, learning_rate) -> None:
+        totals, self._closed_window = self._closed_window, None
+        if totals is None:
+            return
+        applied = totals.targets > 0
+        update = UpdateLog(
+            step=self.state.global_step, epoch=float(self.state.epoch or 0.0), loss=totals.mean_loss,
+            learning_rate=float(learning_rate if learning_rate is not None else self._get_learning_rate()),
+            grad_norm=float(grad_norm) if grad_norm is not None and applied else None, targets=totals.targets,
+            sequences=totals.sequences, padding_fraction=totals.padding_fraction, micro_batches=totals.micro_batches,
+            applied=applied, skip_reason="" if applied else "no targets in window",
+        )
+        self.updates.append(update)
+        if self._on_update is not None:
+            self._on_update(update)
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Training logs carry the exact per-target loss of the logged updates and their shape."""
         if "loss" in logs and self._interval.updates:

@@ -6,51 +6,155 @@
     torchrun --nproc_per_node 2 recipes/finetune_llama.py ...        # 2 CPU processes (gloo)
 
 With no arguments it trains the embedded default (a tiny Llama, a word-level tokenizer and a
-synthetic instruction dataset, all built in-process) and prints the held-out exact match
-before and after. Outputs (adapter, resolved config, metrics JSON, loss/LR plot) go to
-training.output_dir. The logic lives in hf_accum.recipe; this file is the order of the steps.
+synthetic instruction dataset, all built in-process) and prints the held-out exact match before
+and after. Outputs (adapter, resolved config, metrics JSON, loss/LR plot) go to training.output_dir.
+
+This file is the training, top to bottom: config -> tokenizer and data -> model -> one of two
+engines (the table ENGINES below) -> evaluation -> outputs. Copy it to make your own recipe; the
+helpers it calls (config, data, modeling, outputs) stay in the hf_accum package.
 """
 
 import time
 
-from hf_accum import recipe as R
+START = time.time()  # wall time counts the imports too
+
+import torch  # noqa: E402
+from accelerate import Accelerator  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from hf_accum import AccumTrainer, LoopConfig, train  # noqa: E402
+from hf_accum.batching import PackingCollator, PaddingCollator  # noqa: E402
+from hf_accum.config import ConfigError, load_recipe_config  # noqa: E402
+from hf_accum.data import DataError, exact_match, load_tokenizer_and_data  # noqa: E402
+from hf_accum.modeling import ModelError, build_model, trainable_summary  # noqa: E402
+from hf_accum.outputs import (  # noqa: E402
+    RunRecord, barrier, check_output_dir, claim_output_dir, describe_trainable, percent, quiet_third_party_warnings,
+    run_cli, save_outputs, say,
+)
 
 
-def run(argv):
-    times = {"start": time.time()}
-    # 1. Config: defaults < YAML < command line; typed and validated before anything is loaded.
-    config = R.prepare_config(argv)
-    args = R.training_arguments(config)
-    R.say("resolved config:\n" + config.to_yaml())
-    R.warn_unused_training_keys(config)
-    R.set_seed(args.seed)
+# ----------------------------------------------------------------------------------------------
+# The two engines. Each trains `model` and returns (model, batch plan); both hand every optimizer
+# update (hf_accum.UpdateLog: its exact per-token loss, tokens, LR, grad norm) to `record`.
+# ----------------------------------------------------------------------------------------------
+
+
+def train_with_loop(model, tokenizer, examples, collator, args, record, resume):
+    """hf_accum.train on Accelerate: accumulate() with a summed loss and one W/N rescale per update."""
+    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision=precision, cpu=args.use_cpu,
+    )
+    shuffle = torch.Generator().manual_seed(args.data_seed if args.data_seed is not None else args.seed)
+    loader = DataLoader(
+        examples, batch_size=args.per_device_train_batch_size, shuffle=True, generator=shuffle,
+        collate_fn=collator, num_workers=args.dataloader_num_workers,
+    )
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, weight_decay=args.weight_decay,
+    )
+    # Not the scheduler: the loop builds it over the planned number of *updates*.
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    result = train(
+        model, optimizer, loader, accelerator, LoopConfig.from_training_arguments(args),
+        on_update=record.record_update,  # keeps every update, prints one line every logging_steps
+    )
+    accelerator.wait_for_everyone()
+    return accelerator.unwrap_model(model), result.batch_plan
+
+
+def train_with_trainer(model, tokenizer, examples, collator, args, record, resume):
+    """hf_accum.AccumTrainer: the standard Trainer API, exact normalization inside."""
+    trainer = AccumTrainer(
+        model=model, args=args, train_dataset=examples, data_collator=collator, processing_class=tokenizer,
+        on_update=record.keep_update,  # Trainer prints its own logs every logging_steps
+    )
+    trainer.train(resume_from_checkpoint=resume or None)
+    barrier()
+    return trainer.model, trainer.batch_plan
+
+
+# TrainingArguments fields the loop engine reads: LoopConfig's own, plus what train_with_loop uses.
+LOOP_READS = LoopConfig.training_argument_names() | {
+    "output_dir", "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate", "weight_decay",
+    "adam_beta1", "adam_beta2", "adam_epsilon", "seed", "data_seed", "bf16", "fp16", "use_cpu",
+    "dataloader_num_workers", "logging_steps", "per_device_eval_batch_size", "report_to",
+    "activation_checkpointing", "gradient_checkpointing",
+}
+# engine name -> (train function, the TrainingArguments fields it honours; None: all of them).
+ENGINES = {
+    "loop": (train_with_loop, LOOP_READS),
+    "trainer": (train_with_trainer, None),
+}
+
+
+def evaluate(model, tokenizer, data, config, args):
+    """Held-out exact match of the greedy answer (main process only; the others wait at a barrier)."""
+    if not data.eval_rows or args.process_index != 0:
+        return None
+    return exact_match(
+        model, tokenizer, data.eval_rows, data.columns, config.data.eval_max_new_tokens,
+        batch_size=args.per_device_eval_batch_size,
+    )
+
+
+def main(argv):
+    # 1. Config: built-in defaults < YAML < command line; typed and validated, nothing loaded yet.
+    config = load_recipe_config(argv, engines=ENGINES)
+    resume = config.training.get("resume_from_checkpoint")
+    if check_output_dir(config, resume=bool(resume)) == "fresh" and resume is True:
+        say("note: training.resume_from_checkpoint=true but no checkpoint exists yet: starting from scratch")
+        resume = None
+    # Activation checkpointing is set up on the model below (before PEFT wraps it): not by Trainer again.
+    args = config.training_arguments(activation_checkpointing=False, gradient_checkpointing=None,
+                                     resume_from_checkpoint=None)
+    train_engine, honoured = ENGINES[config.engine]
+    record = RunRecord(config, started=START)
+    say("resolved config:\n" + config.to_yaml())
+    for note in config.notes:
+        say(f"note: {note}")
+    if honoured is not None and set(config.training) - honoured:
+        say(f"note: engine {config.engine!r} ignores training.{', training.'.join(sorted(set(config.training) - honoured))}")
 
     # 2. Tokenizer and data: chat template applied, loss on the answer only, truncation counted.
-    tokenizer, data = R.load_tokenizer_and_data(config)
+    from transformers import set_seed
+
+    set_seed(args.seed)
+    tokenizer, data = load_tokenizer_and_data(config.model, config.data)
+    say(data.summary)
+    # Padding-free packing (one row per micro-batch, position_ids restarting per sequence) or right
+    # padding; both keep the loss on the answers only.
+    collator = PackingCollator() if config.data.packing else PaddingCollator(tokenizer.pad_token_id)
 
     # 3. Model: LoRA targets checked on a weightless skeleton, then weights, LoRA/QLoRA, checkpointing.
-    R.check_model_fits_config(config, tokenizer)
-    model = R.build_model(config, tokenizer)
-    trainable = R.describe_trainable(model)
+    model = build_model(config, tokenizer, seed=args.seed)
+    record.facts["trainable"] = trainable_summary(model)
+    say(describe_trainable(record.facts["trainable"]))
 
-    # 4. Held-out metric, training with exact accumulation, metric again.
-    before = R.evaluate(model, tokenizer, data, config)
-    R.say(f"held-out exact match before training: {R.percent(before)}")
-    R.say("batch plan: " + R.batch_plan(args).describe())
-    engine = R.train_loop if config.engine == "loop" else R.train_trainer
-    times["train_start"] = time.time()
-    result = engine(model, tokenizer, data, config, args)
-    times["train"] = time.time() - times["train_start"]
-    after = R.evaluate(result.model, tokenizer, data, config)
+    # 4. Held-out metric, training with exact accumulation, the metric again.
+    before = evaluate(model, tokenizer, data, config, args)
+    say(f"held-out exact match before training: {percent(before)}")
+    claim_output_dir(config)  # from here on, the directory is this run's (a re-run may resume it)
+    train_start = time.time()
+    model, plan = train_engine(model, tokenizer, data.train, collator, args, record, resume)
+    train_seconds = time.time() - train_start
+    after = evaluate(model, tokenizer, data, config, args)
 
-    # 5. Outputs: adapter (or model), tokenizer, resolved config, metrics JSON, loss/LR plot.
-    metrics = R.summarize_run(config, result, data, before, after, trainable, times)
-    out = R.save_outputs(config, result.model, tokenizer, metrics)
-    R.say(f"{len(result.updates)} updates logged in {times['train']:.0f}s; wall time {metrics['wall_seconds']:.0f}s")
-    R.say(f"held-out exact match: before {R.percent(before)} -> after {R.percent(after)}  (outputs in {out})")
-    R.barrier()
-    return metrics
+    # 5. Outputs: adapter (or model) + tokenizer, loss/LR plot, metrics.json (written last: finished).
+    record.facts.update(
+        world_size=plan.num_processes, batch_plan=plan.describe(), micro_batch_size=plan.micro_batch_size,
+        accumulation_steps=plan.accumulation_steps, global_batch_size=plan.global_batch_size,
+        eval_before=before, eval_after=after, train_seconds=train_seconds, data=data.facts,
+    )
+    out = save_outputs(record, model, tokenizer)
+    say(f"{len(record.updates)} updates in {train_seconds:.0f}s; wall time {record.wall_seconds:.0f}s "
+        f"(from process start)")
+    say(f"held-out exact match: before {percent(before)} -> after {percent(after)}  (outputs in {out})")
+    barrier()
+    return record.metrics()
 
 
 if __name__ == "__main__":
-    raise SystemExit(R.run_cli(run))
+    quiet_third_party_warnings()
+    raise SystemExit(run_cli(main, bad_input=(ConfigError, DataError, ModelError)))

@@ -12,6 +12,9 @@ import torch
 import yaml
 
 from hf_accum import config as C
+from hf_accum import outputs as O
+
+ENGINES = ("loop", "trainer")  # the recipe's engine table (recipes/finetune_llama.py ENGINES)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "recipes", "configs", "*.yaml")))
@@ -29,7 +32,7 @@ def resolved(argv, world_size=1, tmp_path=None):
     config = C.load_config(path, overrides)
     if tmp_path is not None:
         config.training.setdefault("output_dir", str(tmp_path / "out"))
-    return C.resolve(config, world_size=world_size)
+    return C.resolve(config, ENGINES, world_size=world_size)
 
 
 # -- overrides and precedence ------------------------------------------------------------------
@@ -63,9 +66,36 @@ def test_precedence_defaults_then_yaml_then_command_line(tmp_path):
     assert config.training["learning_rate"] == pytest.approx(1e-4)  # command line beats YAML
     assert isinstance(config.training["learning_rate"], float)
     assert config.training["num_train_epochs"] == 2.0  # YAML beats defaults
-    assert config.training["report_to"] == "none"  # recipe default kept
-    assert config.lora == {"r": 4, "lora_alpha": 8}
+    assert config.training["report_to"] == "none"  # built-in default kept
+    # The YAML's lora section layers over the built-in LoRA defaults, key by key.
+    assert config.lora == {**C.BUILTIN_DEFAULTS["lora"], "r": 4, "lora_alpha": 8}
     assert config.model.name_or_path == "hf_accum:tiny-llama"  # dataclass default
+    assert config.source("training.learning_rate") == C.COMMAND_LINE
+    assert config.source("training.num_train_epochs") == path
+    assert config.source("training.report_to") == C.BUILTIN
+
+
+def test_a_new_dataset_starts_the_data_section_afresh():
+    """The embedded default's held-out split, sizes and columns describe *its* dataset: a user file
+    given on the command line does not inherit them (they would fail or leak)."""
+    config = C.load_config(None, {"data.dataset": "my.jsonl", "data.max_length": 64})
+    assert config.data.dataset == "my.jsonl" and config.data.max_length == 64
+    assert config.data.eval_split is None and config.data.num_train_examples == C.DataSection().num_train_examples
+    same = C.load_config(None, {"data.dataset": "hf_accum:synthetic-tasks"})
+    assert same.data.eval_split == "test"  # the same dataset keeps its settings
+
+
+def test_command_line_accumulation_replaces_the_yaml_global_batch(tmp_path):
+    config = resolved(["training.gradient_accumulation_steps=2"], tmp_path=tmp_path)
+    assert config.training["gradient_accumulation_steps"] == 2 and config.global_batch_size is None
+    assert any("replaces global_batch_size=32" in note and "command line" in note for note in config.notes)
+
+
+def test_a_yaml_starts_from_the_built_in_defaults_not_the_cpu_job(tmp_path):
+    path = write_yaml(tmp_path, {"data": {"dataset": "x.jsonl"}})
+    config = C.load_config(path)
+    assert config.global_batch_size is None and "use_cpu" not in config.training
+    assert config.lora == C.BUILTIN_DEFAULTS["lora"]
 
 
 def test_no_config_gives_the_embedded_default():
@@ -154,13 +184,15 @@ def test_global_batch_that_does_not_divide_names_nearest_values(tmp_path):
         resolved(["global_batch_size=30"], tmp_path=tmp_path)
 
 
-def test_global_batch_contradicting_accumulation_is_refused(tmp_path):
-    with pytest.raises(C.ConfigError, match="needs gradient_accumulation_steps=4"):
-        resolved(["training.gradient_accumulation_steps=3"], tmp_path=tmp_path)
+def test_global_batch_contradicting_accumulation_in_one_layer_is_refused_naming_it(tmp_path):
+    path = write_yaml(tmp_path, {"global_batch_size": 32, "training": {"per_device_train_batch_size": 8,
+                                                                       "gradient_accumulation_steps": 3}})
+    with pytest.raises(C.ConfigError, match=f"needs gradient_accumulation_steps=4.*both set in {path}"):
+        C.resolve(C.load_config(path, {"training.output_dir": str(tmp_path / "o")}), ENGINES, world_size=1)
 
 
 def test_accumulation_below_one_is_refused(tmp_path):
-    with pytest.raises(C.ConfigError, match="gradient_accumulation_steps=0 must be >= 1"):
+    with pytest.raises(C.ConfigError, match=r"gradient_accumulation_steps=0 \(command line\) must be >= 1"):
         resolved(["global_batch_size=null", "training.gradient_accumulation_steps=0"], tmp_path=tmp_path)
     with pytest.raises(C.ConfigError, match="per_device_train_batch_size=0"):
         resolved(["global_batch_size=null", "training.per_device_train_batch_size=0"], tmp_path=tmp_path)
@@ -223,17 +255,36 @@ def test_unknown_engine_is_refused(tmp_path):
 # -- the saved copy and the output directory ---------------------------------------------------
 
 
+def save_config(config, out):
+    os.makedirs(out, exist_ok=True)
+    O.write_atomically(os.path.join(out, C.RESOLVED_CONFIG_NAME), config.to_yaml())
+
+
 def test_output_dir_with_a_different_run_is_refused(tmp_path):
     config = resolved([], tmp_path=tmp_path)
     out = config.training["output_dir"]
-    os.makedirs(out)
-    C.save_config(config, out)
-    C.check_output_dir(config)  # the same run again: allowed
+    save_config(config, out)
+    assert O.check_output_dir(config, resume=False) == "fresh"  # the same run again, nothing to resume: allowed
     other = resolved(["training.learning_rate=1e-4"], tmp_path=tmp_path)
     with pytest.raises(C.ConfigError, match="holds a different run .*learning_rate"):
-        C.check_output_dir(other)
+        O.check_output_dir(other, resume=False)
     forced = resolved(["training.learning_rate=1e-4", "overwrite_output_dir=true"], tmp_path=tmp_path)
-    C.check_output_dir(forced)
+    O.check_output_dir(forced, resume=False)
+
+
+def test_output_dir_of_an_unfinished_run_is_resumed_only_when_asked(tmp_path):
+    config = resolved([], tmp_path=tmp_path)
+    out = config.training["output_dir"]
+    save_config(config, out)
+    os.makedirs(os.path.join(out, "checkpoint-2"))
+    with pytest.raises(C.ConfigError, match="resume_from_checkpoint=true to continue"):
+        O.check_output_dir(config, resume=False)
+    resuming = resolved(["training.resume_from_checkpoint=true"], tmp_path=tmp_path)
+    assert resuming.training["resume_from_checkpoint"] is True
+    assert O.check_output_dir(resuming, resume=True) == "resume"  # resume_from_checkpoint is not part of the run
+    open(os.path.join(out, O.METRICS_NAME), "w").close()
+    with pytest.raises(C.ConfigError, match="holds a finished run"):
+        O.check_output_dir(resuming, resume=True)
 
 
 def test_output_dir_with_foreign_files_is_refused(tmp_path):
@@ -241,14 +292,39 @@ def test_output_dir_with_foreign_files_is_refused(tmp_path):
     os.makedirs(config.training["output_dir"])
     open(os.path.join(config.training["output_dir"], "notes.txt"), "w").close()
     with pytest.raises(C.ConfigError, match="not a recipe run"):
-        C.check_output_dir(config)
+        O.check_output_dir(config, resume=False)
+
+
+@pytest.mark.parametrize("make_blocker", ["file", "under_a_file"])
+def test_output_dir_that_cannot_be_written_is_refused_and_nothing_stays(make_blocker, tmp_path):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("x")
+    out = blocker if make_blocker == "file" else blocker / "run"
+    config = resolved([f"training.output_dir={out}"], tmp_path=tmp_path)
+    with pytest.raises(C.ConfigError, match="output_dir"):
+        O.check_output_dir(config, resume=False)
+    assert sorted(os.listdir(tmp_path)) == ["blocker"]
+
+
+def test_probing_a_new_output_dir_leaves_nothing(tmp_path):
+    out = tmp_path / "a" / "b" / "run"
+    O.probe_writable(str(out))
+    assert os.listdir(tmp_path) == []
 
 
 def test_saved_config_round_trips(tmp_path):
     config = resolved(["training.learning_rate=1e-4", "lora.r=8"], tmp_path=tmp_path)
-    path = C.save_config(config, str(tmp_path))
-    again = C.build_config(C.load_yaml(path))
+    save_config(config, str(tmp_path))
+    again = C.build_config(C.load_yaml(os.path.join(tmp_path, C.RESOLVED_CONFIG_NAME)))
     assert again.to_dict() == config.to_dict()
+
+
+def test_sections_are_one_registry():
+    """Adding a section is adding one RecipeConfig field carrying a Section: keys, types, building."""
+    assert list(C.SECTIONS) == ["model", "data", "lora", "quantization", "training"]
+    assert C.SECTIONS["lora"].cls().__name__ == "LoraConfig" and C.SECTIONS["data"].cls() is C.DataSection
+    with pytest.raises(C.ConfigError, match="Valid sections: data, lora, model, quantization, training"):
+        C.load_config(None, {"trainig.seed": 1})
 
 
 # -- every YAML under recipes/ -----------------------------------------------------------------
@@ -279,7 +355,7 @@ def test_every_recipe_config_loads_and_validates(path, tmp_path):
     config.training["use_cpu"] = config.training.get("use_cpu") or no_bf16_gpu
     config.training["output_dir"] = str(tmp_path / "out")
     world = 8 if "8b" in os.path.basename(path) else 1
-    config = C.resolve(config, world_size=world)
+    config = C.resolve(config, ENGINES, world_size=world)
     t = config.training
     assert t["per_device_train_batch_size"] * t["gradient_accumulation_steps"] * world == config.global_batch_size
     args = config.training_arguments()

@@ -9,12 +9,13 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import yaml
 
 from hf_accum import config as C
-from hf_accum import recipe as R
+from hf_accum import outputs as O
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "recipes", "finetune_llama.py")
@@ -31,19 +32,19 @@ def run_script(launcher: list[str], out, *overrides: str, timeout: int = 240) ->
 
 
 def read_metrics(out) -> dict:
-    with open(os.path.join(out, R.METRICS_NAME)) as fh:
+    with open(os.path.join(out, O.METRICS_NAME)) as fh:
         return json.load(fh)
 
 
 def check_outputs(out, metrics: dict, lora: bool = True) -> None:
     from safetensors.torch import load_file
 
-    weights = load_file(os.path.join(out, R.ADAPTER_DIR if lora else R.MODEL_DIR, "adapter_model.safetensors"))
+    weights = load_file(os.path.join(out, O.ADAPTER_DIR if lora else O.MODEL_DIR, "adapter_model.safetensors"))
     assert any("lora_A" in k for k in weights) and any("lora_B" in k for k in weights)
     assert any("embed_tokens" in k for k in weights)  # modules_to_save are saved with the adapter
     saved = C.build_config(C.load_yaml(os.path.join(out, C.RESOLVED_CONFIG_NAME)))
     assert saved.training["output_dir"] == str(out)
-    assert os.path.getsize(os.path.join(out, R.PLOT_NAME)) > 1000
+    assert os.path.getsize(os.path.join(out, O.PLOT_NAME)) > 1000
     assert metrics["eval_before"]["examples"] == 8 and metrics["eval_after"]["examples"] == 8
     assert metrics["data"]["train_examples"] == 240
 
@@ -77,21 +78,28 @@ def test_loop_engine_one_process_end_to_end(tmp_path):
     first, last = (sum(u["loss"] for u in part) / 4 for part in (updates[:4], updates[-4:]))
     assert last < first - 0.5, (first, last)
     stdout = proc.stdout
-    assert "batch plan: effective batch 32 = 8 per device x 4 accumulation x 1 process" in stdout
+    assert "[hf_accum] effective batch 32 = 8 per device x 4 accumulation x 1 process" in proc.stderr
     assert "held-out exact match before training:" in stdout and "held-out exact match: before" in stdout
     assert stdout.count("resolved config:") == 1
     assert "update 16 | epoch" in stdout
+    assert "wall time" in stdout and "(from process start)" in stdout
     assert "updates: 100%" in proc.stderr  # the tqdm progress bar
 
 
 def test_trainer_engine_one_process_end_to_end(tmp_path):
     assert os.path.isfile(os.path.join(ROOT, "hf_accum", "trainer.py")), "AccumTrainer (hf_accum/trainer.py) is missing"
     out = tmp_path / "trainer1"
-    run_script(PYTHON, out, "engine=trainer", "training.max_steps=6")
+    temp_before = set(os.listdir(tempfile.gettempdir()))
+    run_script(PYTHON, out, "engine=trainer", "training.max_steps=6", "training.logging_steps=5")
     metrics = read_metrics(out)
     check_outputs(out, metrics)
     assert (metrics["engine"], metrics["world_size"], metrics["accumulation_steps"]) == ("trainer", 1, 4)
+    # Every update is in metrics.json, not only the logged ones (logging_steps=5).
     assert [u["step"] for u in metrics["updates"]] == list(range(1, 7))
+    # Loss on the answers only: an answer is at most 10 words + the end token, so 32 sequences hold at
+    # most 32 x 11 targets (with the prompts too, an update holds ~640).
+    assert all(0 < u["targets"] <= 32 * 11 for u in metrics["updates"])
+    assert not [d for d in set(os.listdir(tempfile.gettempdir())) - temp_before if d.startswith("hf_accum")]
     assert metrics["updates"][0]["learning_rate"] == 0.0
     assert metrics["updates"][1]["learning_rate"] == pytest.approx(2e-3)
 
@@ -101,7 +109,7 @@ def test_packing_trains_the_same_targets_without_padding(engine, tmp_path, monke
     """``data.packing=true``: same sequences and answer-only targets per update as padding, no pad
     positions, and (same weights, same data order) the same first-update loss."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    run = load_script().run
+    run = load_script().main
     runs = {}
     for packing in (False, True):
         out = tmp_path / f"{engine}-packing-{packing}"
@@ -110,8 +118,7 @@ def test_packing_trains_the_same_targets_without_padding(engine, tmp_path, monke
         assert read_metrics(out)["updates"] == json.loads(json.dumps(runs[packing]["updates"], default=str))
     padded, packed = runs[False]["updates"], runs[True]["updates"]
     assert len(padded) == len(packed) == 3
-    seqs = "sequences" if engine == "loop" else "sequences_per_update"
-    targets = "targets" if engine == "loop" else "tokens_per_update"
+    seqs, targets = "sequences", "targets"
     assert [u[seqs] for u in packed] == [u[seqs] for u in padded] == [32, 32, 32]
     assert [u[targets] for u in packed] == [u[targets] for u in padded]  # answers only, nothing lost or added
     assert all(u["padding_fraction"] == 0.0 for u in packed)
@@ -134,11 +141,9 @@ def test_two_cpu_processes_end_to_end(engine, tmp_path):
     # Same global batch as one process: the accumulation halves.
     assert (metrics["micro_batch_size"], metrics["accumulation_steps"], metrics["global_batch_size"]) == (8, 2, 32)
     assert len(metrics["updates"]) == 4
-    key = "sequences" if engine == "loop" else "sequences_per_update"
-    if key in metrics["updates"][0]:
-        # Sequences are counted over both ranks: 8 x 2 x 2.
-        assert all(u[key] == 32 for u in metrics["updates"])
-    assert "x 2 processes" in proc.stdout
+    # Sequences are counted over both ranks: 8 x 2 x 2.
+    assert all(u["sequences"] == 32 for u in metrics["updates"])
+    assert "x 2 processes" in proc.stderr  # the effective-batch line ([hf_accum] logger)
     assert proc.stdout.count("resolved config:") == 1  # printed by the main process only
 
 
@@ -159,6 +164,17 @@ def test_qlora_runs_on_cpu_with_the_tiny_model(tmp_path):
 # -- bad input: exit code 2, a clear message, nothing written ----------------------------------
 
 
+def bad_input_errors():
+    from hf_accum.config import ConfigError
+    from hf_accum.data import DataError
+    from hf_accum.modeling import ModelError
+
+    return (ConfigError, DataError, ModelError)
+
+
+BAD_INPUT = bad_input_errors()
+
+
 def load_script():
     spec = importlib.util.spec_from_file_location("finetune_llama", SCRIPT)
     module = importlib.util.module_from_spec(spec)
@@ -167,7 +183,8 @@ def load_script():
 
 
 def fails_cleanly(argv, out, capsys) -> str:
-    code = R.run_cli(load_script().run, [*SMALL, f"training.output_dir={out}", *argv])
+    script = load_script()
+    code = O.run_cli(script.main, [*SMALL, f"training.output_dir={out}", *argv], bad_input=BAD_INPUT)
     err = capsys.readouterr().err
     assert code == 2, err
     assert not os.path.exists(out), "nothing may be written when validation fails"
@@ -219,10 +236,11 @@ def test_qlora_without_bitsandbytes_fails_before_writing(tmp_path, capsys, monke
 def test_output_dir_of_a_different_run_is_left_alone(tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
-    previous = C.resolve(C.load_config(None, {"training.output_dir": str(out), "training.learning_rate": 1e-4}))
-    C.save_config(previous, str(out))
+    previous = C.resolve(C.load_config(None, {"training.output_dir": str(out), "training.learning_rate": 1e-4}),
+                         ("loop", "trainer"))
+    O.write_atomically(str(out / C.RESOLVED_CONFIG_NAME), previous.to_yaml())
     before = sorted(os.listdir(out))
-    code = R.run_cli(load_script().run, [*SMALL, f"training.output_dir={out}"])
+    code = O.run_cli(load_script().main, [*SMALL, f"training.output_dir={out}"], bad_input=BAD_INPUT)
     err = capsys.readouterr().err
     assert code == 2 and "holds a different run" in err and "learning_rate" in err
     assert sorted(os.listdir(out)) == before

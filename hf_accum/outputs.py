@@ -1,0 +1,290 @@
+"""A recipe run's output directory and console: claiming the directory, per-update records, the final files.
+
+This module owns what a recipe run leaves behind and what it prints:
+
+* **the output directory's life cycle** -- checked before any model is loaded (a directory holding
+  another run is refused, a finished run is not silently retrained, an unfinished one is resumed
+  only when asked, a file or an unwritable path is found *before* training); claimed by writing
+  ``resolved_config.yaml`` once training starts (so a killed run is recognised as this run's own
+  directory); and completed by the final files, each written to a temporary name and renamed into
+  place, ``metrics.json`` last (its presence marks a finished run);
+* **per-update records** from either engine (``hf_accum.UpdateLog``), kept for ``metrics.json`` and
+  the loss/LR plot, and printed every ``logging_steps`` updates;
+* **the process edge**: ``run_cli`` turns configuration/data/model errors into one ``error:`` line
+  and exit code 2, and Ctrl-C into one line and exit code 130.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+from hf_accum import config as config_module
+
+METRICS_NAME = "metrics.json"
+PLOT_NAME = "training_curves.png"
+ADAPTER_DIR = "adapter"
+MODEL_DIR = "model"
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130  # the shell's code for SIGINT
+
+
+def is_main_process() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def say(*parts: Any) -> None:
+    """Print on the main process only (every rank runs the same script)."""
+    if is_main_process():
+        print(*parts, flush=True)
+
+
+def barrier() -> None:
+    import torch
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+# ----------------------------------------------------------------------------------------------
+# The output directory, before anything is loaded
+# ----------------------------------------------------------------------------------------------
+
+
+class OutputDirError(config_module.ConfigError):
+    """The output directory cannot take this run (another run, a file, not writable)."""
+
+
+def check_output_dir(config: config_module.RecipeConfig, resume: bool) -> str:
+    """What the run will do with ``training.output_dir``: ``"fresh"``, ``"resume"`` or raise.
+
+    Refuses: a regular file or an unwritable path; a directory with foreign files; a directory
+    holding a *different* run (its saved config differs; ``overwrite_output_dir`` allows it); a
+    finished run of the same config (retraining would overwrite it silently); an unfinished run
+    with checkpoints when not resuming (say which: resume, or overwrite).
+    """
+    out = config.training["output_dir"]
+    probe_writable(out)
+    given = config.training.get("resume_from_checkpoint")
+    if isinstance(given, str) and not os.path.isdir(given):
+        raise OutputDirError(f"training.resume_from_checkpoint={given!r}: no such checkpoint directory")
+    if config.overwrite_output_dir or not os.path.isdir(out) or not os.listdir(out):
+        return "resume" if resume and os.path.isdir(out) and os.listdir(out) else "fresh"
+    saved_path = os.path.join(out, config_module.RESOLVED_CONFIG_NAME)
+    if not os.path.isfile(saved_path):
+        raise OutputDirError(
+            f"output dir {out!r} is not empty and holds no {config_module.RESOLVED_CONFIG_NAME} (not a recipe run); "
+            "choose another training.output_dir or set overwrite_output_dir: true"
+        )
+    diff = config_module.differences(config_module.load_yaml(saved_path), config.to_dict())
+    if diff:
+        raise OutputDirError(
+            f"output dir {out!r} holds a different run ({'; '.join(diff[:5])}); choose another "
+            "training.output_dir or set overwrite_output_dir: true"
+        )
+    if os.path.isfile(os.path.join(out, METRICS_NAME)):
+        raise OutputDirError(
+            f"output dir {out!r} holds a finished run of this config ({METRICS_NAME} is there); to train it again "
+            "set overwrite_output_dir: true, or choose another training.output_dir"
+        )
+    if resume:
+        return "resume"
+    checkpoints = [name for name in os.listdir(out) if name.startswith("checkpoint-")]
+    if checkpoints:
+        raise OutputDirError(
+            f"output dir {out!r} holds an unfinished run of this config with {len(checkpoints)} checkpoint(s); add "
+            "training.resume_from_checkpoint=true to continue it, or set overwrite_output_dir: true to start over"
+        )
+    return "fresh"  # an earlier attempt died before its first checkpoint: nothing to resume
+
+
+def probe_writable(path: str) -> None:
+    """Create (and remove) a probe file in ``path``, creating the missing directories for the probe
+    only: a file in the way or a read-only location is found before any training, and nothing stays."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise OutputDirError(f"training.output_dir={path!r} is a file, not a directory")
+    created = []
+    probe = os.path.join(path, ".hf_accum_write_probe")
+    try:
+        missing = path
+        while missing and not os.path.exists(missing):
+            created.append(missing)
+            missing = os.path.dirname(missing)
+        os.makedirs(path, exist_ok=True)
+        with open(probe, "w") as handle:
+            handle.write("ok")
+    except OSError as error:
+        raise OutputDirError(f"training.output_dir={path!r} is not writable: {error.strerror or error}") from None
+    finally:
+        if os.path.exists(probe):
+            os.remove(probe)
+        for directory in created:  # deepest first
+            if os.path.isdir(directory) and not os.listdir(directory):
+                os.rmdir(directory)
+
+
+def claim_output_dir(config: config_module.RecipeConfig) -> None:
+    """Mark the directory as this run's (``resolved_config.yaml``), before training starts."""
+    if is_main_process():
+        out = config.training["output_dir"]
+        os.makedirs(out, exist_ok=True)
+        write_atomically(os.path.join(out, config_module.RESOLVED_CONFIG_NAME), config.to_yaml())
+
+
+def write_atomically(path: str, text: str) -> None:
+    temporary = f"{path}.tmp-{os.getpid()}"
+    with open(temporary, "w") as handle:
+        handle.write(text)
+    os.replace(temporary, path)
+
+
+def save_directory_atomically(path: str, write: Callable[[str], None]) -> None:
+    """``write(temporary_dir)``, then rename it to ``path`` (replacing an older one)."""
+    temporary = f"{path}.tmp-{os.getpid()}"
+    shutil.rmtree(temporary, ignore_errors=True)
+    write(temporary)
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    os.replace(temporary, path)
+
+
+# ----------------------------------------------------------------------------------------------
+# During and after the run
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunRecord:
+    """Everything ``metrics.json`` holds; filled by the recipe as the run goes."""
+
+    config: config_module.RecipeConfig
+    started: float
+    updates: list[dict[str, Any]] = field(default_factory=list)
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    def keep_update(self, update) -> None:
+        """``on_update``: keep every update for ``metrics.json`` and the plot."""
+        self.updates.append(asdict(update))
+
+    def record_update(self, update) -> None:
+        """``on_update``: keep every update, and print one line every ``logging_steps``."""
+        self.keep_update(update)
+        every = max(1, int(self.config.training.get("logging_steps", 10) or 1))
+        if update.step == 1 or update.step % every == 0:
+            from tqdm.auto import tqdm
+
+            if is_main_process():
+                tqdm.write(update.line())
+
+    @property
+    def wall_seconds(self) -> float:
+        return time.time() - self.started
+
+    def metrics(self) -> dict[str, Any]:
+        return {"engine": self.config.engine, **self.facts, "wall_seconds": self.wall_seconds, "updates": self.updates}
+
+
+def save_outputs(record: RunRecord, model, tokenizer) -> str:
+    """Adapter (or model) + tokenizer, the loss/LR plot, then ``metrics.json`` (the run is finished)."""
+    config = record.config
+    out = config.training["output_dir"]
+    if not is_main_process():
+        return out
+    target = os.path.join(out, ADAPTER_DIR if config.lora is not None else MODEL_DIR)
+
+    def write_weights(directory: str) -> None:
+        model.save_pretrained(directory, safe_serialization=True)
+        tokenizer.save_pretrained(directory)
+
+    save_directory_atomically(target, write_weights)
+    if record.updates:
+        plot_curves(record.updates, os.path.join(out, PLOT_NAME), title=run_title(config))
+    write_atomically(os.path.join(out, METRICS_NAME), json.dumps(record.metrics(), indent=2, default=str))
+    return out
+
+
+def run_title(config: config_module.RecipeConfig) -> str:
+    kind = "full fine-tuning" if config.lora is None else ("QLoRA" if config.quantization else "LoRA")
+    return f"{config.model.name_or_path} - {kind} - engine {config.engine} - {config.data.dataset}"
+
+
+def plot_curves(updates: list[dict[str, Any]], path: str, title: str = "") -> None:
+    """Per-update loss (and held-out loss where evaluated) and LR, against integer update numbers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    steps = [u["step"] for u in updates]
+    fig, (ax_loss, ax_lr) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True)
+    ax_loss.plot(steps, [u.get("loss", math.nan) for u in updates], lw=1, label="training loss (per-token mean)")
+    evaluated = [(u["step"], u["eval_loss"]) for u in updates if u.get("eval_loss") is not None]
+    if evaluated:
+        ax_loss.plot(*zip(*evaluated), "o-", ms=3, label="held-out loss (per-token mean)")
+    ax_loss.set_ylabel("loss")
+    ax_loss.legend(loc="upper right", fontsize=8)
+    ax_lr.plot(steps, [u.get("learning_rate", math.nan) for u in updates], lw=1, color="tab:orange")
+    ax_lr.set_ylabel("learning rate")
+    ax_lr.set_xlabel("optimizer update")
+    ax_lr.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def describe_trainable(summary: dict[str, Any]) -> str:
+    """One short line: counts, the modules carrying LoRA adapters, and the modules trained in full."""
+    lora, full = set(), set()
+    for group in summary["trainable_modules"]:
+        parts = group.split(".")
+        if any(p.startswith("lora_") for p in parts):
+            lora.add(parts[[p.startswith("lora_") for p in parts].index(True) - 1])
+        else:
+            inner = parts[: parts.index("modules_to_save")] if "modules_to_save" in parts else parts
+            full.add(inner[-1])
+    described = [f"LoRA on {', '.join(sorted(lora))}"] if lora else []
+    described += [f"in full: {', '.join(sorted(full)[:8])}{' ...' if len(full) > 8 else ''}"] if full else []
+    return (f"trainable: {summary['trainable_parameters']:,} of {summary['total_parameters']:,} parameters "
+            f"({summary['trainable_fraction']:.1%}); {'; '.join(described) or 'nothing'}")
+
+
+def quiet_third_party_warnings() -> None:
+    """Deprecation notices that the user cannot act on (they come from inside transformers/peft/accelerate
+    calling each other), filtered at the recipe's edge; everything else still shows."""
+    import warnings
+
+    for pattern in (r".*is_gradient_checkpointing.* is deprecated", r".*`gradient_checkpointing` is deprecated",
+                    r".*torch\.utils\.checkpoint: the use_reentrant parameter"):
+        warnings.filterwarnings("ignore", message=pattern)
+
+
+def percent(result: dict[str, Any] | None) -> str:
+    return "n/a" if result is None else f"{100 * result['exact_match']:.1f}%"
+
+
+# ----------------------------------------------------------------------------------------------
+# The process edge
+# ----------------------------------------------------------------------------------------------
+
+
+def run_cli(run: Callable[[Sequence[str]], Any], argv: Sequence[str] | None = None, bad_input=()) -> int:
+    """Run ``run(argv)``. Errors of the kinds in ``bad_input`` (configuration, data, model) print one
+    ``error:`` line and return 2; Ctrl-C prints one line and returns 130."""
+    try:
+        run(sys.argv[1:] if argv is None else argv)
+    except tuple(bad_input) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("interrupted (Ctrl-C): stopped; final outputs were not written", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return 0
