@@ -245,6 +245,20 @@ class RecipeConfig:
             f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self) if not f.metadata.get("derived")
         }
 
+    def to_flat_dict(self) -> dict[str, Any]:
+        """``{"training.learning_rate": 2e-4, ...}`` with scalar values (what trackers store as hyperparameters)."""
+        flat: dict[str, Any] = {}
+
+        def walk(prefix: str, value: Any) -> None:
+            if isinstance(value, dict):
+                for key, inner in value.items():
+                    walk(f"{prefix}.{key}" if prefix else str(key), inner)
+            else:
+                flat[prefix] = value if isinstance(value, (int, float, str, bool)) else str(value)
+
+        walk("", self.to_dict())
+        return flat
+
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=100)
 

@@ -321,6 +321,7 @@ class RecipeData:
     columns: Columns
     summary: str
     facts: dict[str, Any]
+    eval_examples: list[dict[str, Any]]
 
 
 def load_tokenizer_and_data(model_section, data_section):
@@ -342,4 +343,5 @@ def load_tokenizer_and_data(model_section, data_section):
     summary = f"data: {d.dataset} train {train.summary()}; held-out {len(eval_rows)} examples"
     facts = {"train_examples": len(train.examples), "truncated": train.truncated, "dropped": train.dropped,
              "eval_examples": len(eval_rows)}
-    return tokenizer, RecipeData(train.examples, eval_rows, columns, summary, facts)
+    held_out = encode_rows(tokenizer, eval_rows, columns, d.max_length).examples if eval_rows else []
+    return tokenizer, RecipeData(train.examples, eval_rows, columns, summary, facts, held_out)

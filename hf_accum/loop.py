@@ -76,6 +76,11 @@ class LoopConfig:
     fp32_grad_accumulation: bool = True
     """Sum the micro-batch gradients of bf16/fp16 *weights* in fp32 (single process; with
     mixed_precision='bf16' and fp32 weights, gradients are fp32 anyway)."""
+    eval_strategy: str = "no"
+    """With ``train(eval_dataloader=...)``: ``steps`` (every ``eval_steps`` updates and after the last),
+    ``epoch`` (after each epoch's last update) or ``no``. Evaluates the exact per-token held-out loss."""
+    eval_steps: float | None = None
+    """Updates between evaluations for ``eval_strategy='steps'``."""
 
     @classmethod
     def from_training_arguments(cls, args: Any, **changes: Any) -> "LoopConfig":
@@ -83,6 +88,9 @@ class LoopConfig:
         ``label_smoothing_factor`` is ``label_smoothing`` and a ``warmup_steps`` below 1 is a ratio)."""
         warmup = args.warmup_steps
         values = {name: getattr(args, name) for name in cls.training_argument_names() if hasattr(args, name)}
+        values["eval_strategy"] = str(getattr(args.eval_strategy, "value", args.eval_strategy))
+        if values["eval_strategy"] == "steps" and not args.eval_steps:
+            values["eval_steps"] = args.logging_steps  # Trainer's rule: eval_steps defaults to logging_steps
         values.update(
             warmup_steps=int(warmup) if warmup >= 1 else 0,
             warmup_ratio=warmup if warmup < 1 else 0.0,
@@ -113,10 +121,24 @@ class UpdateLog:
     micro_batches: int
     applied: bool = True
     skip_reason: str = ""
+    eval_loss: float | None = None
+    """Exact per-token held-out loss after this update, when it was evaluated (``eval_strategy``)."""
+
+    def tracked(self) -> dict[str, float]:
+        """The numbers an experiment tracker gets for this update (names as Trainer logs them)."""
+        values = {"train/loss": self.loss, "train/learning_rate": self.learning_rate,
+                  "train/tokens_per_update": self.targets, "train/sequences_per_update": self.sequences,
+                  "train/padding_fraction": self.padding_fraction, "train/epoch": self.epoch}
+        if self.grad_norm is not None:
+            values["train/grad_norm"] = self.grad_norm
+        if self.eval_loss is not None:
+            values["eval/loss"] = self.eval_loss
+        return values
 
     def line(self) -> str:
         grad = f"{self.grad_norm:.4f}" if self.grad_norm is not None else "-"
         state = "" if self.applied else f" (skipped: {self.skip_reason})"
+        state += f" | eval_loss {self.eval_loss:.4f}" if self.eval_loss is not None else ""
         return (
             f"update {self.step} | epoch {self.epoch:.2f} | loss {self.loss:.4f} | lr {self.learning_rate:.3e} | "
             f"grad_norm {grad} | tokens {self.targets} | seqs {self.sequences} | "
@@ -139,6 +161,7 @@ def train(
     lr_scheduler: Any = None,
     loss_sum_fn: LossSumFn | None = None,
     on_update: Callable[[UpdateLog], None] | None = None,
+    eval_dataloader: Any = None,
 ) -> TrainResult:
     """Train with exact accumulation. ``model``, ``optimizer`` and ``train_dataloader`` must come
     from ``accelerator.prepare``; the accumulation steps K are ``accelerator.gradient_accumulation_steps``.
@@ -147,6 +170,8 @@ def train(
     updates, or pass a factory ``(optimizer, total_updates) -> scheduler`` (do not ``prepare`` it).
     ``loss_sum_fn(outputs, labels) -> (loss_sum, n_targets)`` replaces the default token-summed
     cross-entropy; it must return a *sum* over targets, never a mean.
+    ``eval_dataloader`` (prepared too): with ``config.eval_strategy``, each evaluated update carries the
+    exact per-token held-out loss (``UpdateLog.eval_loss``; summed over every batch and rank, then divided once).
     """
     config = config or LoopConfig()
     _check_supported(accelerator, train_dataloader)
@@ -185,6 +210,8 @@ def train(
                     applied=not skip_reason,
                     skip_reason=skip_reason,
                 )
+                if _evaluation_due(config, update.step, total_updates, step_in_epoch == micro_batches):
+                    update.eval_loss = evaluate_loss(model, eval_dataloader, accelerator, loss_sum_fn)
                 result.updates.append(update)
                 _report(update, progress, accelerator, on_update)
                 if len(result.updates) >= total_updates:
@@ -310,6 +337,33 @@ def default_loss_sum_fn(model: torch.nn.Module, config: LoopConfig) -> LossSumFn
         )
 
     return loss_sum
+
+
+def _evaluation_due(config: LoopConfig, step: int, total_updates: int, epoch_ended: bool) -> bool:
+    if config.eval_strategy == "epoch":
+        return epoch_ended
+    if config.eval_strategy == "steps":
+        every = max(1, int(config.eval_steps or 1))
+        return step % every == 0 or step == total_updates
+    return False
+
+
+@torch.no_grad()
+def evaluate_loss(model, dataloader, accelerator: Accelerator, loss_sum_fn: LossSumFn) -> float:
+    """The exact per-token loss of a held-out set: every batch's summed loss and target count are
+    added up on each rank and all-reduced once, then divided once (not a mean of batch means).
+    Every rank must call it (it ends in a collective)."""
+    if dataloader is None:
+        raise ValueError("LoopConfig.eval_strategy is set but train() got no eval_dataloader")
+    tally = WindowTally(device=accelerator.device)
+    was_training = model.training
+    model.eval()
+    for batch in dataloader:
+        labels, inputs = _split_labels(batch)
+        loss_sum, n_targets = loss_sum_fn(model(**inputs), labels)
+        tally.add(loss_sum, n_targets, batch)
+    model.train(was_training)
+    return tally.reduce(accelerator).mean_loss
 
 
 def _split_labels(batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict]:

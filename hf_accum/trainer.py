@@ -115,6 +115,7 @@ class AccumTrainer(Trainer):
         self.updates: list[UpdateLog] = []
         self._on_update = on_update
         self._closed_window: WindowTotals | None = None
+        self._eval_loss_of_update: float | None = None
         if self.args.world_size > 1 and not self.args.average_tokens_across_devices:
             logger.info(
                 "average_tokens_across_devices=False is ignored: AccumTrainer always normalizes by the "
@@ -275,11 +276,13 @@ class AccumTrainer(Trainer):
     # -- logging ------------------------------------------------------------------------------
     def _maybe_log_save_evaluate(self, tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time,
                                  learning_rate=None):
-        # Trainer calls this after every update (and once more at the end of an epoch, with no new window).
-        self._record_update(grad_norm, learning_rate)
+        # Trainer calls this after every update (and once more at the end of an epoch, with no new window);
+        # the update is recorded after it, so that an evaluation it ran is part of the record.
+        self._eval_loss_of_update = None
         super()._maybe_log_save_evaluate(
             tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, learning_rate=learning_rate
         )
+        self._record_update(grad_norm, learning_rate)
 
     def _record_update(self, grad_norm, learning_rate) -> None:
         totals, self._closed_window = self._closed_window, None
@@ -291,7 +294,7 @@ class AccumTrainer(Trainer):
             learning_rate=float(learning_rate if learning_rate is not None else self._get_learning_rate()),
             grad_norm=float(grad_norm) if grad_norm is not None and applied else None, targets=totals.targets,
             sequences=totals.sequences, padding_fraction=totals.padding_fraction, micro_batches=totals.micro_batches,
-            applied=applied, skip_reason="" if applied else "no targets in window",
+            applied=applied, skip_reason="" if applied else "no targets in window", eval_loss=self._eval_loss_of_update,
         )
         self.updates.append(update)
         if self._on_update is not None:
@@ -336,6 +339,7 @@ class AccumTrainer(Trainer):
         self._eval_tally.reset()
         if totals.targets and f"{metric_key_prefix}_loss" in output.metrics:
             output.metrics[f"{metric_key_prefix}_loss"] = totals.mean_loss
+            self._eval_loss_of_update = totals.mean_loss  # recorded with the update that triggered it, if any
         return output
 
     def _check_resume_plan(self, checkpoint: str) -> None:

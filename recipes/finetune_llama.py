@@ -35,40 +35,51 @@ from hf_accum.outputs import (  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------
 # The two engines. Each trains `model` and returns (model, batch plan); both hand every optimizer
-# update (hf_accum.UpdateLog: its exact per-token loss, tokens, LR, grad norm) to `record`.
+# update (hf_accum.UpdateLog: its exact per-token loss, tokens, LR, grad norm, held-out loss when
+# evaluated) to `record`, and report to the trackers of training.report_to.
 # ----------------------------------------------------------------------------------------------
 
 
-def train_with_loop(model, tokenizer, examples, collator, args, record, resume):
+def train_with_loop(model, tokenizer, data, collator, args, record, resume):
     """hf_accum.train on Accelerate: accumulate() with a summed loss and one W/N rescale per update."""
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision=precision, cpu=args.use_cpu,
+        log_with=args.report_to or None, project_dir=args.output_dir,  # training.report_to: tensorboard, wandb...
     )
     shuffle = torch.Generator().manual_seed(args.data_seed if args.data_seed is not None else args.seed)
     loader = DataLoader(
-        examples, batch_size=args.per_device_train_batch_size, shuffle=True, generator=shuffle,
+        data.train, batch_size=args.per_device_train_batch_size, shuffle=True, generator=shuffle,
         collate_fn=collator, num_workers=args.dataloader_num_workers,
     )
+    eval_loader = DataLoader(data.eval_examples, batch_size=args.per_device_eval_batch_size, collate_fn=collator)
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
         betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, weight_decay=args.weight_decay,
     )
     # Not the scheduler: the loop builds it over the planned number of *updates*.
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    model, optimizer, loader, eval_loader = accelerator.prepare(model, optimizer, loader, eval_loader)
+    accelerator.init_trackers(args.run_name or "hf_accum", config=record.config.to_flat_dict())
+
+    def on_update(update):
+        record.record_update(update)  # metrics.json keeps every update; a line every logging_steps
+        accelerator.log(update.tracked(), step=update.step)  # every update to the trackers
+
     result = train(
-        model, optimizer, loader, accelerator, LoopConfig.from_training_arguments(args),
-        on_update=record.record_update,  # keeps every update, prints one line every logging_steps
+        model, optimizer, loader, accelerator, LoopConfig.from_training_arguments(args), on_update=on_update,
+        eval_dataloader=eval_loader,
     )
-    accelerator.wait_for_everyone()
+    accelerator.end_training()
     return accelerator.unwrap_model(model), result.batch_plan
 
 
-def train_with_trainer(model, tokenizer, examples, collator, args, record, resume):
-    """hf_accum.AccumTrainer: the standard Trainer API, exact normalization inside."""
+def train_with_trainer(model, tokenizer, data, collator, args, record, resume):
+    """hf_accum.AccumTrainer: the standard Trainer API (its report_to, eval_strategy, save_strategy...),
+    exact normalization inside."""
     trainer = AccumTrainer(
-        model=model, args=args, train_dataset=examples, data_collator=collator, processing_class=tokenizer,
-        on_update=record.keep_update,  # Trainer prints its own logs every logging_steps
+        model=model, args=args, train_dataset=data.train, data_collator=collator, processing_class=tokenizer,
+        eval_dataset=data.eval_examples or None,
+        on_update=record.keep_update,  # metrics.json keeps every update; Trainer prints every logging_steps
     )
     trainer.train(resume_from_checkpoint=resume or None)
     barrier()
@@ -79,7 +90,7 @@ def train_with_trainer(model, tokenizer, examples, collator, args, record, resum
 LOOP_READS = LoopConfig.training_argument_names() | {
     "output_dir", "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate", "weight_decay",
     "adam_beta1", "adam_beta2", "adam_epsilon", "seed", "data_seed", "bf16", "fp16", "use_cpu",
-    "dataloader_num_workers", "logging_steps", "per_device_eval_batch_size", "report_to",
+    "dataloader_num_workers", "logging_steps", "per_device_eval_batch_size", "report_to", "run_name",
     "activation_checkpointing", "gradient_checkpointing",
 }
 # engine name -> (train function, the TrainingArguments fields it honours; None: all of them).
@@ -137,7 +148,7 @@ def main(argv):
     say(f"held-out exact match before training: {percent(before)}")
     claim_output_dir(config)  # from here on, the directory is this run's (a re-run may resume it)
     train_start = time.time()
-    model, plan = train_engine(model, tokenizer, data.train, collator, args, record, resume)
+    model, plan = train_engine(model, tokenizer, data, collator, args, record, resume)
     train_seconds = time.time() - train_start
     after = evaluate(model, tokenizer, data, config, args)
 

@@ -245,3 +245,38 @@ def test_output_dir_of_a_different_run_is_left_alone(tmp_path, capsys):
     assert code == 2 and "holds a different run" in err and "learning_rate" in err
     assert sorted(os.listdir(out)) == before
     assert yaml.safe_load(open(out / C.RESOLVED_CONFIG_NAME))["training"]["learning_rate"] == 1e-4
+
+
+def tensorboard_scalars(directory) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar series in the TensorBoard event files under ``directory``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    series: dict[str, list[tuple[int, float]]] = {}
+    for root, _, files in os.walk(directory):
+        if any(name.startswith("events.out.tfevents") for name in files):
+            events = EventAccumulator(root)
+            events.Reload()
+            for tag in events.Tags()["scalars"]:
+                series.setdefault(tag, []).extend((e.step, e.value) for e in events.Scalars(tag))
+    return series
+
+
+@pytest.mark.parametrize("engine, loss_tag", [("loop", "train/loss"), ("trainer", "train/loss")])
+def test_tensorboard_gets_every_update_and_the_held_out_loss(engine, loss_tag, tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / engine
+    load_script().main([*SMALL, f"training.output_dir={out}", f"engine={engine}", "training.max_steps=3",
+                        "training.report_to=tensorboard", "training.eval_strategy=steps", "training.eval_steps=2",
+                        "data.num_eval_examples=4"])
+    updates = read_metrics(out)["updates"]
+    scalars = tensorboard_scalars(out)
+    losses = dict(scalars[loss_tag])
+    assert sorted(losses) == [1, 2, 3]  # one point per update (logging_steps=1 in SMALL)
+    for update in updates:  # the exact per-token loss of each update, as metrics.json has it
+        assert losses[update["step"]] == pytest.approx(update["loss"], rel=1e-6)
+    evaluated = {u["step"]: u["eval_loss"] for u in updates if u["eval_loss"] is not None}
+    assert sorted(evaluated) == [2, 3]  # every eval_steps updates, and after the last
+    eval_points = dict(scalars["eval/loss"])
+    for step, value in evaluated.items():
+        assert eval_points[step] == pytest.approx(value, rel=1e-6)
