@@ -559,6 +559,7 @@ def resolve(
     _check_precision(config)
     _check_quantization(config)
     _check_data(config.data)
+    _check_model(config.model)
     if config.lora is not None:
         config.lora_config()  # peft's own checks (e.g. bias, init options)
     return config
@@ -606,6 +607,15 @@ def _resolve_batch(config: RecipeConfig, world_size: int) -> None:
             f"training.gradient_accumulation_steps={given} ({steps_source}): {plan.accumulation_steps} accumulation steps"
         )
     t["gradient_accumulation_steps"] = plan.accumulation_steps
+
+
+def _check_model(model: ModelSection) -> None:
+    from hf_accum.modeling import ModelError, check_model_source
+
+    try:
+        check_model_source(model.name_or_path)
+    except ModelError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def _check_duration(config: RecipeConfig) -> None:

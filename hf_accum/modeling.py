@@ -286,3 +286,36 @@ def checkpointing_requested(training: dict[str, Any]) -> bool:
     """``training.activation_checkpointing`` (or its deprecated alias ``gradient_checkpointing``)."""
     value = training.get("activation_checkpointing")
     return bool(training.get("gradient_checkpointing") if value is None else value)
+
+
+def check_model_source(name_or_path: str) -> None:
+    """Fail fast, before any download or load, on a model that cannot be found.
+
+    A path (absolute, relative, or with more than one ``/``) must be a directory holding
+    ``config.json``. A hub id must be in the local cache or reachable within seconds: offline, the
+    hub client would otherwise retry for about a minute and then blame the id's form.
+    """
+    if name_or_path == TINY_MODEL:
+        return
+    looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1 or os.path.exists(name_or_path)
+    if looks_local:
+        path = os.path.expanduser(name_or_path)
+        if not os.path.isdir(path):
+            raise ModelError(f"model.name_or_path={name_or_path!r}: no such directory (cwd: {os.getcwd()})")
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ModelError(f"model.name_or_path={name_or_path!r}: the directory holds no config.json (not a model)")
+        return
+    from huggingface_hub import HfApi, try_to_load_from_cache
+    from huggingface_hub.constants import HF_HUB_OFFLINE
+
+    if isinstance(try_to_load_from_cache(name_or_path, "config.json"), str):
+        return
+    if HF_HUB_OFFLINE:
+        raise ModelError(f"model.name_or_path={name_or_path!r} is not in the local Hugging Face cache and "
+                         "HF_HUB_OFFLINE is set; download it first or pass a local directory")
+    try:
+        HfApi().model_info(name_or_path, timeout=10)
+    except Exception as error:  # no network, unknown id, gated repo: each says so in its own words
+        raise ModelError(f"model.name_or_path={name_or_path!r}: not in the local cache and the Hub cannot provide it "
+                         f"({type(error).__name__}: {str(error).splitlines()[0][:160]}); pass a local directory "
+                         "or check the id, your network and your token") from None

@@ -182,14 +182,33 @@ def load_script():
     return module
 
 
-def fails_cleanly(argv, out, capsys) -> str:
+def fails_cleanly(argv, out, capsys, must_not_exist=True) -> str:
+    """Exit code 2, one ``error:`` line last, and nothing written (``out`` absent, or unchanged)."""
+    before = snapshot(out)
     script = load_script()
     code = O.run_cli(script.main, [*SMALL, f"training.output_dir={out}", *argv], bad_input=BAD_INPUT)
     err = capsys.readouterr().err
     assert code == 2, err
-    assert not os.path.exists(out), "nothing may be written when validation fails"
+    assert snapshot(out) == before, "nothing may be written when validation fails"
+    if must_not_exist:
+        assert not os.path.exists(out)
     assert err.strip().splitlines()[-1].startswith("error: ")  # one clear line, last
     return err
+
+
+def snapshot(path) -> dict:
+    """Every file under ``path`` with its size and modification time (or the file itself)."""
+    path = str(path)
+    if os.path.isfile(path):
+        return {path: (os.path.getsize(path), os.path.getmtime(path))}
+    return {os.path.join(root, name): (os.path.getsize(os.path.join(root, name)), os.path.getmtime(os.path.join(root, name)))
+            for root, _, names in os.walk(path) for name in names}
+
+
+def write(path, text: str) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return str(path)
 
 
 @pytest.mark.parametrize(
@@ -198,15 +217,54 @@ def fails_cleanly(argv, out, capsys) -> str:
         (["training.learnig_rate=1e-4"], "Did you mean 'learning_rate'"),
         (["training.learning_rate=fast"], "training.learning_rate: expected float"),
         (["global_batch_size=null", "training.gradient_accumulation_steps=0"], "must be >= 1"),
+        (["training.per_device_train_batch_size=0"], "per_device_train_batch_size=0 (command line) must be >= 1"),
         (["global_batch_size=30"], "nearest valid global_batch_size: 24 or 32"),
         (["data.dataset=/nonexistent/train.jsonl", "data.eval_split=null"], "data file not found"),
         (["lora.target_modules=[q_proj, qkv_proj]"], "'qkv_proj'"),
         (["lora.modules_to_save=[embed_token]"], "did you mean 'embed_tokens'"),
+        (["lora.r=big"], "lora.r: expected int"),
         (["quantization={load_in_4bit: true}", "lora=null"], "quantization needs lora"),
+        (["training.num_train_epochs=-1"], "num_train_epochs=-1.0 (command line) must be > 0"),
+        (["training.max_steps=0"], "training.max_steps=0"),
+        (["engine=trainr"], "Did you mean 'trainer'"),
+        (["trainig.seed=1"], "unknown section 'trainig'"),
+        (["model.dtype=float8"], "model.dtype='float8'"),
+        (["data.max_length=1"], "data.max_length=1 must be >= 2"),
+        (["model.name_or_path=/nonexistent/model"], "no such directory"),
+        (["training.resume_from_checkpoint=/nonexistent/checkpoint-9"], "no such checkpoint directory"),
+        (["--config", "/nonexistent/config.yaml"], "config file not found"),
     ],
 )
 def test_bad_input_fails_before_writing(argv, message, tmp_path, capsys):
     assert message in fails_cleanly(argv, tmp_path / "out", capsys)
+
+
+def test_a_yaml_that_is_not_a_mapping_fails_before_writing(tmp_path, capsys):
+    path = write(tmp_path / "list.yaml", "- a\n- b\n")
+    assert "the top level must be a mapping" in fails_cleanly(["--config", path], tmp_path / "out", capsys)
+
+
+def test_global_batch_and_accumulation_disagreeing_in_one_yaml_name_the_file(tmp_path, capsys):
+    path = write(tmp_path / "c.yaml", "global_batch_size: 32\ntraining: {per_device_train_batch_size: 8, "
+                                      "gradient_accumulation_steps: 3}\n")
+    err = fails_cleanly(["--config", path], tmp_path / "out", capsys)
+    assert "needs gradient_accumulation_steps=4" in err and path in err
+
+
+def test_a_model_directory_without_config_fails_before_writing(tmp_path, capsys):
+    (tmp_path / "empty_model").mkdir()
+    err = fails_cleanly([f"model.name_or_path={tmp_path / 'empty_model'}"], tmp_path / "out", capsys)
+    assert "holds no config.json" in err
+
+
+@pytest.mark.parametrize("where", ["file", "under_a_file"])
+def test_an_output_dir_that_cannot_be_written_is_found_before_training(where, tmp_path, capsys):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("x")
+    out = blocker if where == "file" else blocker / "run"
+    err = fails_cleanly([], out, capsys, must_not_exist=False)
+    assert "output_dir" in err and ("is a file" in err or "not writable" in err)
+    assert sorted(os.listdir(tmp_path)) == ["blocker"]
 
 
 def test_empty_dataset_fails_before_writing(tmp_path, capsys):
