@@ -352,17 +352,26 @@ def _evaluation_due(config: LoopConfig, step: int, total_updates: int, epoch_end
 def evaluate_loss(model, dataloader, accelerator: Accelerator, loss_sum_fn: LossSumFn) -> float:
     """The exact per-token loss of a held-out set: every batch's summed loss and target count are
     added up on each rank and all-reduced once, then divided once (not a mean of batch means).
-    Every rank must call it (it ends in a collective)."""
+
+    Each rank evaluates the batches *its* ``dataloader`` yields: give each rank a disjoint shard
+    (e.g. ``examples[rank::world_size]``) and do not ``prepare`` it -- a prepared loader with
+    ``even_batches`` repeats examples to even out the ranks, which would count them twice. The
+    forward runs on the unwrapped model, so ranks may hold different numbers of batches (a DDP
+    forward would broadcast buffers, a collective, per batch). Every rank must call it (it ends in
+    one all-reduce)."""
     if dataloader is None:
         raise ValueError("LoopConfig.eval_strategy is set but train() got no eval_dataloader")
     tally = WindowTally(device=accelerator.device)
-    was_training = model.training
-    model.eval()
+    bare = accelerator.unwrap_model(model)
+    was_training = bare.training
+    bare.eval()
     for batch in dataloader:
+        batch = {key: value.to(accelerator.device) for key, value in batch.items()}
         labels, inputs = _split_labels(batch)
-        loss_sum, n_targets = loss_sum_fn(model(**inputs), labels)
+        with accelerator.autocast():
+            loss_sum, n_targets = loss_sum_fn(bare(**inputs), labels)
         tally.add(loss_sum, n_targets, batch)
-    model.train(was_training)
+    bare.train(was_training)
     return tally.reduce(accelerator).mean_loss
 
 

@@ -52,13 +52,15 @@ def train_with_loop(model, tokenizer, data, collator, args, record, resume):
         data.train, batch_size=args.per_device_train_batch_size, shuffle=True, generator=shuffle,
         collate_fn=collator, num_workers=args.dataloader_num_workers,
     )
-    eval_loader = DataLoader(data.eval_examples, batch_size=args.per_device_eval_batch_size, collate_fn=collator)
+    # A disjoint held-out shard per rank, not prepared (even_batches would repeat examples).
+    held_out = data.eval_examples[args.process_index :: args.world_size]
+    eval_loader = DataLoader(held_out, batch_size=args.per_device_eval_batch_size, collate_fn=collator)
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
         betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, weight_decay=args.weight_decay,
     )
     # Not the scheduler: the loop builds it over the planned number of *updates*.
-    model, optimizer, loader, eval_loader = accelerator.prepare(model, optimizer, loader, eval_loader)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     accelerator.init_trackers(args.run_name or "hf_accum", config=record.config.to_flat_dict())
 
     def on_update(update):

@@ -33,7 +33,7 @@ def test_held_out_loss_is_the_exact_per_token_mean_at_the_asked_updates():
     loader = torch.utils.data.DataLoader(train_rows, batch_size=2, collate_fn=collator)
     eval_loader = torch.utils.data.DataLoader(held_out, batch_size=4, collate_fn=collator)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, optimizer, loader, eval_loader = accelerator.prepare(model, optimizer, loader, eval_loader)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     seen = {}
 
     def on_update(update):
