@@ -11,8 +11,8 @@ import pytest
 import torch
 import yaml
 
-from hf_accum import config as C
-from hf_accum import outputs as O
+from hf_accum import config as recipe_config
+from hf_accum import outputs as run_outputs
 
 ENGINES = ("loop", "trainer")  # the recipe's engine table (recipes/finetune_llama.py ENGINES)
 
@@ -28,18 +28,18 @@ def write_yaml(tmp_path, data, name="c.yaml"):
 
 
 def resolved(argv, world_size=1, tmp_path=None):
-    path, overrides = C.parse_overrides(argv)
-    config = C.load_config(path, overrides)
+    path, overrides = recipe_config.parse_overrides(argv)
+    config = recipe_config.load_config(path, overrides)
     if tmp_path is not None:
         config.training.setdefault("output_dir", str(tmp_path / "out"))
-    return C.resolve(config, ENGINES, world_size=world_size)
+    return recipe_config.resolve(config, ENGINES, world_size=world_size)
 
 
 # -- overrides and precedence ------------------------------------------------------------------
 
 
 def test_parse_overrides_accepts_all_documented_forms():
-    path, overrides = C.parse_overrides(
+    path, overrides = recipe_config.parse_overrides(
         ["--config", "x.yaml", "--training.learning_rate", "1e-4", "--lora.r=16", "training.max_steps=5", "--lora", "null",
          "lora.target_modules=[q_proj, v_proj]"]
     )
@@ -54,34 +54,34 @@ def test_parse_overrides_accepts_all_documented_forms():
 
 
 def test_override_without_value_is_an_error():
-    with pytest.raises(C.ConfigError, match="has no value"):
-        C.parse_overrides(["--training.learning_rate"])
-    with pytest.raises(C.ConfigError, match="cannot read argument"):
-        C.parse_overrides(["learning_rate"])
+    with pytest.raises(recipe_config.ConfigError, match="has no value"):
+        recipe_config.parse_overrides(["--training.learning_rate"])
+    with pytest.raises(recipe_config.ConfigError, match="cannot read argument"):
+        recipe_config.parse_overrides(["learning_rate"])
 
 
 def test_precedence_defaults_then_yaml_then_command_line(tmp_path):
     path = write_yaml(tmp_path, {"training": {"learning_rate": 3.0e-4, "num_train_epochs": 2.0}, "lora": {"r": 4}})
-    config = C.load_config(path, {"training.learning_rate": "1e-4", "lora.lora_alpha": 8})
+    config = recipe_config.load_config(path, {"training.learning_rate": "1e-4", "lora.lora_alpha": 8})
     assert config.training["learning_rate"] == pytest.approx(1e-4)  # command line beats YAML
     assert isinstance(config.training["learning_rate"], float)
     assert config.training["num_train_epochs"] == 2.0  # YAML beats defaults
     assert config.training["report_to"] == "none"  # built-in default kept
     # The YAML's lora section layers over the built-in LoRA defaults, key by key.
-    assert config.lora == {**C.BUILTIN_DEFAULTS["lora"], "r": 4, "lora_alpha": 8}
+    assert config.lora == {**recipe_config.BUILTIN_DEFAULTS["lora"], "r": 4, "lora_alpha": 8}
     assert config.model.name_or_path == "hf_accum:tiny-llama"  # dataclass default
-    assert config.source("training.learning_rate") == C.COMMAND_LINE
+    assert config.source("training.learning_rate") == recipe_config.COMMAND_LINE
     assert config.source("training.num_train_epochs") == path
-    assert config.source("training.report_to") == C.BUILTIN
+    assert config.source("training.report_to") == recipe_config.BUILTIN
 
 
 def test_a_new_dataset_starts_the_data_section_afresh():
     """The embedded default's held-out split, sizes and columns describe *its* dataset: a user file
     given on the command line does not inherit them (they would fail or leak)."""
-    config = C.load_config(None, {"data.dataset": "my.jsonl", "data.max_length": 64})
+    config = recipe_config.load_config(None, {"data.dataset": "my.jsonl", "data.max_length": 64})
     assert config.data.dataset == "my.jsonl" and config.data.max_length == 64
-    assert config.data.eval_split is None and config.data.num_train_examples == C.DataSection().num_train_examples
-    same = C.load_config(None, {"data.dataset": "hf_accum:synthetic-tasks"})
+    assert config.data.eval_split is None and config.data.num_train_examples == recipe_config.DataSection().num_train_examples
+    same = recipe_config.load_config(None, {"data.dataset": "hf_accum:synthetic-tasks"})
     assert same.data.eval_split == "test"  # the same dataset keeps its settings
 
 
@@ -93,26 +93,26 @@ def test_command_line_accumulation_replaces_the_yaml_global_batch(tmp_path):
 
 def test_a_yaml_starts_from_the_built_in_defaults_not_the_cpu_job(tmp_path):
     path = write_yaml(tmp_path, {"data": {"dataset": "x.jsonl"}})
-    config = C.load_config(path)
+    config = recipe_config.load_config(path)
     assert config.global_batch_size is None and "use_cpu" not in config.training
-    assert config.lora == C.BUILTIN_DEFAULTS["lora"]
+    assert config.lora == recipe_config.BUILTIN_DEFAULTS["lora"]
 
 
 def test_no_config_gives_the_embedded_default():
-    config = C.load_config(None, {})
+    config = recipe_config.load_config(None, {})
     assert config.lora["modules_to_save"] == ["embed_tokens", "lm_head"]
     assert config.data.eval_split == "test"
     assert config.global_batch_size == 32
 
 
 def test_cpu_default_yaml_is_the_embedded_default():
-    from_yaml = C.load_config(os.path.join(ROOT, "recipes", "configs", "cpu_default.yaml"))
-    embedded = C.load_config(None)
+    from_yaml = recipe_config.load_config(os.path.join(ROOT, "recipes", "configs", "cpu_default.yaml"))
+    embedded = recipe_config.load_config(None)
     assert from_yaml.to_dict() == embedded.to_dict()
 
 
 def test_lora_null_means_full_fine_tuning():
-    config = C.load_config(None, {"lora": None})
+    config = recipe_config.load_config(None, {"lora": None})
     assert config.lora is None and config.lora_config() is None
 
 
@@ -132,8 +132,8 @@ def test_lora_null_means_full_fine_tuning():
     ],
 )
 def test_unknown_key_lists_valid_keys_and_closest_match(override, closest):
-    with pytest.raises(C.ConfigError) as info:
-        C.load_config(None, override)
+    with pytest.raises(recipe_config.ConfigError) as info:
+        recipe_config.load_config(None, override)
     message = str(info.value)
     assert f"Did you mean {closest!r}" in message
     assert "Valid keys:" in message or "Valid sections:" in message
@@ -154,18 +154,18 @@ def test_unknown_key_lists_valid_keys_and_closest_match(override, closest):
     ],
 )
 def test_wrong_types_are_refused_with_the_key(override, fragment):
-    with pytest.raises(C.ConfigError, match=fragment.replace(".", r"\.")):
-        C.load_config(None, override)
+    with pytest.raises(recipe_config.ConfigError, match=fragment.replace(".", r"\.")):
+        recipe_config.load_config(None, override)
 
 
 def test_strings_from_the_command_line_are_coerced():
-    config = C.load_config(None, {"training.max_steps": "7", "training.activation_checkpointing": "false"})
+    config = recipe_config.load_config(None, {"training.max_steps": "7", "training.activation_checkpointing": "false"})
     assert config.training["max_steps"] == 7
     assert config.training["activation_checkpointing"] is False
 
 
 def test_hf_constructors_validate_values_too(tmp_path):
-    with pytest.raises(C.ConfigError, match="training"):
+    with pytest.raises(recipe_config.ConfigError, match="training"):
         resolved(["training.lr_scheduler_type=cosinus"], tmp_path=tmp_path).training_arguments()
 
 
@@ -180,21 +180,21 @@ def test_accumulation_is_derived_from_the_global_batch(world_size, expected, tmp
 
 
 def test_global_batch_that_does_not_divide_names_nearest_values(tmp_path):
-    with pytest.raises(C.ConfigError, match="nearest valid global_batch_size: 24 or 32"):
+    with pytest.raises(recipe_config.ConfigError, match="nearest valid global_batch_size: 24 or 32"):
         resolved(["global_batch_size=30"], tmp_path=tmp_path)
 
 
 def test_global_batch_contradicting_accumulation_in_one_layer_is_refused_naming_it(tmp_path):
     path = write_yaml(tmp_path, {"global_batch_size": 32, "training": {"per_device_train_batch_size": 8,
                                                                        "gradient_accumulation_steps": 3}})
-    with pytest.raises(C.ConfigError, match=f"needs gradient_accumulation_steps=4.*both set in {path}"):
-        C.resolve(C.load_config(path, {"training.output_dir": str(tmp_path / "o")}), ENGINES, world_size=1)
+    with pytest.raises(recipe_config.ConfigError, match=f"needs gradient_accumulation_steps=4.*both set in {path}"):
+        recipe_config.resolve(recipe_config.load_config(path, {"training.output_dir": str(tmp_path / "o")}), ENGINES, world_size=1)
 
 
 def test_accumulation_below_one_is_refused(tmp_path):
-    with pytest.raises(C.ConfigError, match=r"gradient_accumulation_steps=0 \(command line\) must be >= 1"):
+    with pytest.raises(recipe_config.ConfigError, match=r"gradient_accumulation_steps=0 \(command line\) must be >= 1"):
         resolved(["global_batch_size=null", "training.gradient_accumulation_steps=0"], tmp_path=tmp_path)
-    with pytest.raises(C.ConfigError, match="per_device_train_batch_size=0"):
+    with pytest.raises(recipe_config.ConfigError, match="per_device_train_batch_size=0"):
         resolved(["global_batch_size=null", "training.per_device_train_batch_size=0"], tmp_path=tmp_path)
 
 
@@ -208,9 +208,9 @@ def test_explicit_accumulation_without_global_batch_is_kept(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a bf16 GPU")
 def test_bf16_without_support_is_refused(tmp_path):
-    with pytest.raises(C.ConfigError, match="bf16 requested"):
+    with pytest.raises(recipe_config.ConfigError, match="bf16 requested"):
         resolved(["training.use_cpu=false", "training.bf16=true"], tmp_path=tmp_path)
-    with pytest.raises(C.ConfigError, match="bf16 requested"):
+    with pytest.raises(recipe_config.ConfigError, match="bf16 requested"):
         resolved(["training.use_cpu=false", "model.dtype=bfloat16"], tmp_path=tmp_path)
     # Explicit CPU bf16 autocast is allowed (as TrainingArguments allows it).
     assert resolved(["training.use_cpu=true", "training.bf16=true"], tmp_path=tmp_path).training["bf16"] is True
@@ -220,35 +220,35 @@ def test_qlora_without_bitsandbytes_is_refused(monkeypatch, tmp_path):
     from hf_accum import modeling
 
     monkeypatch.setattr(modeling, "bnb_available", lambda: False)
-    with pytest.raises(C.ConfigError, match="needs bitsandbytes"):
+    with pytest.raises(recipe_config.ConfigError, match="needs bitsandbytes"):
         resolved(["quantization={load_in_4bit: true}"], tmp_path=tmp_path)
 
 
 def test_quantization_without_lora_is_refused(tmp_path):
-    with pytest.raises(C.ConfigError, match="quantization needs lora"):
+    with pytest.raises(recipe_config.ConfigError, match="quantization needs lora"):
         resolved(["lora=null", "quantization={load_in_4bit: true}"], tmp_path=tmp_path)
 
 
 def test_missing_and_empty_data_files_are_refused(tmp_path):
-    with pytest.raises(C.ConfigError, match="data file not found"):
+    with pytest.raises(recipe_config.ConfigError, match="data file not found"):
         resolved([f"data.dataset={tmp_path / 'nope.jsonl'}", "data.eval_split=null"], tmp_path=tmp_path)
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    with pytest.raises(C.ConfigError, match="data file is empty"):
+    with pytest.raises(recipe_config.ConfigError, match="data file is empty"):
         resolved([f"data.dataset={empty}", "data.eval_split=null"], tmp_path=tmp_path)
 
 
 def test_local_file_cannot_serve_as_its_own_test_split(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "a", "answer": "b"}\n')
-    with pytest.raises(C.ConfigError, match="single local file"):
+    with pytest.raises(recipe_config.ConfigError, match="single local file"):
         resolved([f"data.dataset={data}", "data.eval_split=test"], tmp_path=tmp_path)
     ok = resolved([f"data.dataset={data}", "data.eval_split=train[50%:]"], tmp_path=tmp_path)
     assert ok.data.eval_split == "train[50%:]"
 
 
 def test_unknown_engine_is_refused(tmp_path):
-    with pytest.raises(C.ConfigError, match="Did you mean 'trainer'"):
+    with pytest.raises(recipe_config.ConfigError, match="Did you mean 'trainer'"):
         resolved(["engine=trainr"], tmp_path=tmp_path)
 
 
@@ -257,19 +257,19 @@ def test_unknown_engine_is_refused(tmp_path):
 
 def save_config(config, out):
     os.makedirs(out, exist_ok=True)
-    O.write_atomically(os.path.join(out, C.RESOLVED_CONFIG_NAME), config.to_yaml())
+    run_outputs.write_atomically(os.path.join(out, recipe_config.RESOLVED_CONFIG_NAME), config.to_yaml())
 
 
 def test_output_dir_with_a_different_run_is_refused(tmp_path):
     config = resolved([], tmp_path=tmp_path)
     out = config.training["output_dir"]
     save_config(config, out)
-    assert O.check_output_dir(config, resume=False) == "fresh"  # the same run again, nothing to resume: allowed
+    assert run_outputs.check_output_dir(config, resume=False) == "fresh"  # the same run again, nothing to resume: allowed
     other = resolved(["training.learning_rate=1e-4"], tmp_path=tmp_path)
-    with pytest.raises(C.ConfigError, match="holds a different run .*learning_rate"):
-        O.check_output_dir(other, resume=False)
+    with pytest.raises(recipe_config.ConfigError, match="holds a different run .*learning_rate"):
+        run_outputs.check_output_dir(other, resume=False)
     forced = resolved(["training.learning_rate=1e-4", "overwrite_output_dir=true"], tmp_path=tmp_path)
-    O.check_output_dir(forced, resume=False)
+    run_outputs.check_output_dir(forced, resume=False)
 
 
 def test_output_dir_of_an_unfinished_run_is_resumed_only_when_asked(tmp_path):
@@ -277,22 +277,22 @@ def test_output_dir_of_an_unfinished_run_is_resumed_only_when_asked(tmp_path):
     out = config.training["output_dir"]
     save_config(config, out)
     os.makedirs(os.path.join(out, "checkpoint-2"))
-    with pytest.raises(C.ConfigError, match="resume_from_checkpoint=true to continue"):
-        O.check_output_dir(config, resume=False)
+    with pytest.raises(recipe_config.ConfigError, match="resume_from_checkpoint=true to continue"):
+        run_outputs.check_output_dir(config, resume=False)
     resuming = resolved(["training.resume_from_checkpoint=true"], tmp_path=tmp_path)
     assert resuming.training["resume_from_checkpoint"] is True
-    assert O.check_output_dir(resuming, resume=True) == "resume"  # resume_from_checkpoint is not part of the run
-    open(os.path.join(out, O.METRICS_NAME), "w").close()
-    with pytest.raises(C.ConfigError, match="holds a finished run"):
-        O.check_output_dir(resuming, resume=True)
+    assert run_outputs.check_output_dir(resuming, resume=True) == "resume"  # resume_from_checkpoint is not part of the run
+    open(os.path.join(out, run_outputs.METRICS_NAME), "w").close()
+    with pytest.raises(recipe_config.ConfigError, match="holds a finished run"):
+        run_outputs.check_output_dir(resuming, resume=True)
 
 
 def test_output_dir_with_foreign_files_is_refused(tmp_path):
     config = resolved([], tmp_path=tmp_path)
     os.makedirs(config.training["output_dir"])
     open(os.path.join(config.training["output_dir"], "notes.txt"), "w").close()
-    with pytest.raises(C.ConfigError, match="not a recipe run"):
-        O.check_output_dir(config, resume=False)
+    with pytest.raises(recipe_config.ConfigError, match="not a recipe run"):
+        run_outputs.check_output_dir(config, resume=False)
 
 
 @pytest.mark.parametrize("make_blocker", ["file", "under_a_file"])
@@ -301,30 +301,30 @@ def test_output_dir_that_cannot_be_written_is_refused_and_nothing_stays(make_blo
     blocker.write_text("x")
     out = blocker if make_blocker == "file" else blocker / "run"
     config = resolved([f"training.output_dir={out}"], tmp_path=tmp_path)
-    with pytest.raises(C.ConfigError, match="output_dir"):
-        O.check_output_dir(config, resume=False)
+    with pytest.raises(recipe_config.ConfigError, match="output_dir"):
+        run_outputs.check_output_dir(config, resume=False)
     assert sorted(os.listdir(tmp_path)) == ["blocker"]
 
 
 def test_probing_a_new_output_dir_leaves_nothing(tmp_path):
     out = tmp_path / "a" / "b" / "run"
-    O.probe_writable(str(out))
+    run_outputs.probe_writable(str(out))
     assert os.listdir(tmp_path) == []
 
 
 def test_saved_config_round_trips(tmp_path):
     config = resolved(["training.learning_rate=1e-4", "lora.r=8"], tmp_path=tmp_path)
     save_config(config, str(tmp_path))
-    again = C.build_config(C.load_yaml(os.path.join(tmp_path, C.RESOLVED_CONFIG_NAME)))
+    again = recipe_config.build_config(recipe_config.load_yaml(os.path.join(tmp_path, recipe_config.RESOLVED_CONFIG_NAME)))
     assert again.to_dict() == config.to_dict()
 
 
 def test_sections_are_one_registry():
     """Adding a section is adding one RecipeConfig field carrying a Section: keys, types, building."""
-    assert list(C.SECTIONS) == ["model", "data", "lora", "quantization", "training"]
-    assert C.SECTIONS["lora"].cls().__name__ == "LoraConfig" and C.SECTIONS["data"].cls() is C.DataSection
-    with pytest.raises(C.ConfigError, match="Valid sections: data, lora, model, quantization, training"):
-        C.load_config(None, {"trainig.seed": 1})
+    assert list(recipe_config.SECTIONS) == ["model", "data", "lora", "quantization", "training"]
+    assert recipe_config.SECTIONS["lora"].cls().__name__ == "LoraConfig" and recipe_config.SECTIONS["data"].cls() is recipe_config.DataSection
+    with pytest.raises(recipe_config.ConfigError, match="Valid sections: data, lora, model, quantization, training"):
+        recipe_config.load_config(None, {"trainig.seed": 1})
 
 
 # -- every YAML under recipes/ -----------------------------------------------------------------
@@ -353,13 +353,13 @@ def test_every_recipe_config_loads_and_validates(path, tmp_path, monkeypatch):
     # ...giving the exact command that runs it, and the batch arithmetic.
     assert f"recipes/finetune_llama.py --config recipes/configs/{os.path.basename(path)}" in " ".join(re.sub(r"\\\n#", " ", header).split())
     assert "global batch" in header.lower() and "accumulation" in header.lower()
-    config = C.load_config(path)
+    config = recipe_config.load_config(path)
     # This machine may have no bf16 GPU: validate the rest with explicit CPU bf16 autocast.
     no_bf16_gpu = not (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
     config.training["use_cpu"] = config.training.get("use_cpu") or no_bf16_gpu
     config.training["output_dir"] = str(tmp_path / "out")
     world = 8 if "8b" in os.path.basename(path) else 1
-    config = C.resolve(config, ENGINES, world_size=world)
+    config = recipe_config.resolve(config, ENGINES, world_size=world)
     t = config.training
     assert t["per_device_train_batch_size"] * t["gradient_accumulation_steps"] * world == config.global_batch_size
     args = config.training_arguments()
@@ -372,9 +372,9 @@ def test_every_recipe_config_loads_and_validates(path, tmp_path, monkeypatch):
 
 
 def test_llama3_configs_differ_where_they_should():
-    lora = C.load_config(os.path.join(ROOT, "recipes", "configs", "llama3_8b_lora.yaml"))
-    qlora = C.load_config(os.path.join(ROOT, "recipes", "configs", "llama3_8b_qlora.yaml"))
-    full = C.load_config(os.path.join(ROOT, "recipes", "configs", "llama3_8b_full.yaml"))
+    lora = recipe_config.load_config(os.path.join(ROOT, "recipes", "configs", "llama3_8b_lora.yaml"))
+    qlora = recipe_config.load_config(os.path.join(ROOT, "recipes", "configs", "llama3_8b_qlora.yaml"))
+    full = recipe_config.load_config(os.path.join(ROOT, "recipes", "configs", "llama3_8b_full.yaml"))
     assert lora.training["bf16"] and lora.training["activation_checkpointing"] and lora.quantization is None
     assert qlora.quantization["bnb_4bit_quant_type"] == "nf4" and qlora.lora is not None
     assert full.lora is None

@@ -14,8 +14,8 @@ import tempfile
 import pytest
 import yaml
 
-from hf_accum import config as C
-from hf_accum import outputs as O
+from hf_accum import config as recipe_config
+from hf_accum import outputs as run_outputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "recipes", "finetune_llama.py")
@@ -32,19 +32,19 @@ def run_script(launcher: list[str], out, *overrides: str, timeout: int = 240) ->
 
 
 def read_metrics(out) -> dict:
-    with open(os.path.join(out, O.METRICS_NAME)) as fh:
+    with open(os.path.join(out, run_outputs.METRICS_NAME)) as fh:
         return json.load(fh)
 
 
 def check_outputs(out, metrics: dict, lora: bool = True) -> None:
     from safetensors.torch import load_file
 
-    weights = load_file(os.path.join(out, O.ADAPTER_DIR if lora else O.MODEL_DIR, "adapter_model.safetensors"))
+    weights = load_file(os.path.join(out, run_outputs.ADAPTER_DIR if lora else run_outputs.MODEL_DIR, "adapter_model.safetensors"))
     assert any("lora_A" in k for k in weights) and any("lora_B" in k for k in weights)
     assert any("embed_tokens" in k for k in weights)  # modules_to_save are saved with the adapter
-    saved = C.build_config(C.load_yaml(os.path.join(out, C.RESOLVED_CONFIG_NAME)))
+    saved = recipe_config.build_config(recipe_config.load_yaml(os.path.join(out, recipe_config.RESOLVED_CONFIG_NAME)))
     assert saved.training["output_dir"] == str(out)
-    assert os.path.getsize(os.path.join(out, O.PLOT_NAME)) > 1000
+    assert os.path.getsize(os.path.join(out, run_outputs.PLOT_NAME)) > 1000
     assert metrics["eval_before"]["examples"] == 8 and metrics["eval_after"]["examples"] == 8
     assert metrics["data"]["train_examples"] == 240
 
@@ -186,7 +186,7 @@ def fails_cleanly(argv, out, capsys, must_not_exist=True) -> str:
     """Exit code 2, one ``error:`` line last, and nothing written (``out`` absent, or unchanged)."""
     before = snapshot(out)
     script = load_script()
-    code = O.run_cli(script.main, [*SMALL, f"training.output_dir={out}", *argv], bad_input=BAD_INPUT)
+    code = run_outputs.run_cli(script.main, [*SMALL, f"training.output_dir={out}", *argv], bad_input=BAD_INPUT)
     err = capsys.readouterr().err
     assert code == 2, err
     assert snapshot(out) == before, "nothing may be written when validation fails"
@@ -294,15 +294,15 @@ def test_qlora_without_bitsandbytes_fails_before_writing(tmp_path, capsys, monke
 def test_output_dir_of_a_different_run_is_left_alone(tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
-    previous = C.resolve(C.load_config(None, {"training.output_dir": str(out), "training.learning_rate": 1e-4}),
+    previous = recipe_config.resolve(recipe_config.load_config(None, {"training.output_dir": str(out), "training.learning_rate": 1e-4}),
                          ("loop", "trainer"))
-    O.write_atomically(str(out / C.RESOLVED_CONFIG_NAME), previous.to_yaml())
+    run_outputs.write_atomically(str(out / recipe_config.RESOLVED_CONFIG_NAME), previous.to_yaml())
     before = sorted(os.listdir(out))
-    code = O.run_cli(load_script().main, [*SMALL, f"training.output_dir={out}"], bad_input=BAD_INPUT)
+    code = run_outputs.run_cli(load_script().main, [*SMALL, f"training.output_dir={out}"], bad_input=BAD_INPUT)
     err = capsys.readouterr().err
     assert code == 2 and "holds a different run" in err and "learning_rate" in err
     assert sorted(os.listdir(out)) == before
-    assert yaml.safe_load(open(out / C.RESOLVED_CONFIG_NAME))["training"]["learning_rate"] == 1e-4
+    assert yaml.safe_load(open(out / recipe_config.RESOLVED_CONFIG_NAME))["training"]["learning_rate"] == 1e-4
 
 
 def tensorboard_scalars(directory) -> dict[str, list[tuple[int, float]]]:
