@@ -537,37 +537,46 @@ def load_splits(data) -> Splits:
     check_split_spec(data.dataset, "data.train_split", data.train_split)
     check_split_spec(data.dataset, "data.eval_split", data.eval_split)
     source = DatasetRows(data.dataset, data.dataset_config)
+    train_keys, eval_keys, held_out_line = _choose_rows(source, data)
+    # The rows of one dataset are checked together, so that one message counts every bad row.
+    chosen = sorted(set(train_keys) | set(eval_keys))
+    rows = source.rows(chosen)
+    fmt = resolve_format(_columns(rows), data, data.dataset)
+    examples = dict(zip(chosen, to_examples(rows, fmt, data.dataset)))
+    train, held_out = [examples[k] for k in train_keys], [examples[k] for k in eval_keys]
+    if _held_out_file(data):
+        held_out = _file_examples(data.eval_split, data)
+        held_out_line += f" ({len(held_out)} rows)"
+    report = [f"data: {data.dataset}: format {fmt.describe()}{_ignored_columns(rows, fmt)}", held_out_line]
+    report += _held_out_notes(train, held_out, data.max_eval_examples)
+    return Splits(train, held_out[: data.max_eval_examples], fmt, report)
+
+
+def _held_out_file(data) -> bool:
+    return data.eval_split is not None and dataset_source(data.eval_split) == "local"
+
+
+def _choose_rows(source: DatasetRows, data) -> tuple[list[RowKey], list[RowKey], str]:
+    """``(training rows, held-out rows, what was done)`` of ``source``; the two never overlap. A
+    held-out second file contributes no rows of ``source``."""
     train_keys = source.select("data.train_split", data.train_split)
-    second_file = data.eval_split is not None and dataset_source(data.eval_split) == "local"
     if data.eval_split is None:
-        train_keys, eval_keys, held_out_line = _carve(train_keys, data)
-    elif second_file:
+        return _carve(train_keys, data)
+    if _held_out_file(data):
         if dataset_source(data.dataset) == "local" and os.path.samefile(data.eval_split, data.dataset):
             raise DataError(
                 f"data.eval_split={data.eval_split!r} is the training file itself; leave data.eval_split unset to "
                 "hold out data.eval_fraction of its rows"
             )
-        eval_keys, held_out_line = [], f"held-out: {data.eval_split}"
-    else:
-        eval_keys = source.select("data.eval_split", data.eval_split)
-        train_keys, held_out_line = _disjoint(train_keys, eval_keys, data)
+        return train_keys, [], f"held-out: {data.eval_split}"
+    return _disjoint(train_keys, source.select("data.eval_split", data.eval_split), data)
 
-    # Rows of the same dataset are checked together, so one message counts every bad row.
-    chosen = sorted(set(train_keys) | set(eval_keys))
-    rows = source.rows(chosen)
-    fmt = resolve_format(_columns(rows), data, data.dataset)
-    examples = dict(zip(chosen, to_examples(rows, fmt, data.dataset)))
-    train = [examples[k] for k in train_keys]
-    held_out = [examples[k] for k in eval_keys]
-    if second_file:
-        eval_rows = read_local(data.eval_split)
-        if not eval_rows:
-            raise DataError(f"data.eval_split={data.eval_split!r} holds no rows")
-        held_out = to_examples(eval_rows, resolve_format(_columns(eval_rows), data, data.eval_split), data.eval_split)
-        held_out_line += f" ({len(held_out)} rows)"
-    report = [f"data: {data.dataset}: format {fmt.describe()}{_ignored_columns(rows, fmt)}", held_out_line]
-    report += _held_out_notes(train, held_out, data.max_eval_examples)
-    return Splits(train, held_out[: data.max_eval_examples], fmt, [line for line in report if line])
+
+def _file_examples(path: str, data) -> list[Example]:
+    rows = read_local(path)
+    if not rows:
+        raise DataError(f"data.eval_split={path!r} holds no rows")
+    return to_examples(rows, resolve_format(_columns(rows), data, path), path)
 
 
 def _columns(rows: Sequence[RawRow]) -> set[str]:
@@ -584,9 +593,10 @@ def _carve(keys: list[RowKey], data) -> tuple[list[RowKey], list[RowKey], str]:
     and 2 rows exist; at most ``data.max_eval_examples``); the rest stay for training, in order."""
     n = len(keys)
     wanted = round(data.eval_fraction * n)
-    count = min(max(wanted, 1), data.max_eval_examples, n - 1) if data.eval_fraction > 0 else 0
-    if count <= 0:
-        why = "data.eval_fraction=0" if data.eval_fraction <= 0 else f"{n} row{'s' * (n != 1)} (need 2)"
+    count = min(max(wanted, 1), data.max_eval_examples, n - 1)
+    if data.eval_fraction == 0 or count <= 0:
+        why = ("data.eval_fraction=0" if data.eval_fraction == 0 else
+               "data.max_eval_examples=0" if data.max_eval_examples == 0 else "a single training row")
         return keys, [], f"held-out: none ({why}): no exact-match metric"
     held = set(random.Random(data.seed).sample(range(n), count))
     cap = f", capped at data.max_eval_examples={data.max_eval_examples}" if count < wanted else ""
@@ -597,14 +607,14 @@ def _carve(keys: list[RowKey], data) -> tuple[list[RowKey], list[RowKey], str]:
     return [k for i, k in enumerate(keys) if i not in held], [keys[i] for i in sorted(held)], line
 
 
-def _disjoint(train_keys: list[RowKey], eval_keys: list[RowKey], data) -> tuple[list[RowKey], str]:
+def _disjoint(train_keys: list[RowKey], eval_keys: list[RowKey], data) -> tuple[list[RowKey], list[RowKey], str]:
     """Training rows that exclude the held-out ones. An unsliced ``data.train_split`` (``train``)
     loses the held-out rows; slices that overlap are refused."""
     held = set(eval_keys)
     line = f"held-out: data.eval_split={data.eval_split!r} ({len(eval_keys)} rows)"
     overlap = sum(k in held for k in train_keys)
     if not overlap:
-        return train_keys, line
+        return train_keys, eval_keys, line
     if "[" in data.train_split or "+" in data.train_split:
         raise DataError(
             f"data.train_split={data.train_split!r} and data.eval_split={data.eval_split!r} share {overlap} rows: the "
@@ -616,7 +626,7 @@ def _disjoint(train_keys: list[RowKey], eval_keys: list[RowKey], data) -> tuple[
         raise DataError(
             f"data.eval_split={data.eval_split!r} holds out every row of data.train_split={data.train_split!r}"
         )
-    return rest, f"{line}; training on the other {len(rest)} rows of {data.train_split!r}"
+    return rest, eval_keys, f"{line}; training on the other {len(rest)} rows of {data.train_split!r}"
 
 
 def _held_out_notes(train: list[Example], held_out: list[Example], max_eval_examples: int) -> list[str]:

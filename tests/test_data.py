@@ -191,6 +191,8 @@ def test_carve_out_is_capped_and_can_be_turned_off(tmp_path):
     assert "capped at data.max_eval_examples=7" in capped.report[1]
     none = D.load_splits(C.DataSection(dataset=path, eval_fraction=0.0))
     assert none.held_out == [] and len(none.train) == 100 and "no exact-match metric" in none.report[1]
+    unscored = D.load_splits(C.DataSection(dataset=path, max_eval_examples=0))
+    assert unscored.held_out == [] and "(data.max_eval_examples=0)" in unscored.report[1]
     tiny = D.load_splits(C.DataSection(dataset=numbered_rows(tmp_path, 3)))
     assert len(tiny.held_out) == 1 and len(tiny.train) == 2  # at least one held out, one trained
 
