@@ -490,10 +490,13 @@ class DatasetRows:
         self.config_name = config_name
         self._splits: dict[str, list[RawRow]] = {}
 
+    def _is_local(self) -> bool:
+        return dataset_source(self.name) == "local"
+
     def split(self, name: str) -> list[RawRow]:
         if name not in self._splits:
-            local = dataset_source(self.name) == "local"
-            self._splits[name] = read_local(self.name) if local else read_hub(self.name, name, self.config_name)
+            rows = read_local(self.name) if self._is_local() else read_hub(self.name, name, self.config_name)
+            self._splits[name] = rows
         return self._splits[name]
 
     def select(self, key: str, spec: str) -> list[RowKey]:
@@ -506,6 +509,8 @@ class DatasetRows:
         except (ValueError, AssertionError) as exc:
             raise DataError(f"{key}={spec!r}: {exc}") from None
         keys = [(r.splitname, i) for r in ranges for i in range(r.from_, r.to)]
+        if not any(sizes.values()):
+            raise DataError(f"{self.name} holds no rows" + (" (blank lines only)" if self._is_local() else ""))
         if not keys:
             sizes_text = ", ".join(f"{n}: {s} rows" for n, s in sizes.items())
             raise DataError(f"{key}={spec!r} selects no rows of {self.name} ({sizes_text})")
