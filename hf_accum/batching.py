@@ -1,7 +1,12 @@
-"""Collators for causal-LM fine-tuning: right padding with prompt masking, and padding-free packing.
+"""Collators for causal-LM fine-tuning: right padding, and padding-free packing.
 
-Both emit ``labels`` with -100 wherever nothing must be predicted, so that
-:func:`hf_accum.loss.count_targets` counts exactly the tokens the loss sums over.
+Examples carry ``input_ids`` and ``labels`` with -100 wherever nothing is to be predicted (the
+Hugging Face convention, what :func:`hf_accum.data.encode_examples` produces): the masking travels
+with the example, so it survives ``Trainer(remove_unused_columns=True)`` and any collator. The
+older ``prompt_length`` key (mask the first ``prompt_length`` labels) is still honoured.
+
+Both collators emit ``labels`` padded with -100, so that :func:`hf_accum.loss.count_targets`
+counts exactly the tokens the loss sums over.
 """
 
 from __future__ import annotations
@@ -19,8 +24,8 @@ from hf_accum.loss import IGNORE_INDEX
 class PaddingCollator:
     """Pad ``input_ids``/``labels`` (and ``attention_mask``) of a list of examples to the longest.
 
-    Examples need ``input_ids`` and may carry ``labels`` (copied from ``input_ids`` when absent)
-    or ``prompt_length`` (labels before it become -100: loss only on the answer).
+    Examples need ``input_ids`` and may carry ``labels`` of the same length (-100: no target;
+    copied from ``input_ids`` when absent) and/or ``prompt_length`` (labels before it become -100).
     ``pad_to_multiple_of`` rounds the length up (tensor-core friendly on GPUs).
     """
 
@@ -49,6 +54,8 @@ class PaddingCollator:
     def _row(example: dict[str, Any]) -> tuple[list[int], list[int]]:
         ids = list(example["input_ids"])
         labels = list(example["labels"]) if example.get("labels") is not None else list(ids)
+        if len(labels) != len(ids):
+            raise ValueError(f"an example has {len(ids)} input_ids but {len(labels)} labels; they must align")
         prompt_length = int(example.get("prompt_length") or 0)
         labels[:prompt_length] = [IGNORE_INDEX] * min(prompt_length, len(labels))
         return ids, labels
@@ -58,8 +65,8 @@ class PackingCollator:
     """Padding-free packing: one row per micro-batch, ``position_ids`` restarting per sequence.
 
     A thin layer over ``transformers.DataCollatorWithFlattening`` (which marks each sequence's
-    first label -100, so no target crosses a sequence boundary) that also applies
-    ``prompt_length`` masking. Train with ``use_cache=False`` (the loop and Trainer do): with a
+    first label -100, so no target crosses a sequence boundary) that keeps each example's
+    ``labels`` (and ``prompt_length`` masking). Train with ``use_cache=False`` (the loop and Trainer do): with a
     cache, the packed-sequence mask is not built and sequences attend across each other.
     """
 

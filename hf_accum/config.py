@@ -62,8 +62,7 @@ EMBEDDED_SOURCE = "embedded default (recipes/configs/cpu_default.yaml)"
 BUILTIN_DEFAULTS: dict[str, Any] = {
     "engine": "loop",
     "lora": {"r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "target_modules": "all-linear"},
-    # remove_unused_columns: the collators read `prompt_length`, which Trainer would drop.
-    "training": {"report_to": "none", "logging_steps": 10, "remove_unused_columns": False},
+    "training": {"report_to": "none", "logging_steps": 10},
 }
 
 
@@ -119,15 +118,33 @@ class ModelSection:
 
 @dataclass
 class DataSection:
+    """The data of a run (:func:`hf_accum.data.load_tokenizer_and_data` reads it). These defaults are
+    the ones for the user's own data; the embedded dataset's settings come with it."""
+
     dataset: str = "hf_accum:synthetic-tasks"
-    """A .jsonl/.json/.parquet file, a ``datasets`` name, or ``hf_accum:synthetic-tasks``."""
+    """A .jsonl/.json/.parquet/.csv file, a ``datasets`` name, or ``hf_accum:synthetic-tasks``."""
+    dataset_config: str | None = None
+    """``datasets`` config name of a hub dataset (e.g. ``main`` for gsm8k)."""
+    format: str = "auto"
+    """auto (detected from the columns) | chat | prompt_completion | alpaca | text."""
     train_split: str = "train"
+    """Split or slice to train on (``train``, ``train[:90%]``); a local file is one split, ``train``."""
     eval_split: str | None = None
-    """Held-out split (or a second local file) for the exact-match metric (None: no metric)."""
-    prompt_column: str = "prompt"
-    answer_column: str = "answer"
-    messages_column: str = "messages"
+    """Held-out split or slice (``test``, ``train[90%:]``) or a second local file. None: hold out
+    ``eval_fraction`` of the training rows. Never overlaps the rows trained on."""
+    eval_fraction: float = 0.05
+    """Share of the training rows held out when ``eval_split`` is None (at most ``max_eval_examples``
+    rows, drawn with ``seed``); 0: no held-out rows."""
+    messages_column: str | None = None
+    """Column names, None for the format's usual ones: chat ``messages``; prompt_completion ``prompt``
+    + ``completion``/``answer``; alpaca ``instruction`` + ``output`` (+ ``input``); text ``text``."""
+    prompt_column: str | None = None
+    answer_column: str | None = None
+    input_column: str | None = None
+    """Context joined into the user message after the prompt (alpaca's ``input``)."""
+    text_column: str | None = None
     system_prompt: str | None = None
+    """System message added to conversations that have none."""
     max_length: int = 512
     """Tokens per example after the chat template; longer ones are truncated (and counted)."""
     packing: bool = False
@@ -137,13 +154,14 @@ class DataSection:
     tokens computed. Needs an attention implementation that honours restarting ``position_ids``
     (transformers' sdpa/eager/flash_attention_2 for Llama-style models do)."""
     max_eval_examples: int = 200
+    """Held-out rows scored by exact match (the first ones; caps the ``eval_fraction`` carve-out)."""
     eval_max_new_tokens: int = 32
     num_train_examples: int = 6000
     """Embedded dataset only: generated training examples."""
     num_eval_examples: int = 200
     """Embedded dataset only: generated held-out examples."""
     seed: int = 0
-    """Embedded dataset only: generation seed."""
+    """Seed of the embedded dataset's generation and of the ``eval_fraction`` draw."""
 
 
 @dataclass(frozen=True)
@@ -667,27 +685,26 @@ def _check_quantization(config: RecipeConfig) -> None:
 
 
 def _check_data(data: DataSection) -> None:
-    from hf_accum.data import DataError, check_local_file, dataset_source
+    """What can be checked without reading the data: values, files, split names."""
+    from hf_accum.data import FORMATS, DataError, check_local_file, check_split_spec, dataset_source
 
-    if data.max_length < 2:
-        raise ConfigError(f"data.max_length={data.max_length} must be >= 2")
-    local = dataset_source(data.dataset) == "local"
-    checks = [("data.dataset", data.dataset, local)]
-    for key in ("train_split", "eval_split"):
-        split = getattr(data, key)
-        if split and dataset_source(split) == "local":
-            checks.append((f"data.{key}", split, True))
-        elif split and local and not split.startswith("train"):
-            raise ConfigError(
-                f"data.{key}={split!r}: {data.dataset!r} is a single local file (split 'train'); use a slice "
-                "such as 'train[90%:]' or the path of a second file"
-            )
-    for key, path, is_file in checks:
-        if is_file:
-            try:
-                check_local_file(path)
-            except DataError as exc:
-                raise ConfigError(f"{key}: {exc}") from exc
+    if data.format not in ("auto", *FORMATS):
+        raise ConfigError(f"data.format={data.format!r}; allowed: auto, {', '.join(FORMATS)}")
+    minimums = {"max_length": 2, "num_train_examples": 1, "num_eval_examples": 0, "max_eval_examples": 0,
+                "eval_max_new_tokens": 1}
+    for key, minimum in minimums.items():
+        if getattr(data, key) < minimum:
+            raise ConfigError(f"data.{key}={getattr(data, key)} must be >= {minimum}")
+    if not 0 <= data.eval_fraction < 1:
+        raise ConfigError(f"data.eval_fraction={data.eval_fraction} must be >= 0 and < 1")
+    try:
+        if dataset_source(data.dataset) == "local":
+            check_local_file(data.dataset)
+        check_split_spec(data.dataset, "data.train_split", data.train_split)
+        check_split_spec(data.dataset, "data.eval_split", data.eval_split)
+    except DataError as exc:
+        key = "data.dataset: " if str(exc).startswith("data file") else ""
+        raise ConfigError(f"{key}{exc}") from exc
 
 
 # ----------------------------------------------------------------------------------------------

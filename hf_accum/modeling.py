@@ -2,10 +2,11 @@
 
 This module owns:
 
-* the **embedded default** (``hf_accum:tiny-llama``): a word-level tokenizer trained with the
-  ``tokenizers`` library on the vocabulary of the embedded dataset (wrapped in
-  ``PreTrainedTokenizerFast``, with a chat template) and a small ``LlamaForCausalLM`` built from
-  a config with a fixed seed -- nothing is downloaded;
+* the **embedded default** (``hf_accum:tiny-llama``): a word-level tokenizer (``tokenizers``'
+  ``WordLevel`` model wrapped in ``PreTrainedTokenizerFast``, with a chat template) whose
+  vocabulary comes from the data -- the embedded dataset's words, or the words of the user's
+  own data (:func:`tiny_vocabulary`) -- and a small ``LlamaForCausalLM`` built from a config
+  with a fixed seed; nothing is downloaded;
 * loading any other causal LM from the hub or a local path (``AutoModelForCausalLM``), in the
   requested dtype, optionally 4-bit quantized with bitsandbytes (QLoRA);
 * wrapping with ``peft`` LoRA, after checking that every target module exists in the model;
@@ -18,7 +19,8 @@ import fnmatch
 import os
 import re
 import tempfile
-from typing import Any
+from collections import Counter
+from typing import Any, Iterable
 
 import torch
 
@@ -39,6 +41,9 @@ TINY_LLAMA = dict(
     rms_norm_eps=1e-5,
     tie_word_embeddings=False,
 )
+# Words in a tiny tokenizer built from user data: the most frequent ones (embedding and LM head
+# rows of the tiny model grow with it; rarer words become <unk>, counted and reported).
+TINY_VOCAB_LIMIT = 8192
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
 
@@ -51,17 +56,38 @@ class ModelError(ValueError):
 # ----------------------------------------------------------------------------------------------
 
 
+def tiny_vocabulary(texts: Iterable[str], limit: int) -> list[str]:
+    """The ``limit`` most frequent words of ``texts`` (ties: first seen first), split exactly as the
+    tiny tokenizer splits them. Rarer words will be ``<unk>``; the data loader counts them."""
+    splitter = _word_splitter()
+    # The tokenizer matches its special tokens before splitting words; so does the count.
+    specials = re.compile("|".join(re.escape(token) for token in SPECIAL_TOKENS))
+    counts: Counter[str] = Counter()
+    for text in texts:
+        for part in specials.split(text):
+            counts.update(word for word, _ in splitter.pre_tokenize_str(part))
+    return [word for word, _ in counts.most_common(limit)]
+
+
+def _word_splitter():
+    """Runs of word characters, and runs of punctuation, each a token: ``"Paris."`` -> ``Paris``, ``.``."""
+    from tokenizers import pre_tokenizers
+
+    return pre_tokenizers.Whitespace()
+
+
 def build_tiny_tokenizer(words: list[str]):
-    """A word-level tokenizer over ``words`` (whitespace split) with chat special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    """A word-level tokenizer over ``words`` (ids in that order, after the chat special tokens)."""
+    from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for word in words:
         vocab.setdefault(word, len(vocab))
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    # WordPiece's decoder joins tokens with single spaces; the embedded data is space separated.
+    core.pre_tokenizer = _word_splitter()
+    # WordPiece's decoder joins tokens with single spaces: the embedded data round-trips exactly
+    # (it is space separated); other text comes back with spaces around punctuation.
     core.decoder = decoders.WordPiece(prefix="##", cleanup=False)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, pad_token="<pad>", unk_token="<unk>", eos_token="<|end|>",
@@ -71,12 +97,22 @@ def build_tiny_tokenizer(words: list[str]):
     return tokenizer
 
 
-def load_tokenizer(name_or_path: str, chat_template: str | None = None, trust_remote_code: bool = False):
-    """The tokenizer of ``name_or_path`` (the embedded one for ``hf_accum:tiny-llama``)."""
+def load_tokenizer(
+    name_or_path: str,
+    chat_template: str | None = None,
+    trust_remote_code: bool = False,
+    corpus: Iterable[str] | None = None,
+):
+    """The tokenizer of ``name_or_path``. For ``hf_accum:tiny-llama`` it is built here: over the words
+    of ``corpus`` (the user's texts) when given, else over the embedded dataset's vocabulary."""
     if name_or_path == TINY_MODEL:
         from hf_accum.data import synthetic_corpus
 
-        return build_tiny_tokenizer(synthetic_corpus())
+        words = tiny_vocabulary(corpus, TINY_VOCAB_LIMIT) if corpus is not None else synthetic_corpus()
+        tokenizer = build_tiny_tokenizer(words)
+        if chat_template:
+            tokenizer.chat_template = chat_template
+        return tokenizer
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)

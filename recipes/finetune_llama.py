@@ -49,11 +49,11 @@ def train_with_loop(model, tokenizer, data, collator, args, record, resume):
     )
     shuffle = torch.Generator().manual_seed(args.data_seed if args.data_seed is not None else args.seed)
     loader = DataLoader(
-        data.train, batch_size=args.per_device_train_batch_size, shuffle=True, generator=shuffle,
+        data.train.examples, batch_size=args.per_device_train_batch_size, shuffle=True, generator=shuffle,
         collate_fn=collator, num_workers=args.dataloader_num_workers,
     )
     # A disjoint held-out shard per rank, not prepared (even_batches would repeat examples).
-    held_out = data.eval_examples[args.process_index :: args.world_size]
+    held_out = data.held_out.examples[args.process_index :: args.world_size] if data.held_out else []
     eval_loader = DataLoader(held_out, batch_size=args.per_device_eval_batch_size, collate_fn=collator)
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
@@ -79,8 +79,8 @@ def train_with_trainer(model, tokenizer, data, collator, args, record, resume):
     """hf_accum.AccumTrainer: the standard Trainer API (its report_to, eval_strategy, save_strategy...),
     exact normalization inside."""
     trainer = AccumTrainer(
-        model=model, args=args, train_dataset=data.train, data_collator=collator, processing_class=tokenizer,
-        eval_dataset=data.eval_examples or None,
+        model=model, args=args, train_dataset=data.train.examples, data_collator=collator, processing_class=tokenizer,
+        eval_dataset=data.held_out.examples if data.held_out else None,
         on_update=record.keep_update,  # metrics.json keeps every update; Trainer prints every logging_steps
     )
     trainer.train(resume_from_checkpoint=resume or None)
@@ -107,9 +107,15 @@ def evaluate(model, tokenizer, data, config, args):
     if not data.eval_rows or args.process_index != 0:
         return None
     return exact_match(
-        model, tokenizer, data.eval_rows, data.columns, config.data.eval_max_new_tokens,
-        batch_size=args.per_device_eval_batch_size,
+        model, tokenizer, data.eval_rows, config.data.eval_max_new_tokens, batch_size=args.per_device_eval_batch_size,
     )
+
+
+def data_facts(data) -> dict:
+    held_out = len(data.held_out.examples) if data.held_out else 0
+    return {"format": data.format, "train_examples": len(data.train.examples), "truncated": data.train.truncated,
+            "dropped": data.train.dropped, "train_targets": data.train.targets, "held_out_examples": held_out,
+            "eval_examples": len(data.eval_rows)}
 
 
 def main(argv):
@@ -130,12 +136,14 @@ def main(argv):
     if honoured is not None and set(config.training) - honoured:
         say(f"note: engine {config.engine!r} ignores training.{', training.'.join(sorted(set(config.training) - honoured))}")
 
-    # 2. Tokenizer and data: chat template applied, loss on the answer only, truncation counted.
+    # 2. Tokenizer and data: the format detected from the columns, chat template applied, labels -100
+    #    outside the answers, a held-out split (given, or carved off), every bad row refused.
     from transformers import set_seed
 
     set_seed(args.seed)
     tokenizer, data = load_tokenizer_and_data(config.model, config.data)
-    say(data.summary)
+    for line in data.report:
+        say(line)
     # Padding-free packing (one row per micro-batch, position_ids restarting per sequence) or right
     # padding; both keep the loss on the answers only.
     collator = PackingCollator() if config.data.packing else PaddingCollator(tokenizer.pad_token_id)
@@ -158,7 +166,7 @@ def main(argv):
     record.facts.update(
         world_size=plan.num_processes, batch_plan=plan.describe(), micro_batch_size=plan.micro_batch_size,
         accumulation_steps=plan.accumulation_steps, global_batch_size=plan.global_batch_size,
-        eval_before=before, eval_after=after, train_seconds=train_seconds, data=data.facts,
+        eval_before=before, eval_after=after, train_seconds=train_seconds, data=data_facts(data),
     )
     out = save_outputs(record, model, tokenizer)
     say(f"{len(record.updates)} updates in {train_seconds:.0f}s; wall time {record.wall_seconds:.0f}s "

@@ -267,6 +267,36 @@ def test_an_output_dir_that_cannot_be_written_is_found_before_training(where, tm
     assert sorted(os.listdir(tmp_path)) == ["blocker"]
 
 
+GOOD_ROW = '{"prompt": "say yes", "answer": "yes"}\n'
+DATA_FILE_CASES = {
+    # name: (file bytes, extra overrides, fragments the message must hold)
+    "missing_answer": ((GOOD_ROW * 3 + '{"prompt": "say no"}\n' + '{"prompt": "x", "answer": null}\n').encode(),
+                       [], ["2 of 5 rows", "line 4"]),
+    "malformed_json_line": ((GOOD_ROW * 2 + '{"prompt": "a", "answer": }\n').encode(), [], ["line 3"]),
+    "invalid_utf8": (GOOD_ROW.encode() * 2 + b'{"prompt": "caf\xe9", "answer": "yes"}\n', [], ["UTF-8", "line 3"]),
+    "every_example_truncated": ((('{"prompt": "' + "word " * 60 + '", "answer": "yes"}\n') * 4).encode(),
+                                ["data.max_length=20"], ["data.max_length=20"]),
+    "forced_format_that_does_not_fit": (GOOD_ROW.encode() * 3, ["data.format=chat"], ["data.format"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DATA_FILE_CASES))
+def test_bad_data_files_fail_before_writing(case, tmp_path, capsys):
+    content, overrides, fragments = DATA_FILE_CASES[case]
+    path = tmp_path / f"{case}.jsonl"
+    path.write_bytes(content)
+    err = fails_cleanly([f"data.dataset={path}", *overrides], tmp_path / "out", capsys)
+    assert f"{case}.jsonl" in err or "data." in err
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+
+
+@pytest.mark.parametrize("override, fragment", [("data.num_train_examples=0", "data.num_train_examples"),
+                                                ("data.eval_fraction=1", "data.eval_fraction")])
+def test_bad_data_sizes_fail_before_writing(override, fragment, tmp_path, capsys):
+    assert fragment in fails_cleanly([override], tmp_path / "out", capsys)
+
+
 def test_empty_dataset_fails_before_writing(tmp_path, capsys):
     blank = tmp_path / "blank.jsonl"
     blank.write_text("\n\n")
