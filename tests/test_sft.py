@@ -1,6 +1,7 @@
 """AccumSFTTrainer (AccumTrainer on TRL's SFTTrainer) against the independent big-batch reference, on
 TRL's own dataset preparation and collators: completion-only loss (prompt/completion, conversational),
-assistant-only loss (messages), padding-free, packing, label smoothing; TRL's logged metrics kept;
+assistant-only loss (messages), plain text, padding-free, packing, label smoothing, activation
+checkpointing, LoRA; TRL's logged metrics kept;
 stock ``SFTTrainer`` as the negative control. The 2-process case is in tests/test_sft_ddp.py.
 
 float64 with dtype-keeping norms, so "exact" means < 1e-10.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 
 pytest.importorskip("trl")
 
@@ -27,11 +29,12 @@ SFT_TEST_ARGS = {"bf16": False, "activation_checkpointing": False}
 TRL_METRICS = ("entropy", "mean_token_accuracy", "num_tokens")
 
 
-def sft_scenario(name: str, rows, micro_batch: int = 2, accumulation: int = 3, **sft_args) -> Scenario:
-    """``rows`` through TRL's own preparation and collator (``collator=None``); 20 rows of 2 per
-    micro-batch and 3 per update: windows of 3, 3, 3, 1 micro-batches (a short last window)."""
+def sft_scenario(name: str, rows, micro_batch: int = 2, accumulation: int = 3, model_factory=None,
+                 **sft_args) -> Scenario:
+    """``rows`` through TRL's own preparation and collator (``collator=None``). With 20 rows, 2 per
+    micro-batch and 3 micro-batches per update: windows of 3, 3, 3, 1 (a short last window)."""
     return Scenario(
-        name, sft_model_factory(TOKENIZER), rows, collator=None, micro_batch=micro_batch,
+        name, model_factory or sft_model_factory(TOKENIZER), rows, collator=None, micro_batch=micro_batch,
         accumulation=accumulation, pad_token_id=TOKENIZER.pad_token_id,
         label_smoothing=sft_args.pop("label_smoothing_factor", 0.0), args={**SFT_TEST_ARGS, **sft_args},
     )
@@ -58,9 +61,18 @@ CASES = {
     # 2 packed rows per micro-batch, trained padding-free.
     "packing": sft_scenario("packing", sft_rows(40, "prompt_completion", seed=4), packing=True, max_length=32,
                             accumulation=2),
+    # Plain text (loss on every token), packed: the usual pre-training-style SFT.
+    "text_packing": sft_scenario("text_packing", sft_rows(40, "text", seed=6), packing=True, max_length=32,
+                                 accumulation=2),
     "label_smoothing": sft_scenario("label_smoothing", PROMPT_COMPLETION, label_smoothing_factor=0.2),
-    "gradient_checkpointing": sft_scenario("gradient_checkpointing", PROMPT_COMPLETION,
-                                           activation_checkpointing=True),
+    "activation_checkpointing": sft_scenario("activation_checkpointing", PROMPT_COMPLETION,
+                                             activation_checkpointing=True),
+    # A PEFT model (TRL wraps a base model itself when given peft_config; here the auditor needs the
+    # adapters before TRL sees the model).
+    "lora": sft_scenario("lora", PROMPT_COMPLETION, model_factory=lambda: get_peft_model(
+        sft_model_factory(TOKENIZER)(),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    )),
     "one_micro_batch_per_update": sft_scenario("one_micro_batch_per_update", PROMPT_COMPLETION, micro_batch=4,
                                                accumulation=1, max_steps=3),
 }
@@ -110,6 +122,14 @@ def test_loss_is_on_the_answers_only(runs, name):
     assert sum(r.targets for r in run.auditor.records) == answer_targets(CASES[name].examples, TOKENIZER)
 
 
+def test_plain_text_loss_is_on_every_token(runs):
+    """Every token of every row (+ its EOS) but the first, which nothing predicts: packing puts no
+    target across a sequence boundary."""
+    rows = CASES["text_packing"].examples
+    expected = sum(len(TOKENIZER(row["text"], add_special_tokens=False)["input_ids"]) for row in rows)
+    assert sum(r.targets for r in runs("text_packing").auditor.records) == expected
+
+
 def test_padding_free_trains_like_padding(runs):
     """Same rows, same order: flattening into one row (no attention mask) must give the padded run's
     exact per-update losses -- so sequences do not attend across their boundaries."""
@@ -145,6 +165,26 @@ def test_trl_metrics_match_stock_sft_trainer(runs):
     assert [log["num_tokens"] for log in ours] == [log["num_tokens"] for log in stock]
     assert ours[0]["entropy"] == pytest.approx(stock[0]["entropy"], rel=1e-6)
     assert ours[0]["mean_token_accuracy"] == pytest.approx(stock[0]["mean_token_accuracy"], rel=1e-6)
+
+
+def test_logged_metrics_are_token_weighted_over_the_update(runs):
+    """The first update's ``entropy`` and ``mean_token_accuracy`` (3 micro-batches of 2 rows) equal
+    the per-target means over its 6 rows, recomputed here in plain torch from the initial weights."""
+    run = runs("prompt_completion")
+    rows = [run.trainer.train_dataset[i] for i in range(6)]  # sequential, unshuffled: the first window
+    model = CASES["prompt_completion"].model_factory()
+    entropies, hits = [], []
+    with torch.no_grad():
+        for row in rows:
+            logits = model(input_ids=torch.tensor([row["input_ids"]])).logits[0, :-1]
+            targets = torch.tensor(row["labels"][1:])
+            is_target = targets.ne(-100)
+            log_p = torch.log_softmax(logits[is_target], dim=-1)
+            entropies.append(-(log_p.exp() * log_p).sum(-1))
+            hits.append(logits[is_target].argmax(-1).eq(targets[is_target]))
+    first = run.update_logs[0]
+    assert first["entropy"] == pytest.approx(float(torch.cat(entropies).mean()), rel=1e-12)
+    assert first["mean_token_accuracy"] == pytest.approx(float(torch.cat(hits).double().mean()), abs=1e-15)
 
 
 def test_eval_metrics_match_stock_sft_trainer(tmp_path):
