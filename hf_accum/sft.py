@@ -85,6 +85,12 @@ class AccumSFTTrainer(AccumTrainer, SFTTrainer):
         self._stats[mode].add(n_targets, entropy_sum, top1_hits, real_tokens)
         return loss_sum, n_targets
 
+    def get_train_dataloader(self):
+        # Called at the start of every (re)try of the training loop: an auto_find_batch_size retry
+        # after an OOM must not inherit a half-counted window (AccumTrainer resets its tallies too).
+        self._stats["train"].reset()
+        return super().get_train_dataloader()
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
         # The window's last micro-batch (as in AccumTrainer): one all-reduce for the metrics.
