@@ -57,9 +57,13 @@ __all__ = [
 
 
 def __getattr__(name):
-    # AccumTrainer imports transformers.Trainer (heavy); load it only when asked for.
+    # The trainers import transformers.Trainer (heavy) and TRL (optional); load them only when asked for.
     if name == "AccumTrainer":
         from hf_accum.trainer import AccumTrainer
 
         return AccumTrainer
+    if name == "AccumSFTTrainer":
+        from hf_accum.sft import AccumSFTTrainer
+
+        return AccumSFTTrainer
     raise AttributeError(name)

@@ -154,7 +154,8 @@ def _concatenate(micro_batches: list[dict], pad_token_id: int) -> dict[str, torc
     Labels not laid out per token (sequence heads: ``[B]`` or ``[B, C]``) are stacked as they are."""
     packed = "attention_mask" not in micro_batches[0] and "position_ids" in micro_batches[0]
     if packed:
-        return {k: torch.cat([b[k] for b in micro_batches], dim=1) for k in micro_batches[0]}
+        keys = [k for k in micro_batches[0] if k not in _VARLEN_METADATA]
+        return {k: torch.cat([b[k] for b in micro_batches], dim=1) for k in keys}
     length = max(b["input_ids"].shape[1] for b in micro_batches)
     per_token_labels = micro_batches[0]["labels"].shape == micro_batches[0]["input_ids"].shape
     big = {}
@@ -164,6 +165,12 @@ def _concatenate(micro_batches: list[dict], pad_token_id: int) -> dict[str, torc
         else:
             big[key] = torch.cat([_pad_to(b[key], length, _fill(key, pad_token_id)) for b in micro_batches])
     return big
+
+
+# Sequence boundaries that padding-free collators (TRL's, transformers' DataCollatorWithFlattening)
+# add for varlen attention kernels. They restate position_ids per micro-batch, so they cannot be
+# joined; the reference passes the joined position_ids, from which the model derives the boundaries.
+_VARLEN_METADATA = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
 def _fill(key: str, pad_token_id: int) -> int:

@@ -77,7 +77,10 @@ def loop_config(scenario: Scenario) -> LoopConfig:
     return LoopConfig(**values, loss_kind=scenario.loss_kind, disable_tqdm=True, **scenario.loop_kwargs)
 
 
-def training_args(scenario: Scenario, output_dir: str, **overrides) -> TrainingArguments:
+def training_args(
+    scenario: Scenario, output_dir: str, args_cls: type[TrainingArguments] = TrainingArguments, **overrides
+) -> TrainingArguments:
+    """``args_cls`` (``TrainingArguments`` or a subclass such as TRL's ``SFTConfig``) for the scenario."""
     values = {trainer: getattr(scenario, name) for name, (trainer, _) in _SHARED_SETTINGS.items()}
     values.update(
         output_dir=output_dir,
@@ -97,7 +100,7 @@ def training_args(scenario: Scenario, output_dir: str, **overrides) -> TrainingA
     )
     values.update(scenario.args)
     values.update(overrides)
-    return TrainingArguments(**values)
+    return args_cls(**values)
 
 
 def big_batch_learning_rates(lr: float, total_updates: int, warmup: int = 0, name: str = "linear") -> list[float]:
@@ -211,11 +214,13 @@ def run_trainer(
     trainer_kwargs: dict | None = None,
     resume_from_checkpoint: str | None = None,
     record_grads: bool = False,
+    args_cls: type[TrainingArguments] = TrainingArguments,
     **arg_overrides,
 ) -> AuditedTrainerRun:
     """Train ``scenario`` with ``trainer_cls`` under the auditor. The optimizer is built here and passed
     as ``optimizers=(optimizer, None)`` so the auditor can hook it before ``train()``; the Trainer still
-    creates the LR scheduler (that is what is tested)."""
+    creates the LR scheduler (that is what is tested). ``scenario.collator=None`` audits the collator
+    the trainer builds itself (TRL's)."""
     logging.getLogger("transformers.trainer").setLevel(logging.WARNING)  # Trainer's info lines are not tested
     model = scenario.model_factory()
     auditor = auditor or scenario.auditor()
@@ -235,12 +240,14 @@ def run_trainer(
     logs: list[dict] = []
     trainer = trainer_cls(
         model=model,
-        args=training_args(scenario, output_dir, **arg_overrides),
+        args=training_args(scenario, output_dir, args_cls, **arg_overrides),
         train_dataset=scenario.examples,
-        data_collator=auditor.wrap_collator(scenario.collator),
+        data_collator=None if scenario.collator is None else auditor.wrap_collator(scenario.collator),
         optimizers=(optimizer, None),
         callbacks=[_KeepLogs(logs)],
         **(trainer_kwargs or {}),
     )
+    if scenario.collator is None:
+        trainer.data_collator = auditor.wrap_collator(trainer.data_collator)
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     return AuditedTrainerRun(trainer, auditor, logs, grads, grads_were_none)

@@ -1,0 +1,178 @@
+"""AccumSFTTrainer: TRL's ``SFTTrainer`` with AccumTrainer's exact gradient accumulation.
+
+This module owns the composition of the two trainers and nothing else. TRL keeps what it owns:
+dataset preparation (chat templates, prompt/completion, ``assistant_only_loss`` masks, packing),
+its collators (padding, ``padding_free``), PEFT wrapping, model cards. AccumTrainer keeps what it
+owns: the loss is summed over the prediction targets and normalized once per update by the target
+count of the whole update on all ranks (:func:`hf_accum.accumulation.exact_mean_factor`), whatever
+``average_tokens_across_devices`` says; the LR horizon in updates. TRL encodes every masking
+choice in ``labels`` (-100), so AccumTrainer's target count is TRL's.
+
+What the composition has to repair: ``AccumTrainer.compute_loss`` replaces
+``SFTTrainer.compute_loss``, where TRL records its training metrics (``entropy``,
+``mean_token_accuracy``, ``num_tokens``). :meth:`AccumSFTTrainer.loss_sum_and_count` recomputes
+them, without gradient, from the same logits the loss is computed from, with TRL's own entropy
+helper. Overriding ``loss_sum_and_count`` is also what asks AccumTrainer for the logits path: the
+metrics need the ``(tokens x vocab)`` logits. They are summed per rank on the device and reduced
+over ranks with one all-reduce per update (stock TRL gathers three scalars and syncs the host on
+every micro-batch), and logged as token-weighted means over the logged updates (stock TRL averages
+per-micro-batch ratios; the two agree when a log line covers one micro-batch).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from hf_accum.accumulation import batch_shape_counts, global_sum
+from hf_accum.loss import IGNORE_INDEX, aligned_targets, compute_dtype, rows_per_chunk
+from hf_accum.trainer import AccumTrainer
+
+try:
+    from trl import SFTTrainer
+    from trl.trainer.utils import entropy_from_logits
+except ImportError as error:  # TRL is an optional extra
+    raise ImportError("AccumSFTTrainer needs TRL: pip install 'hf_accum[trl]'") from error
+
+# TRL warns that label smoothing costs it an extra forward pass; AccumTrainer computes label
+# smoothing from its one forward's logits, so the warning does not apply here.
+_NOT_APPLICABLE_WARNING = r"`label_smoothing_factor` is deprecated in `SFTTrainer`"
+
+# Per-rank sums kept for TRL's metrics, in this order.
+_STATS = ("targets", "entropy_sum", "top1_hits", "tokens")
+
+
+class AccumSFTTrainer(AccumTrainer, SFTTrainer):
+    """``trl.SFTTrainer`` whose every update applies the exact big-batch gradient.
+
+    Same constructor as ``SFTTrainer`` (model, ``SFTConfig``, datasets in TRL's formats,
+    ``processing_class``, ``peft_config``, ...), plus AccumTrainer's ``loss_kind``. Everything
+    AccumTrainer guarantees holds (see :class:`hf_accum.AccumTrainer`); TRL's logged metrics
+    ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` (and their ``eval_`` versions) are kept.
+
+    Refused, because AccumTrainer's loss would silently drop them: ``loss_type="dft"`` and a MoE
+    router auxiliary loss (set ``router_aux_loss_coef=0.0``), as well as ``compute_loss_func``.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        sft_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        loss_type = getattr(sft_args, "loss_type", "nll")
+        if loss_type != "nll":
+            raise ValueError(
+                f"AccumSFTTrainer supports loss_type='nll' only (got {loss_type!r}); for another loss override "
+                "AccumSFTTrainer.loss_sum_and_count(outputs, labels, inputs) -> (loss_sum, n_targets)"
+            )
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_NOT_APPLICABLE_WARNING, category=FutureWarning)
+            super().__init__(*args, **kwargs)
+        if self.aux_loss_enabled:
+            raise ValueError(
+                f"AccumSFTTrainer does not add the MoE router auxiliary loss (router_aux_loss_coef="
+                f"{self.router_aux_loss_coef}); set router_aux_loss_coef=0.0 in SFTConfig to train without it"
+            )
+        self._stats = {"train": _TokenStats(self.args.device), "eval": _TokenStats(self.args.device)}
+
+    def loss_sum_and_count(
+        self, outputs: Any, labels: torch.Tensor, inputs: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """AccumTrainer's summed loss, plus TRL's metrics from the same logits (no gradient)."""
+        loss_sum, n_targets = super().loss_sum_and_count(outputs, labels, inputs)
+        entropy_sum, top1_hits = target_entropy_and_hits(outputs.logits, labels, self.loss_kind)
+        _, real_tokens, _ = batch_shape_counts(inputs)
+        mode = "train" if self.model.training else "eval"
+        self._stats[mode].add(n_targets, entropy_sum, top1_hits, real_tokens)
+        return loss_sum, n_targets
+
+    def get_train_dataloader(self):
+        # Called at the start of every (re)try of the training loop: an auto_find_batch_size retry
+        # after an OOM must not inherit a half-counted window (AccumTrainer resets its tallies too).
+        self._stats["train"].reset()
+        return super().get_train_dataloader()
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        # The window's last micro-batch (as in AccumTrainer): one all-reduce for the metrics.
+        if num_items_in_batch is not None and self.accelerator.sync_gradients:
+            window = self._stats["train"].reduce(self.accelerator)
+            self._total_train_tokens += int(window["tokens"])  # TRL's running count, all ranks
+        return loss
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):
+        self._stats["eval"].reset()
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        self._stats["eval"].reduce(self.accelerator)  # every rank runs the evaluation loop
+        return output
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Hand TRL's ``log`` (which averages ``self._metrics[mode]``) one token-weighted value per metric."""
+        mode = "train" if self.model.training else "eval"
+        metrics = self._stats[mode].take_means()
+        if metrics:
+            self._metrics[mode].clear()
+            self._metrics[mode].update({name: [value] for name, value in metrics.items()})
+            self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+        super().log(logs, start_time)
+
+
+@torch.no_grad()
+def target_entropy_and_hits(
+    logits: torch.Tensor, labels: torch.Tensor, kind: str = "causal_lm"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed entropy of the predicted distribution, and the number of targets that are its arg-max
+    (first maximum, as TRL counts ties), over a micro-batch's prediction targets.
+
+    Chunked like :func:`hf_accum.loss.token_loss_sum`: only one chunk of upcast logits exists at a
+    time. Every position is evaluated and non-targets are masked afterwards, so no data-dependent
+    shape forces a host sync.
+    """
+    targets = aligned_targets(labels, kind).reshape(-1).to(logits.device)
+    flat_logits = logits.detach().reshape(-1, logits.shape[-1])
+    is_target = targets.ne(IGNORE_INDEX)
+    entropy_sum = torch.zeros((), dtype=torch.float64, device=logits.device)
+    top1_hits = torch.zeros((), dtype=torch.int64, device=logits.device)
+    rows = rows_per_chunk(flat_logits.shape[-1], flat_logits.dtype)
+    for start in range(0, flat_logits.shape[0], rows):
+        chunk = flat_logits[start : start + rows].to(compute_dtype(flat_logits.dtype))
+        chunk_is_target = is_target[start : start + rows]
+        entropy_sum += entropy_from_logits(chunk).masked_fill(~chunk_is_target, 0).sum()
+        top1_hits += (chunk.argmax(-1).eq(targets[start : start + rows]) & chunk_is_target).sum()
+    return entropy_sum, top1_hits
+
+
+class _TokenStats:
+    """Per-rank sums of TRL's metric inputs on the device, reduced over ranks in one all-reduce,
+    and the reduced totals since the last log line."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = device
+        self._pending: torch.Tensor | None = None
+        self._totals = torch.zeros(len(_STATS), dtype=torch.float64)
+
+    def add(self, targets, entropy_sum, top1_hits, tokens) -> None:
+        row = torch.stack([torch.as_tensor(v).to(self.device, torch.float64).reshape(())
+                           for v in (targets, entropy_sum, top1_hits, tokens)])
+        self._pending = row if self._pending is None else self._pending + row
+
+    def reduce(self, accelerator: Any) -> dict[str, float]:
+        """Fold this rank's pending sums, summed over all ranks, into the totals. A collective."""
+        pending = self._pending if self._pending is not None else torch.zeros(len(_STATS), dtype=torch.float64,
+                                                                             device=self.device)
+        reduced = global_sum(pending, accelerator).cpu()
+        self._pending = None
+        self._totals += reduced
+        return dict(zip(_STATS, reduced.tolist()))
+
+    def take_means(self) -> dict[str, float]:
+        """TRL's per-target means over the totals (then cleared); empty when no target was seen."""
+        targets, entropy_sum, top1_hits, _ = self._totals.tolist()
+        self._totals.zero_()
+        if targets == 0:
+            return {}
+        return {"entropy": entropy_sum / targets, "mean_token_accuracy": top1_hits / targets}
+
+    def reset(self) -> None:
+        self._pending = None
+        self._totals.zero_()
