@@ -35,7 +35,9 @@ from tqdm.auto import tqdm
 
 from hf_accum.batching import PaddingCollator
 from hf_accum.modeling import tiny_llama_config
-from hf_accum.testing import Scenario, fresh_accelerator, loop_config, random_rows, training_args
+from hf_accum.testing import (
+    Scenario, fresh_accelerator, loop_config, random_rows, reset_accelerate_state, training_args,
+)
 
 if TYPE_CHECKING:
     from benchmarks.options import BenchOptions
@@ -241,7 +243,7 @@ def build_trainer(scenario: Scenario, accum: bool, output_dir: str, device: torc
 
     from hf_accum.trainer import AccumTrainer
 
-    fresh_accelerator(scenario.accumulation, device)  # Trainer builds its own Accelerator on clean state
+    reset_accelerate_state()  # the Trainer builds its own Accelerator
     args = training_args(scenario, output_dir, logging_strategy="no", use_cpu=device.type == "cpu", **arg_overrides)
     cls = AccumTrainer if accum else Trainer
     trainer = cls(model=scenario.model_factory(), args=args, train_dataset=scenario.examples,

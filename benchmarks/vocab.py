@@ -37,7 +37,7 @@ import traceback
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, ClassVar
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from transformers.hf_argparser import HfArg

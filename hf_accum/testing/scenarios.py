@@ -116,10 +116,16 @@ def big_batch_learning_rates(lr: float, total_updates: int, warmup: int = 0, nam
 # -- the Accelerate loops --------------------------------------------------------------------------
 
 
-def fresh_accelerator(accumulation: int, device: str | torch.device | None = None, **kwargs) -> Accelerator:
-    """Accelerator state is a per-process singleton; reset it so each run gets its own K."""
+def reset_accelerate_state() -> None:
+    """Accelerate keeps its state in per-process singletons: forget them, so that the next
+    ``Accelerator`` (ours or a Trainer's) is built with its own settings."""
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+def fresh_accelerator(accumulation: int, device: str | torch.device | None = None, **kwargs) -> Accelerator:
+    """An ``Accelerator`` on fresh state, so each run gets its own K."""
+    reset_accelerate_state()
     cpu = torch.device(device).type == "cpu" if device is not None else not torch.cuda.is_available()
     return Accelerator(cpu=cpu, gradient_accumulation_steps=accumulation, **kwargs)
 
