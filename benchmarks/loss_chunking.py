@@ -8,7 +8,7 @@ Compares the peak extra memory of the loss step (forward + backward) on bf16 log
   slice/index backward buffers, and a chunk size bounded in *bytes*, so it scales with the vocabulary;
 * ``plain``           -- ``F.cross_entropy(logits.float())``, what a stock causal-LM loss does.
 
-Run:  python benchmarks/loss_chunking.py --vocab 32768 --tokens 8192 [--chunk-mib 256]
+Run:  python -m benchmarks.loss_chunking --vocab 32768 --tokens 8192 [--chunk-mib 256]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from hf_accum.bench import measure_memory
+from benchmarks.harness import measure_memory
 from hf_accum.loss import IGNORE_INDEX, aligned_targets, token_loss_sum
 
 

@@ -6,15 +6,17 @@
   local model directory) under :class:`hf_accum.verify.BigBatchAuditor` and report, per update,
   how far the applied gradient is from the big-batch gradient -- for hf_accum's loop and for the
   naive ``loss / K`` loop side by side.
-* ``hf-accum bench`` -- measure the accumulation trade-off (tokens/s and peak memory against the
-  accumulation steps, table + PNG + JSON) and the DESIGN.md speed/memory targets, with ratios taken
-  side by side in one run (:mod:`hf_accum.bench`; ``benchmarks/README.md`` explains each number).
+* ``hf-accum bench`` -- run the repository's benchmarks (``benchmarks/``, not part of the installed
+  library: the accumulation trade-off, the speed/memory targets, the loss at real vocabularies),
+  ratios taken side by side; the same as ``python -m benchmarks`` in the checkout hf_accum is
+  installed editable from. ``benchmarks/README.md`` explains each number.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from hf_accum.schedule import plan_global_batch, scaled_learning_rate
@@ -22,10 +24,13 @@ from hf_accum.schedule import plan_global_batch, scaled_learning_rate
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
+    if args.command != "bench" and rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.bench_args = rest
     try:
         return args.run(args)
     except ValueError as error:
@@ -55,52 +60,13 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--tolerance", type=float, default=1e-8, help="max relative gradient error to pass")
     check.set_defaults(run=_run_check)
 
-    _add_bench_parser(commands)
-    return parser
-
-
-def _add_bench_parser(commands) -> None:
-    from hf_accum.bench import SECTIONS, BenchConfig
-
-    d = BenchConfig()
+    # Everything after "bench" goes to the benchmarks' own parser (python -m benchmarks --help lists it).
     bench = commands.add_parser(
-        "bench", help="tokens/s and peak memory vs accumulation steps, and the speed/memory targets",
-        description="Measure the accumulation trade-off and the DESIGN.md targets; see benchmarks/README.md.",
+        "bench", add_help=False, help="speed and memory of exact accumulation, side by side (from a checkout; "
+        "'hf-accum bench --help' lists the options)",
     )
-    bench.add_argument("--model", default=d.model, help="'tiny' (built-in, random init) or a local model directory")
-    bench.add_argument("--device", choices=["cpu", "cuda"], default=d.device)
-    bench.add_argument("--dtype", choices=["float32", "bfloat16"], default=d.dtype, help="weights dtype")
-    bench.add_argument("--global-batch-size", type=int, default=d.global_batch_size, help="sequences per update")
-    bench.add_argument("--accumulation-steps", type=int, nargs="+", default=list(d.accumulation_steps),
-                       help="K values to sweep; each must divide the global batch")
-    bench.add_argument("--updates", type=int, default=d.updates, help="timed updates per run")
-    bench.add_argument("--repeats", type=int, default=d.repeats, help="sweep runs per K (median reported)")
-    bench.add_argument("--min-length", type=int, default=d.min_length, help="shortest random row (tokens)")
-    bench.add_argument("--max-length", type=int, default=d.max_length, help="longest random row (tokens)")
-    bench.add_argument("--overhead-accumulation", type=int, default=d.overhead_accumulation,
-                       help="K of the ours-vs-bare comparison")
-    bench.add_argument("--overhead-repeats", type=int, default=d.overhead_repeats, help="interleaved pairs")
-    bench.add_argument("--memory-micro-batch", type=int, default=d.memory_micro_batch)
-    bench.add_argument("--memory-accumulation", type=int, default=d.memory_accumulation)
-    bench.add_argument("--padding-micro-batch", type=int, default=d.padding_micro_batch,
-                       help="padding section: sequences per micro-batch (padded rows, or one packed row)")
-    bench.add_argument("--padding-accumulation", type=int, default=d.padding_accumulation,
-                       help="padding section: accumulation steps")
-    bench.add_argument("--padding-updates", type=int, default=d.padding_updates,
-                       help="padding section: optimizer updates per Trainer run")
-    bench.add_argument("--padding-repeats", type=int, default=d.padding_repeats,
-                       help="padding section: interleaved (stock, packed, ours-padded) triples")
-    bench.add_argument("--loss-vocab", type=int, default=d.loss_vocab)
-    bench.add_argument("--loss-tokens", type=int, default=d.loss_tokens)
-    bench.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), metavar="SECTION",
-                       help=f"sections to run (default: all of {', '.join(SECTIONS)})")
-    bench.add_argument("--output-dir", default=d.output_dir, help="bench.json and accumulation_tradeoff.png go here")
-    bench.add_argument("--seed", type=int, default=d.seed)
-    bench.add_argument("--threads", type=int, default=d.threads,
-                       help="torch CPU threads (default: torch's); 1 is steadier on a CPU shared with other jobs")
-    bench.add_argument("--no-progress", action="store_true", help="no progress bars")
-    bench.add_argument("--strict", action="store_true", help="exit 1 when a measured target FAILs")
     bench.set_defaults(run=_run_bench)
+    return parser
 
 
 def _run_plan(args: argparse.Namespace) -> int:
@@ -125,21 +91,47 @@ def _run_check(args: argparse.Namespace) -> int:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from hf_accum.bench import BenchConfig, run_bench
+    """Hand every argument after ``bench`` to the benchmarks of the checkout hf_accum runs from."""
+    location = benchmarks_location()
+    if location is None:
+        print(
+            "hf-accum bench: the benchmarks are not part of the installed hf_accum package (it runs from "
+            f"{Path(__file__).resolve().parent}, which is not inside a checkout of the repository). From a "
+            "checkout, run: python -m benchmarks " + " ".join(args.bench_args),
+            file=sys.stderr,
+        )
+        return 2
+    run = _import_benchmarks(location)
+    return run.main(args.bench_args, prog="hf-accum bench")
 
-    config = BenchConfig(
-        model=args.model, device=args.device, dtype=args.dtype, global_batch_size=args.global_batch_size,
-        accumulation_steps=tuple(args.accumulation_steps), updates=args.updates, repeats=args.repeats,
-        min_length=args.min_length, max_length=args.max_length, overhead_accumulation=args.overhead_accumulation,
-        overhead_repeats=args.overhead_repeats, memory_micro_batch=args.memory_micro_batch,
-        memory_accumulation=args.memory_accumulation, padding_micro_batch=args.padding_micro_batch,
-        padding_accumulation=args.padding_accumulation, padding_updates=args.padding_updates,
-        padding_repeats=args.padding_repeats, loss_vocab=args.loss_vocab, loss_tokens=args.loss_tokens,
-        sections=tuple(dict.fromkeys(args.only)), output_dir=args.output_dir, seed=args.seed,
-        threads=args.threads, disable_tqdm=args.no_progress,
-    )
-    report = run_bench(config)  # BenchError is a ValueError: main() prints it and exits 2
-    return 1 if args.strict and report.failed else 0
+
+def benchmarks_location() -> Path | None:
+    """``benchmarks/`` of the repository checkout this hf_accum package was installed from (editable
+    install, or run from the checkout); None for an installed copy (a wheel ships no benchmarks)."""
+    checkout = Path(__file__).resolve().parent.parent
+    package = checkout / "benchmarks"
+    if (checkout / "pyproject.toml").is_file() and (package / "run.py").is_file():
+        return package
+    return None
+
+
+def _import_benchmarks(location: Path):
+    """Import ``benchmarks.run`` from ``location``: the package is found by path, not on ``sys.path``
+    (an editable install exposes only ``hf_accum``)."""
+    import importlib
+    import importlib.util
+
+    loaded = sys.modules.get("benchmarks")
+    if loaded is None:
+        spec = importlib.util.spec_from_file_location(
+            "benchmarks", location / "__init__.py", submodule_search_locations=[str(location)]
+        )
+        loaded = importlib.util.module_from_spec(spec)
+        sys.modules["benchmarks"] = loaded
+        spec.loader.exec_module(loaded)
+    if Path(loaded.__file__).resolve().parent != location.resolve():
+        raise ValueError(f"another package named 'benchmarks' is already imported ({loaded.__file__})")
+    return importlib.import_module("benchmarks.run")
 
 
 if __name__ == "__main__":

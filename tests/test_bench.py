@@ -1,4 +1,5 @@
-"""``hf-accum bench`` end to end on a tiny setting, its refusals, and its memory instruments.
+"""The benchmarks (``benchmarks/``) through ``hf-accum bench``, end to end on tiny settings: their
+outputs, refusals, memory instruments, and the thin entry point's message when no checkout is there.
 
 No timing target is asserted here: unit tests share the machine with other jobs, and the
 targets are checked by the benchmark itself, which measures ratios side by side.
@@ -13,7 +14,9 @@ import re
 import pytest
 import torch
 
-from hf_accum.bench import SavedActivations, measure_memory, median_interval
+from benchmarks.harness import SavedActivations, measure_memory
+from benchmarks.report import judge, median_interval
+from hf_accum import cli
 from hf_accum.cli import main
 
 TINY = [
@@ -31,14 +34,15 @@ def _positive_finite(value) -> bool:
 
 def test_bench_writes_table_plot_and_json(tmp_path, capsys):
     out = tmp_path / "bench"
-    assert main([*TINY, "--output-dir", str(out)]) == 0
+    assert main([*TINY, "--only", "sweep", "overhead", "memory", "padding", "loss", "--output-dir", str(out)]) == 0
     printed = capsys.readouterr().out
 
     report = json.loads((out / "bench.json").read_text())
     png = (out / "accumulation_tradeoff.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 1000
 
-    rows = report["sweep"]
+    sections = report["sections"]
+    rows = sections["sweep"]["rows"]
     assert [r["accumulation_steps"] for r in rows] == [1, 2, 4]
     assert [r["micro_batch"] for r in rows] == [4, 2, 1]
     for row in rows:
@@ -49,24 +53,58 @@ def test_bench_writes_table_plot_and_json(tmp_path, capsys):
     table_rows = [re.match(r"\s*(\d+)\s+(\d+)\s+\d+\s+\(\d+-\d+\)", line) for line in printed.splitlines()]
     assert [(int(m[1]), int(m[2])) for m in table_rows if m] == [(1, 4), (2, 2), (4, 1)]  # one row per K
 
-    assert _positive_finite(report["overhead"]["ratio"]) and len(report["overhead"]["ratios"]) == 2
-    memory = report["memory"]
+    assert _positive_finite(sections["overhead"]["ratio"]) and len(sections["overhead"]["ratios"]) == 2
+    memory = sections["memory"]
     assert _positive_finite(memory["single_bytes"]) and _positive_finite(memory["accumulated_bytes"])
     assert _positive_finite(memory["ratio"])
-    loss = report["loss"]
+    loss = sections["loss"]
     assert _positive_finite(loss["chunked_peak_bytes"]) and _positive_finite(loss["plain_peak_bytes"])
-    assert report["padding"] is not None
+    assert sections["padding"] is not None
     assert len(report["summary"]) == 5  # one row per measured target
     assert {row["verdict"] for row in report["summary"]} <= {"PASS", "FAIL", "INCONCLUSIVE", "UNMEASURED"}
     assert "Summary" in printed
+    assert report["config"]["accumulation_steps"] == [1, 2, 4] and report["config"]["loss_vocab"] == 512
 
 
 def test_sections_can_be_selected(tmp_path):
     out = tmp_path / "only-loss"
     assert main([*TINY, "--only", "loss", "--output-dir", str(out)]) == 0
     report = json.loads((out / "bench.json").read_text())
-    assert report["sweep"] == [] and report["overhead"] is None and report["loss"] is not None
+    assert set(report["sections"]) == {"loss"} and report["model"] == ""  # the shared model was never built
     assert not (out / "accumulation_tradeoff.png").exists()  # no sweep, no plot
+
+
+VOCAB_TINY = ["--vocab-sizes", "512", "--vocab-min-length", "4", "--vocab-max-length", "8",
+              "--vocab-hidden-size", "32", "--vocab-pairs", "1", "--threads", "1"]
+
+
+def test_vocab_section_prints_its_ratios(tmp_path, capsys):
+    out = tmp_path / "only-vocab"
+    assert main(["bench", "--only", "vocab", *VOCAB_TINY, "--no-progress", "--output-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    vocab = json.loads((out / "bench.json").read_text())["sections"]["vocab"]
+
+    (row,) = vocab["rows"]
+    assert row["vocab_size"] == 512
+    assert set(row["runs"]) == {"trainer", "accum_trainer", "accelerate_loop", "hf_accum_train"}
+    for runs in row["runs"].values():
+        (run,) = runs
+        assert run["updates"] == 2 and _positive_finite(run["wall"]) and _positive_finite(run["cpu"])
+        assert _positive_finite(run["peak_bytes"])
+    pairs = {(c["ours"], c["baseline"]): c for c in row["comparisons"]}
+    assert set(pairs) == {("accum_trainer", "trainer"), ("hf_accum_train", "accelerate_loop")}
+    for c in pairs.values():
+        assert len(c["time_ratios"]) == len(c["memory_ratios"]) == 1
+        assert all(_positive_finite(r) for r in c["time_ratios"] + c["memory_ratios"])
+        # The printed ratio is the measured one, ours / baseline, within its round.
+        ours, base = row["runs"][c["ours"]][0], row["runs"][c["baseline"]][0]
+        assert c["time_ratios"][0] == pytest.approx(ours["cpu"] / base["cpu"])
+        assert f"time {c['time_ratios'][0]:.3f}x" in printed
+        assert f"memory {c['memory_ratios'][0]:.3f}x" in printed
+    assert "hf_accum.AccumTrainer / stock transformers.Trainer: time" in printed
+    assert "stock Trainer + Liger (use_liger_kernel=True): skipped (Liger's kernels need CUDA" in printed
+    assert vocab["skipped"] == {"trainer_liger": "Liger's kernels need CUDA; this run is on cpu"}
+    assert "n/a (small)" in printed  # 8-token rows: the 512-1024-token targets are not judged
 
 
 def test_padding_section_writes_its_numbers(tmp_path, capsys):
@@ -74,8 +112,8 @@ def test_padding_section_writes_its_numbers(tmp_path, capsys):
     assert main([*TINY, "--only", "padding", "--padding-repeats", "2", "--output-dir", str(out)]) == 0
     printed = capsys.readouterr().out
     report = json.loads((out / "bench.json").read_text())
-    assert report["sweep"] == [] and report["overhead"] is None and report["loss"] is None
-    padding = report["padding"]
+    assert set(report["sections"]) == {"padding"}
+    padding = report["sections"]["padding"]
     assert (padding["micro_batch"], padding["accumulation_steps"], padding["updates"]) == (2, 2, 1)
     assert padding["real_tokens"] > 0 and 0.0 <= padding["stock_padding_fraction"] < 1.0
     assert len(padding["packed_ratios"]) == len(padding["trainer_ratios"]) == 2
@@ -89,15 +127,6 @@ def test_padding_section_writes_its_numbers(tmp_path, capsys):
     assert "AccumTrainer, packed" in printed and "stock Trainer, padded" in printed
 
 
-def test_sft_examples_mask_a_random_prompt():
-    from hf_accum.bench import sft_examples
-
-    rows = sft_examples(20, 100, 0, 4, 12, seed=0)
-    assert all(4 <= len(r["input_ids"]) <= 12 and 1 <= r["prompt_length"] < len(r["input_ids"]) for r in rows)
-    assert all(0 not in r["input_ids"] for r in rows)  # never the pad id
-    assert len({r["prompt_length"] for r in rows}) > 3
-
-
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -107,6 +136,8 @@ def test_sft_examples_mask_a_random_prompt():
         (["--padding-repeats", "0"], "padding_repeats=0"),
         (["--min-length", "50", "--max-length", "10"], "min_length <= max_length"),
         (["--model", "/nonexistent/model"], "neither 'tiny' nor a local model directory"),
+        (["--only", "vocab", "--vocab-min-length", "9", "--vocab-max-length", "8"], "vocab_min_length <= vocab_max_length"),
+        (["--only", "vocab", "--vocab-pairs", "0"], "vocab_pairs=0"),
     ],
 )
 def test_bad_input_is_refused_before_anything_is_written(tmp_path, capsys, args, message):
@@ -149,3 +180,28 @@ def test_saved_activations_count_distinct_storages_and_skip_parameters():
 def test_median_interval_brackets_the_median():
     low, high = median_interval([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0])
     assert low <= 6.0 <= high and (low, high) == (2.0, 10.0)
+
+
+def test_judge_needs_the_whole_interval_on_one_side():
+    assert judge((0.40, 0.48), 0.5, at_least=False) is True
+    assert judge((0.52, 0.60), 0.5, at_least=False) is False
+    assert judge((0.45, 0.55), 0.5, at_least=False) is None
+    assert judge((0.99, 1.10), 0.98) is True and judge((0.90, 0.97), 0.98) is False
+
+
+def test_bench_from_an_installed_copy_says_what_to_run(monkeypatch, capsys):
+    """A wheel ships no benchmarks: the entry point names the command to run from a checkout."""
+    monkeypatch.setattr(cli, "benchmarks_location", lambda: None)
+    assert main(["bench", "--only", "loss"]) == 2
+    err = capsys.readouterr().err
+    assert "not part of the installed hf_accum package" in err and "python -m benchmarks --only loss" in err
+
+
+def test_bench_help_lists_every_section_option(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--help"])
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out
+    for flag in ("--global-batch-size", "--accumulation-steps", "--padding-repeats", "--loss-vocab", "--vocab-sizes",
+                 "--only", "--strict"):
+        assert flag in printed

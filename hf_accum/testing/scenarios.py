@@ -119,10 +119,16 @@ def big_batch_learning_rates(lr: float, total_updates: int, warmup: int = 0, nam
 # -- the Accelerate loops --------------------------------------------------------------------------
 
 
-def fresh_accelerator(accumulation: int, device: str | torch.device | None = None, **kwargs) -> Accelerator:
-    """Accelerator state is a per-process singleton; reset it so each run gets its own K."""
+def reset_accelerate_state() -> None:
+    """Accelerate keeps its state in per-process singletons: forget them, so that the next
+    ``Accelerator`` (ours or a Trainer's) is built with its own settings."""
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+def fresh_accelerator(accumulation: int, device: str | torch.device | None = None, **kwargs) -> Accelerator:
+    """An ``Accelerator`` on fresh state, so each run gets its own K."""
+    reset_accelerate_state()
     cpu = torch.device(device).type == "cpu" if device is not None else not torch.cuda.is_available()
     return Accelerator(cpu=cpu, gradient_accumulation_steps=accumulation, **kwargs)
 
@@ -143,16 +149,26 @@ def run_naive(scenario: Scenario, on_model=None) -> BigBatchAuditor:
     scheduler = get_scheduler(
         scenario.scheduler, optimizer, num_warmup_steps=scenario.warmup_steps, num_training_steps=len(loader) * epochs
     )
+    naive_loop(model, optimizer, loader, accelerator, scheduler, epochs, scenario.max_grad_norm)
+    return auditor
+
+
+def naive_loop(model, optimizer, loader, accelerator: Accelerator, scheduler, epochs: int = 1,
+               max_grad_norm: float = 0.0) -> None:
+    """The bare Accelerate loop of Accelerate's own examples: ``model(**batch).loss`` inside
+    ``accelerator.accumulate()``, clipping (when ``max_grad_norm`` > 0) and stepping once per update.
+    The naive baseline of the exactness tests and the bare loop the benchmarks time."""
     model.train()
     for _ in range(epochs):
         for batch in loader:
             with accelerator.accumulate(model):
                 accelerator.backward(model(**batch, use_cache=False).loss)
                 if accelerator.sync_gradients:
+                    if max_grad_norm > 0:
+                        accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
                     optimizer.step()
                     scheduler.step()
                     optimizer.zero_grad()
-    return auditor
 
 
 def _prepare(scenario: Scenario, accelerator: Accelerator, on_model=None):
