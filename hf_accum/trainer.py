@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from typing import Any
 
@@ -47,6 +48,7 @@ from hf_accum.accumulation import (
     drop_gradients_,
     exact_mean_factor,
     global_sum,
+    rescale_gradients_,
 )
 from hf_accum.fused_loss import MicroBatchLoss
 from hf_accum.loss import LossKind, count_targets, infer_loss_kind, model_problem_type, resolve_loss_kind, token_loss_sum
@@ -203,7 +205,7 @@ class AccumTrainer(Trainer):
             loss = loss_sum / torch.clamp(torch.as_tensor(n_targets, device=loss_sum.device), min=1)
         else:
             self._tally.add(loss_sum, n_targets, inputs)
-            loss = loss_sum * self._window_scale(num_items_in_batch)
+            loss = loss_sum * self._backward_scale(self._window_scale(num_items_in_batch))
         return (loss, outputs) if return_outputs else loss
 
     def _window_scale(self, window_targets: int | torch.Tensor) -> float:
@@ -211,6 +213,15 @@ class AccumTrainer(Trainer):
         multiplying by 0 keeps every rank's backward -- and DDP's collectives -- in step)."""
         n = int(window_targets)
         return exact_mean_factor(n, self.accelerator.num_processes) if n > 0 else 0.0
+
+    def _backward_scale(self, window_scale: float) -> float:
+        """The factor the loss is multiplied by before backward: ``W / N`` itself, except with fp32
+        gradient sums, where the power of two nearest to it (exact in any binary float, so the bf16
+        backward rounds exactly as it would for the plain sum) and the remaining factor is applied to the
+        fp32 sums when the window closes -- the loop's arithmetic, and mean-sized gradients for fp16."""
+        if self._fp32_sums is None or window_scale == 0.0:
+            return window_scale
+        return 2.0 ** round(math.log2(window_scale))
 
     def _fp32_gradient_sums(self) -> Fp32GradientAccumulator | None:
         """bf16/fp16 weights: sum the window's micro-batch gradients in fp32, round once at its end
@@ -242,8 +253,8 @@ class AccumTrainer(Trainer):
                 f"counted {self._window_targets}; the normalization uses the latter, so the override must "
                 "return the same count (a sum over exactly the targets of hf_accum.loss.count_targets)"
             )
-        if self._fp32_sums is not None:  # the loss was already scaled by W / N: write the fp32 sums as they are
-            self._fp32_sums.write_gradients_(1.0)
+        if self._fp32_sums is not None:
+            self._write_fp32_sums(model, totals.targets)
         if totals.targets == 0:
             # No mean exists; zero gradients would still let AdamW decay and move weights by momentum.
             drop_gradients_(model.parameters())
@@ -252,6 +263,16 @@ class AccumTrainer(Trainer):
             )
         self._interval.add(totals)
         self._run_totals.add(totals)
+
+    def _write_fp32_sums(self, model, targets: int) -> None:
+        """The window's fp32 gradient sums -> ``.grad``, times what ``_backward_scale`` left of ``W / N``."""
+        if targets == 0:
+            self._fp32_sums.clear()
+            return
+        window_scale = self._window_scale(self._window_targets)
+        remainder = window_scale / self._backward_scale(window_scale)
+        self._fp32_sums.write_gradients_(remainder)  # rounded once to the weights' dtype
+        rescale_gradients_(self._fp32_sums.other_parameters(model.parameters()), remainder)
 
     # -- batch plan, auto_find_batch_size, LR horizon -----------------------------------------
     def get_train_dataloader(self):
