@@ -41,7 +41,8 @@ from hf_accum.accumulation import (
     global_sum,
     rescale_gradients_,
 )
-from hf_accum.loss import LossKind, infer_loss_kind, model_problem_type, token_loss_sum, unwrap_model
+from hf_accum.fused_loss import LossSumFn, MicroBatchLoss
+from hf_accum.loss import LossKind, model_problem_type, unwrap_model
 from hf_accum.schedule import (
     BatchPlan,
     create_update_scheduler,
@@ -51,9 +52,6 @@ from hf_accum.schedule import (
 )
 
 logger = logging.getLogger(__name__)
-
-# (outputs, labels) -> (summed loss, number of targets). Must sum, never average.
-LossSumFn = Callable[[Any, torch.Tensor], "tuple[torch.Tensor, torch.Tensor]"]
 
 
 @dataclass
@@ -71,7 +69,12 @@ class LoopConfig:
     """Clip the global gradient norm once per update (0 disables clipping)."""
     label_smoothing: float = 0.0
     loss_kind: LossKind | None = None
-    """``causal_lm``, ``token`` or ``sequence``; inferred from the model class when None."""
+    """``causal_lm``, ``token`` or ``sequence`` (:data:`hf_accum.loss.LOSS_KIND_SPECS`); when None, inferred
+    from the model class, else from the model's own loss on the first micro-batch."""
+    fused_loss: bool = True
+    """Causal LMs: sum the loss from the last hidden states and the output layer, chunk by chunk,
+    never holding the (tokens x vocab) logits (:mod:`hf_accum.fused_loss`). Heads that are not a plain
+    linear map (soft-capping, logit scale, ...) and a custom ``loss_sum_fn`` keep the logits path."""
     disable_tqdm: bool = False
     fp32_grad_accumulation: bool = True
     """Sum the micro-batch gradients of bf16/fp16 *weights* in fp32 (single process; with
@@ -168,10 +171,13 @@ def train(
 
     ``lr_scheduler``: leave None to get ``config.lr_scheduler_type`` over the planned number of
     updates, or pass a factory ``(optimizer, total_updates) -> scheduler`` (do not ``prepare`` it).
-    ``loss_sum_fn(outputs, labels) -> (loss_sum, n_targets)`` replaces the default token-summed
-    cross-entropy; it must return a *sum* over targets, never a mean.
-    ``eval_dataloader`` (prepared too): with ``config.eval_strategy``, each evaluated update carries the
-    exact per-token held-out loss (``UpdateLog.eval_loss``; summed over every batch and rank, then divided once).
+    ``loss_sum_fn(outputs, labels, inputs) -> (loss_sum, n_targets)`` replaces the default token-summed
+    cross-entropy (the same signature as ``AccumTrainer.loss_sum_and_count``; ``inputs`` are the forward's
+    inputs, labels removed); it must return a *sum* over targets, never a mean. It receives real logits:
+    the run then takes the logits path instead of the fused loss (logged).
+    ``eval_dataloader`` (one disjoint shard per rank, see :func:`evaluate_loss`): with
+    ``config.eval_strategy``, each evaluated update carries the exact per-token held-out loss
+    (``UpdateLog.eval_loss``; summed over every batch and rank, then divided once).
     """
     config = config or LoopConfig()
     _check_supported(accelerator, train_dataloader)
@@ -179,7 +185,7 @@ def train(
     micro_batches = _micro_batches_per_epoch(train_dataloader, accelerator, config)
     total_updates = planned_updates(micro_batches or 0, accumulation_steps, config.num_train_epochs, config.max_steps)
     scheduler = (lr_scheduler or _default_scheduler(config))(optimizer, total_updates)
-    loss_sum_fn = loss_sum_fn or default_loss_sum_fn(model, config)
+    micro_batch_loss = _micro_batch_loss(model, config, loss_sum_fn)
     plan = BatchPlan(_micro_batch_size(train_dataloader), accumulation_steps, accelerator.num_processes)
     _log_start(accelerator, plan, micro_batches, total_updates)
     _warn_repeated_samples(accelerator, train_dataloader, plan)
@@ -195,7 +201,7 @@ def train(
         for epoch in epochs:
             _set_epoch(train_dataloader, epoch)
             for step_in_epoch, totals, grad_norm, skip_reason, lr in _epoch_updates(
-                model, optimizer, scheduler, train_dataloader, accelerator, params, loss_sum_fn, config, window
+                model, optimizer, scheduler, train_dataloader, accelerator, params, micro_batch_loss, config, window
             ):
                 update = UpdateLog(
                     step=len(result.updates) + 1,
@@ -211,7 +217,7 @@ def train(
                     skip_reason=skip_reason,
                 )
                 if _evaluation_due(config, update.step, total_updates, step_in_epoch == micro_batches):
-                    update.eval_loss = evaluate_loss(model, eval_dataloader, accelerator, loss_sum_fn)
+                    update.eval_loss = evaluate_loss(model, eval_dataloader, accelerator, micro_batch_loss)
                 result.updates.append(update)
                 _report(update, progress, accelerator, on_update)
                 if len(result.updates) >= total_updates:
@@ -258,13 +264,13 @@ class _WindowState:
 
 
 def _epoch_updates(
-    model, optimizer, scheduler, dataloader, accelerator, params, loss_sum_fn, config, window: _WindowState
+    model, optimizer, scheduler, dataloader, accelerator, params, micro_batch_loss, config, window: _WindowState
 ) -> Iterator[tuple[int, WindowTotals, float | None, str, float]]:
     """Run one epoch; yield ``(micro_batches_done, totals, grad_norm, skip_reason, lr)`` per update."""
     for step, batch in enumerate(dataloader, start=1):
         with accelerator.accumulate(model):
             labels, inputs = _split_labels(batch)
-            loss_sum, n_targets = loss_sum_fn(model(**inputs), labels)
+            _, loss_sum, n_targets = micro_batch_loss(model, inputs, labels)
             # Backward of the *sum* (times a constant of the window): the one normalization is at the boundary.
             accelerator.backward(window.scaled(loss_sum, n_targets, accelerator))
             window.tally.add(loss_sum, n_targets, batch)
@@ -327,16 +333,14 @@ def _removing(fp32_sums: Fp32GradientAccumulator | None):
             fp32_sums.remove()
 
 
-def default_loss_sum_fn(model: torch.nn.Module, config: LoopConfig) -> LossSumFn:
-    kind = config.loss_kind or infer_loss_kind(model)
-    problem_type = model_problem_type(model)
-
-    def loss_sum(outputs, labels):
-        return token_loss_sum(
-            outputs.logits, labels, kind=kind, label_smoothing=config.label_smoothing, problem_type=problem_type
-        )
-
-    return loss_sum
+def _micro_batch_loss(model: torch.nn.Module, config: LoopConfig, loss_sum_fn: LossSumFn | None) -> MicroBatchLoss:
+    """Forward + summed loss per micro-batch: fused for causal LMs unless a custom loss needs the logits."""
+    if loss_sum_fn is not None and config.fused_loss:
+        logger.info("a custom loss_sum_fn receives the logits: this run takes the logits path, not the fused loss")
+    return MicroBatchLoss(
+        config.loss_kind, config.label_smoothing, model_problem_type(model), loss_sum_fn,
+        fused=config.fused_loss and loss_sum_fn is None,
+    )
 
 
 def _evaluation_due(config: LoopConfig, step: int, total_updates: int, epoch_ended: bool) -> bool:
@@ -349,7 +353,7 @@ def _evaluation_due(config: LoopConfig, step: int, total_updates: int, epoch_end
 
 
 @torch.no_grad()
-def evaluate_loss(model, dataloader, accelerator: Accelerator, loss_sum_fn: LossSumFn) -> float:
+def evaluate_loss(model, dataloader, accelerator: Accelerator, micro_batch_loss: MicroBatchLoss) -> float:
     """The exact per-token loss of a held-out set: every batch's summed loss and target count are
     added up on each rank and all-reduced once, then divided once (not a mean of batch means).
 
@@ -369,7 +373,7 @@ def evaluate_loss(model, dataloader, accelerator: Accelerator, loss_sum_fn: Loss
         batch = {key: value.to(accelerator.device) for key, value in batch.items()}
         labels, inputs = _split_labels(batch)
         with accelerator.autocast():
-            loss_sum, n_targets = loss_sum_fn(bare(**inputs), labels)
+            _, loss_sum, n_targets = micro_batch_loss(bare, inputs, labels)
         tally.add(loss_sum, n_targets, batch)
     bare.train(was_training)
     return tally.reduce(accelerator).mean_loss

@@ -5,12 +5,14 @@ It never divides by anything: turning sums into the exact mean of an optimizer u
 the job of :mod:`hf_accum.accumulation`, which needs the target count of the whole window
 (all micro-batches, all ranks) and therefore cannot be decided inside one micro-batch.
 
-Why we recompute the loss from logits instead of using ``outputs.loss``: a model's own
-loss divides by *its* count (a per-micro-batch mean), and whether it honours
-``num_items_in_batch`` depends on the head (sequence-classification heads accept the
-keyword and ignore it). Summing ourselves makes every head exact the same way.
+Why we recompute the loss instead of using ``outputs.loss``: a model's own loss divides by
+*its* count (a per-micro-batch mean), and whether it honours ``num_items_in_batch`` depends
+on the head (sequence-classification heads accept the keyword and ignore it). Summing
+ourselves makes every head exact the same way. (For causal LMs the front-ends sum it without
+logits at all, from the hidden states: :mod:`hf_accum.fused_loss`, same targets, same sum.)
 
-Loss kinds:
+Loss kinds are one table, :data:`LOSS_KIND_SPECS` (alignment, which model classes use it,
+how it is summed and counted):
 
 * ``causal_lm`` -- logits ``[B, T, V]``, labels ``[B, T]``; the target of position ``i`` is
   ``labels[:, i + 1]`` (the causal shift), so position 0 of a row is never a target.
@@ -21,52 +23,206 @@ Loss kinds:
   integer labels are single-label, float labels multi-label; ``config.problem_type`` wins):
   single-label cross-entropy (a target per labelled row), multi-label binary cross-entropy and
   regression squared error (a target per label *element*, as transformers' mean counts them).
+
+A model whose class names no layout (a causal LM inside a custom ``nn.Module``) is placed by
+:func:`probe_loss_kind`: its own loss on one micro-batch, compared with ours under each layout.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import contextlib
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+logger = logging.getLogger(__name__)
+
 IGNORE_INDEX = -100
-LossKind = Literal["causal_lm", "token", "sequence"]
-LOSS_KINDS: tuple[str, ...] = ("causal_lm", "token", "sequence")
+LossKind = str  # a key of LOSS_KIND_SPECS
 PROBLEM_TYPES: tuple[str, ...] = ("single_label_classification", "multi_label_classification", "regression")
 
 # Bytes of loss-dtype (fp32) logits processed at a time. Above this, the cross-entropy runs chunk
 # by chunk under activation checkpointing: neither the fp32 upcast of bf16 logits nor the
 # log-softmax that cross_entropy saves for backward (each V x 4 bytes per position: 0.5 MB per
 # token at a 128k vocabulary) ever exists for the whole micro-batch, only for one chunk. Sized
-# in bytes, not rows, so one chunk stays the same size whatever the vocabulary.
+# in bytes, not rows, so one chunk stays the same size whatever the vocabulary. The fused linear
+# cross-entropy (hf_accum.fused_loss) uses the same bound for its chunks of logits: 512 positions
+# at a 128k vocabulary, large enough that its matmuls run at full speed on a CPU core (measured
+# against 64-1024 positions).
 DEFAULT_CHUNK_BYTES = 256 * 2**20
+
+# Relative agreement between a model's own loss and ours that identifies its target layout.
+PROBE_TOLERANCE = 1e-6
+
+
+@dataclass(frozen=True)
+class LossKindSpec:
+    """One target layout. Adding a loss kind means adding one entry to :data:`LOSS_KIND_SPECS` (and,
+    if its reference loss differs, one to :data:`hf_accum.verify.REFERENCE_LAYOUTS`)."""
+
+    description: str
+    align: Callable[[torch.Tensor], torch.Tensor]
+    """labels -> labels aligned with the logit positions that predict them (-100: nothing predicted)."""
+    claims: Callable[[str, Any], bool]
+    """(model class name, config) -> whether heads of that class use this layout."""
+    per_token: bool = True
+    """A per-position cross-entropy over logits ``[B, T, V]``: a model's own loss can be probed against it."""
+    fused: bool = False
+    """The loss can be computed from hidden states and the output layer (hf_accum.fused_loss)."""
+    loss_sum: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    """(logits, labels, label_smoothing, chunk_bytes, problem_type) -> (sum, count); default: cross-entropy."""
+    count: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """labels -> number of targets; default: the aligned labels that are not -100."""
+
+
+def _next_token(labels: torch.Tensor) -> torch.Tensor:
+    # The logit at position i predicts labels[:, i + 1]; the last logit predicts nothing. Keeping the
+    # tensor the size of the logits (instead of slicing the logits) avoids a copy of the logits.
+    return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def _same_positions(labels: torch.Tensor) -> torch.Tensor:
+    return labels
+
+
+def _class_name_ends(*suffixes: str, encoder_decoder: bool | None = None) -> Callable[[str, Any], bool]:
+    def claims(name: str, config: Any) -> bool:
+        if encoder_decoder is not None and bool(getattr(config, "is_encoder_decoder", False)) != encoder_decoder:
+            return False
+        return name.endswith(suffixes)
+
+    return claims
+
+
+def _token_claims(name: str, config: Any) -> bool:
+    # Seq2seq LMs feed right-shifted decoder inputs: their labels already align with the logits.
+    return bool(getattr(config, "is_encoder_decoder", False)) or name.endswith("ForTokenClassification")
+
+
+def _sequence_loss_sum(logits, labels, label_smoothing, chunk_bytes, problem_type):
+    problem = sequence_problem_type(logits.shape[-1], labels, problem_type)
+    if problem == "regression":
+        return _regression_loss_sum(logits, labels)
+    if problem == "multi_label_classification":
+        return _multi_label_loss_sum(logits, labels)
+    return _cross_entropy_loss_sum(logits, labels, label_smoothing, chunk_bytes)
+
+
+def _sequence_count(labels: torch.Tensor) -> torch.Tensor:
+    if labels.is_floating_point():
+        # Regression and multi-label: every label element is a target (transformers' mean counts them all).
+        return torch.tensor(labels.numel(), device=labels.device)
+    return labels.ne(IGNORE_INDEX).sum()
+
+
+LOSS_KIND_SPECS: dict[str, LossKindSpec] = {
+    "causal_lm": LossKindSpec(
+        "logits [B, T, V], labels [B, T]; position i predicts labels[:, i + 1] (position 0 of a row is never a target)",
+        align=_next_token, fused=True,
+        claims=_class_name_ends("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", encoder_decoder=False),
+    ),
+    "token": LossKindSpec(
+        "logits [B, T, C], labels [B, T] aligned with the logits (token classification, encoder-decoder LMs)",
+        align=_same_positions, claims=_token_claims,
+    ),
+    "sequence": LossKindSpec(
+        "logits [B, C] of a sequence-classification head, one label (or C float labels) per row",
+        align=_same_positions, claims=_class_name_ends("ForSequenceClassification"), per_token=False,
+        loss_sum=_sequence_loss_sum, count=_sequence_count,
+    ),
+}
+LOSS_KINDS: tuple[str, ...] = tuple(LOSS_KIND_SPECS)
+
+
+def loss_kind_spec(kind: LossKind) -> LossKindSpec:
+    """The registry entry of ``kind``; a clear error naming the allowed kinds otherwise."""
+    if kind not in LOSS_KIND_SPECS:
+        raise ValueError(f"loss_kind={kind!r} is not one of {LOSS_KINDS}")
+    return LOSS_KIND_SPECS[kind]
+
+
+def _cannot_place(name: str, detail: str = "") -> ValueError:
+    return ValueError(
+        f"cannot tell the loss layout of {name!r}{detail}; pass loss_kind= one of {LOSS_KINDS} "
+        "('causal_lm' shifts labels by one, 'token' aligns them with logits, 'sequence' has one label per row)"
+    )
 
 
 def infer_loss_kind(model: torch.nn.Module) -> LossKind:
     """Tell which target layout a model's head uses, from its class (PEFT/DDP wrappers removed).
 
-    Raises ``ValueError`` for heads we cannot place: pass ``loss_kind`` explicitly then.
+    Raises ``ValueError`` for heads we cannot place: pass ``loss_kind`` explicitly, or let
+    :func:`probe_loss_kind` compare the model's own loss with ours on a micro-batch.
     """
     inner = unwrap_model(model)
-    config = getattr(inner, "config", None)
-    name = type(inner).__name__
-    if getattr(config, "is_encoder_decoder", False):
-        # Seq2seq LMs feed right-shifted decoder inputs: labels already align with logits.
-        return "token"
-    if name.endswith(("ForCausalLM", "LMHeadModel")) or (
-        name.endswith("ForConditionalGeneration") and not getattr(config, "is_encoder_decoder", False)
-    ):
-        return "causal_lm"
-    if name.endswith("ForSequenceClassification"):
-        return "sequence"
-    if name.endswith("ForTokenClassification"):
-        return "token"
-    raise ValueError(
-        f"cannot tell the loss layout of {name!r}; pass loss_kind= one of {LOSS_KINDS} "
-        "('causal_lm' shifts labels by one, 'token' aligns them with logits, 'sequence' has one label per row)"
-    )
+    name, config = type(inner).__name__, getattr(inner, "config", None)
+    matches = [kind for kind, spec in LOSS_KIND_SPECS.items() if spec.claims(name, config)]
+    if len(matches) != 1:
+        raise _cannot_place(name)
+    return matches[0]
+
+
+def probe_loss_kind(model: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor) -> LossKind:
+    """The per-token layout whose mean equals the model's own loss on this micro-batch (1e-6 relative).
+
+    For models whose class says nothing (a causal LM inside a custom ``nn.Module``): runs the model
+    once with ``labels``, without gradient, and recomputes the mean from its logits under every
+    per-token layout of :data:`LOSS_KIND_SPECS`. Raises the ``infer_loss_kind`` error when none or
+    more than one matches.
+    """
+    name = type(unwrap_model(model)).__name__
+    try:
+        with probing(model):
+            outputs = model(**inputs, labels=labels)
+        own, logits = outputs["loss"], outputs["logits"]
+    except (TypeError, KeyError, ValueError) as error:
+        raise _cannot_place(name, f" (its forward gives no loss and logits with labels=: {error})") from None
+    if own is None or logits is None or logits.dim() != 3:
+        raise _cannot_place(name, " (its forward returns no loss or no [B, T, V] logits)")
+    matches = []
+    for kind, spec in LOSS_KIND_SPECS.items():
+        if not spec.per_token or spec.align(labels).shape != logits.shape[:2]:
+            continue
+        loss_sum, n_targets = token_loss_sum(logits, labels, kind)
+        if int(n_targets) > 0 and math.isclose(float(loss_sum) / int(n_targets), float(own), rel_tol=PROBE_TOLERANCE):
+            matches.append(kind)
+    if len(matches) != 1:
+        found = "matches none of" if not matches else f"matches {matches} alike among"
+        raise _cannot_place(name, f" (its own loss {float(own):.6g} on the first micro-batch {found} the layouts)")
+    logger.info("loss layout of %s: %r (its own loss on the first micro-batch equals ours)", name, matches[0])
+    return matches[0]
+
+
+@contextlib.contextmanager
+def probing(model: torch.nn.Module):
+    """A side forward that is not training: no gradient, eval mode (no dropout; not counted as a
+    training forward by hooks), every module's mode restored afterwards."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def resolve_loss_kind(
+    model: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor, explicit: LossKind | None = None
+) -> LossKind:
+    """``explicit`` if given, else the model class's layout, else the probed one (this micro-batch)."""
+    if explicit is not None:
+        loss_kind_spec(explicit)
+        return explicit
+    try:
+        return infer_loss_kind(model)
+    except ValueError:
+        return probe_loss_kind(model, inputs, labels)
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -84,27 +240,19 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def aligned_targets(labels: torch.Tensor, kind: LossKind = "causal_lm") -> torch.Tensor:
-    """Labels aligned with the logit positions that predict them (-100 where nothing is predicted).
-
-    For ``causal_lm`` the logit at position ``i`` predicts ``labels[:, i + 1]``; the last
-    logit predicts nothing, so it gets ``IGNORE_INDEX``. Keeping the tensor the size of the
-    logits (instead of slicing the logits) avoids a copy of the logits.
-    """
-    if kind == "causal_lm":
-        return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
-    if kind in ("token", "sequence"):
-        return labels
-    raise ValueError(f"loss_kind={kind!r} is not one of {LOSS_KINDS}")
+    """Labels aligned with the logit positions that predict them (-100 where nothing is predicted)."""
+    return loss_kind_spec(kind).align(labels)
 
 
 def count_targets(labels: torch.Tensor, kind: LossKind = "causal_lm") -> torch.Tensor:
     """Number of prediction targets in a micro-batch (after the causal shift), as an int64 tensor."""
-    if kind == "causal_lm":
-        return labels[..., 1:].ne(IGNORE_INDEX).sum()
-    if kind == "sequence" and labels.is_floating_point():
-        # Regression and multi-label: every label element is a target (transformers' mean counts them all).
-        return torch.tensor(labels.numel(), device=labels.device)
-    return aligned_targets(labels, kind).ne(IGNORE_INDEX).sum()
+    spec = loss_kind_spec(kind)
+    return spec.count(labels) if spec.count is not None else spec.align(labels).ne(IGNORE_INDEX).sum()
+
+
+def check_label_smoothing(label_smoothing: float) -> None:
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1)")
 
 
 def sequence_problem_type(num_labels: int, labels: torch.Tensor, problem_type: str | None = None) -> str:
@@ -144,20 +292,21 @@ def token_loss_sum(
     per target ``(1 - eps) * nll + eps * mean_c(-log p_c)``, so sum / n equals torch's mean.
     ``problem_type`` only matters for ``kind="sequence"`` (see :func:`sequence_problem_type`).
     """
-    if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1)")
-    if kind == "sequence":
-        problem = sequence_problem_type(logits.shape[-1], labels, problem_type)
-        if problem == "regression":
-            return _regression_loss_sum(logits, labels)
-        if problem == "multi_label_classification":
-            return _multi_label_loss_sum(logits, labels)
-    targets = aligned_targets(labels, kind).reshape(-1).to(logits.device)
+    check_label_smoothing(label_smoothing)
+    spec = loss_kind_spec(kind)
+    if spec.loss_sum is not None:
+        return spec.loss_sum(logits, labels, label_smoothing, chunk_bytes, problem_type)
+    return _cross_entropy_loss_sum(logits, spec.align(labels), label_smoothing, chunk_bytes)
+
+
+def _cross_entropy_loss_sum(
+    logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float, chunk_bytes: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy of logits ``[..., V]`` against targets already aligned with them."""
+    targets = targets.reshape(-1).to(logits.device)
     flat_logits = logits.reshape(-1, logits.shape[-1])
     if flat_logits.shape[0] != targets.shape[0]:
-        raise ValueError(
-            f"labels {tuple(labels.shape)} do not match logits {tuple(logits.shape)} for loss_kind={kind!r}"
-        )
+        raise ValueError(f"labels {tuple(targets.shape)} do not match logits {tuple(logits.shape)}")
     n_targets = targets.ne(IGNORE_INDEX).sum()
     rows = rows_per_chunk(flat_logits.shape[-1], flat_logits.dtype, chunk_bytes)
     if rows >= flat_logits.shape[0]:

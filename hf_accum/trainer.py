@@ -15,8 +15,9 @@ Trainer fetches the window's K micro-batches at once (``get_batch_samples``), th
    count and DDP then averages those differently-normalized gradients. The global count ``N``
    is handed to ``training_step`` as ``num_items_in_batch``.
 2. ``compute_loss`` runs the forward *without* labels (the model's own loss, with its own
-   normalization and fp32 upcasts, is never computed), sums the loss itself through
-   :meth:`AccumTrainer.loss_sum_and_count` -- the one override point -- and returns
+   normalization and fp32 upcasts, is never computed), sums the loss itself -- for causal LMs with
+   the fused linear cross-entropy (:mod:`hf_accum.fused_loss`: no logits are materialized), else
+   through :meth:`AccumTrainer.loss_sum_and_count`, the one override point -- and returns
    ``loss_sum * W / N``. DDP averages over ``W`` ranks, so the applied gradient is
    ``grad(sum of every target's loss) / N``: one big batch. Because the loss is scaled *before*
    backward (not the gradients after), this also holds under DeepSpeed/FSDP, which keep
@@ -32,16 +33,26 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from typing import Any, Callable
 
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, has_length
 
-from hf_accum.accumulation import WindowTally, WindowTotals, drop_gradients_, exact_mean_factor, global_sum
+from hf_accum.accumulation import (
+    Fp32GradientAccumulator,
+    WindowTally,
+    WindowTotals,
+    drop_gradients_,
+    exact_mean_factor,
+    global_sum,
+    rescale_gradients_,
+)
+from hf_accum.fused_loss import MicroBatchLoss
 from hf_accum.loop import UpdateLog
-from hf_accum.loss import LossKind, count_targets, infer_loss_kind, model_problem_type, token_loss_sum
+from hf_accum.loss import LossKind, count_targets, infer_loss_kind, model_problem_type, resolve_loss_kind, token_loss_sum
 from hf_accum.schedule import BatchPlan, planned_updates, repeated_examples_warning
 
 logger = logging.getLogger(__name__)
@@ -54,7 +65,10 @@ class AccumTrainer(Trainer):
     """``transformers.Trainer`` with exact gradient accumulation for every model and rank setting.
 
     Same constructor and ``TrainingArguments`` as ``Trainer``, plus ``loss_kind`` (``"causal_lm"``,
-    ``"token"`` or ``"sequence"``; inferred from the model class when omitted).
+    ``"token"`` or ``"sequence"``; when omitted, inferred from the model class, else from the model's
+    own loss on the first micro-batch), ``fused_loss`` (causal LMs: the loss from the hidden states and
+    the output layer, never the full logits; default True) and ``fp32_grad_accumulation`` (bf16/fp16
+    weights sum their micro-batch gradients in fp32; default True, single process).
 
     Guarantees, per optimizer update (window of K micro-batches on each of W ranks):
 
@@ -64,8 +78,8 @@ class AccumTrainer(Trainer):
       last window of an epoch are;
     * ``N`` is always summed over ranks: ``average_tokens_across_devices`` is ignored (with
       ``False`` stock Trainer normalizes each rank by its own count, which is not a mean);
-    * label smoothing is computed by :func:`hf_accum.loss.token_loss_sum` in at least fp32
-      (fp64 for fp64 models); Trainer's ``LabelSmoother`` is disabled;
+    * label smoothing is computed by :func:`hf_accum.loss.token_loss_sum` (or the fused loss) in at
+      least fp32 (fp64 for fp64 models); Trainer's ``LabelSmoother`` is disabled;
     * a window with no target applies no gradient (``.grad`` set to None, so torch optimizers
       skip every parameter, including weight decay); the step and the scheduler still count it,
       because the update horizon and checkpoint positions are counted in windows;
@@ -77,7 +91,8 @@ class AccumTrainer(Trainer):
       accumulation or world size (it would silently change the effective batch).
 
     Subclass and override :meth:`loss_sum_and_count` to change the loss (it must return a *sum*
-    over targets and the number of targets); everything else stays exact.
+    over targets and the number of targets); everything else stays exact. An override receives real
+    logits, so it switches a causal LM from the fused loss to the logits path (logged).
     """
 
     # compute_loss returns the window-normalized loss; Trainer must not divide by K again.
@@ -88,6 +103,8 @@ class AccumTrainer(Trainer):
         *args: Any,
         loss_kind: LossKind | None = None,
         on_update: Callable[[UpdateLog], None] | None = None,
+        fused_loss: bool = True,
+        fp32_grad_accumulation: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -96,9 +113,12 @@ class AccumTrainer(Trainer):
                 "AccumTrainer cannot verify that compute_loss_func normalizes exactly; override "
                 "AccumTrainer.loss_sum_and_count(outputs, labels, inputs) -> (loss_sum, n_targets) instead"
             )
-        self._loss_kind = loss_kind
         # Read once: the head's problem type does not change during a run (sequence heads only).
         self._problem_type = model_problem_type(self.model)
+        self._micro_batch_loss = self._build_micro_batch_loss(loss_kind, fused_loss)
+        self._fp32_grad_accumulation = fp32_grad_accumulation
+        self._fp32_sums: Fp32GradientAccumulator | None = None
+        self.add_callback(_ReleaseFp32Sums(self))
         # We compute the loss from logits, so the model never sees labels or num_items_in_batch:
         # this also stops Trainer's own (rank-local when average_tokens_across_devices=False) count.
         self.model_accepts_loss_kwargs = False
@@ -126,9 +146,26 @@ class AccumTrainer(Trainer):
     @property
     def loss_kind(self) -> LossKind:
         """Target layout of the model's head (``causal_lm`` shifts labels by one)."""
-        if self._loss_kind is None:
-            self._loss_kind = infer_loss_kind(self.model)
-        return self._loss_kind
+        if self._micro_batch_loss.kind is None:
+            self._micro_batch_loss.kind = infer_loss_kind(self.model)
+        return self._micro_batch_loss.kind
+
+    def _build_micro_batch_loss(self, loss_kind: LossKind | None, fused_loss: bool) -> MicroBatchLoss:
+        overridden = type(self).loss_sum_and_count is not AccumTrainer.loss_sum_and_count
+        if overridden and fused_loss:
+            logger.info("%s overrides loss_sum_and_count, which receives the logits: this run takes the logits "
+                        "path, not the fused loss", type(self).__name__)
+        return MicroBatchLoss(
+            loss_kind, self.args.label_smoothing_factor, self._problem_type, self.loss_sum_and_count,
+            fused=fused_loss and not overridden,
+        )
+
+    def _resolve_loss_kind(self, batch: dict[str, Any]) -> None:
+        """Before the first window is counted: the class's layout, else the one the model's own loss shows."""
+        if self._micro_batch_loss.kind is None:
+            batch = self._prepare_inputs(batch)
+            inputs = {key: value for key, value in batch.items() if key != "labels"}
+            self._micro_batch_loss.kind = resolve_loss_kind(self.model, inputs, _labels(batch))
 
     def loss_sum_and_count(
         self, outputs: Any, labels: torch.Tensor, inputs: dict[str, Any]
@@ -151,6 +188,8 @@ class AccumTrainer(Trainer):
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """Fetch the window's micro-batches and return its global target count as ``num_items_in_batch``."""
         batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if batch_samples:
+            self._resolve_loss_kind(batch_samples[0])
         local = torch.zeros((), dtype=torch.float64, device=device)
         for batch in batch_samples:  # summed on the device: one host sync per window, below
             local += count_targets(_labels(batch), self.loss_kind).to(device, torch.float64)
@@ -165,14 +204,15 @@ class AccumTrainer(Trainer):
         (``num_items_in_batch`` None): the plain per-target mean of this batch."""
         labels = _labels(inputs)
         forward_inputs = {key: value for key, value in inputs.items() if key != "labels"}
-        outputs = model(**forward_inputs)  # no labels: no model-side loss, no wasted (fp32) loss math
-        loss_sum, n_targets = self.loss_sum_and_count(outputs, labels, forward_inputs)
+        # No labels to the model: no model-side loss. Fused for causal LMs while training (outputs.logits
+        # then holds the loss), else the forward's logits through loss_sum_and_count.
+        outputs, loss_sum, n_targets = self._micro_batch_loss(model, forward_inputs, labels, need_logits=return_outputs)
         if num_items_in_batch is None:
             self._eval_tally.add(loss_sum, n_targets, inputs)
             loss = loss_sum / torch.clamp(torch.as_tensor(n_targets, device=loss_sum.device), min=1)
         else:
             self._tally.add(loss_sum, n_targets, inputs)
-            loss = loss_sum * self._window_scale(num_items_in_batch)
+            loss = loss_sum * self._backward_scale(self._window_scale(num_items_in_batch))
         return (loss, outputs) if return_outputs else loss
 
     def _window_scale(self, window_targets: int | torch.Tensor) -> float:
@@ -181,7 +221,30 @@ class AccumTrainer(Trainer):
         n = int(window_targets)
         return exact_mean_factor(n, self.accelerator.num_processes) if n > 0 else 0.0
 
+    def _backward_scale(self, window_scale: float) -> float:
+        """The factor the loss is multiplied by before backward: ``W / N`` itself, except with fp32
+        gradient sums, where the power of two nearest to it (exact in any binary float, so the bf16
+        backward rounds exactly as it would for the plain sum) and the remaining factor is applied to the
+        fp32 sums when the window closes -- the loop's arithmetic, and mean-sized gradients for fp16."""
+        if self._fp32_sums is None or window_scale == 0.0:
+            return window_scale
+        return 2.0 ** round(math.log2(window_scale))
+
+    def _fp32_gradient_sums(self) -> Fp32GradientAccumulator | None:
+        """bf16/fp16 weights: sum the window's micro-batch gradients in fp32, round once at its end
+        (as the loop does). Not under DDP/DeepSpeed/FSDP, which own the gradient buffers."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if not any(p.dtype in (torch.bfloat16, torch.float16) for p in params):
+            return None
+        if self.accelerator.num_processes > 1 or self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            logger.info("low-precision weights: gradients accumulate in their own dtype (fp32 accumulation is "
+                        "single-process only)")
+            return None
+        return Fp32GradientAccumulator(params)
+
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if self._fp32_sums is None and self._fp32_grad_accumulation:
+            self._fp32_sums = self._fp32_gradient_sums()
         loss = super().training_step(model, inputs, num_items_in_batch)
         # _run_epoch sets sync_gradients on the window's last micro-batch, before training_step.
         if num_items_in_batch is not None and self.accelerator.sync_gradients:
@@ -197,6 +260,8 @@ class AccumTrainer(Trainer):
                 f"counted {self._window_targets}; the normalization uses the latter, so the override must "
                 "return the same count (a sum over exactly the targets of hf_accum.loss.count_targets)"
             )
+        if self._fp32_sums is not None:
+            self._write_fp32_sums(model, totals.targets)
         if totals.targets == 0:
             # No mean exists; zero gradients would still let AdamW decay and move weights by momentum.
             drop_gradients_(model.parameters())
@@ -207,6 +272,16 @@ class AccumTrainer(Trainer):
         self._run_totals.add(totals)
         self._closed_window = totals
 
+    def _write_fp32_sums(self, model, targets: int) -> None:
+        """The window's fp32 gradient sums -> ``.grad``, times what ``_backward_scale`` left of ``W / N``."""
+        if targets == 0:
+            self._fp32_sums.clear()
+            return
+        window_scale = self._window_scale(self._window_targets)
+        remainder = window_scale / self._backward_scale(window_scale)
+        self._fp32_sums.write_gradients_(remainder)  # rounded once to the weights' dtype
+        rescale_gradients_(self._fp32_sums.other_parameters(model.parameters()), remainder)
+
     # -- batch plan, auto_find_batch_size, LR horizon -----------------------------------------
     def get_train_dataloader(self):
         # Called at the start of every (re)try of the training loop: an OOM retry must not
@@ -215,6 +290,8 @@ class AccumTrainer(Trainer):
         self._interval = _LogInterval()
         self._run_totals = WindowTotals()
         self.updates = []
+        if self._fp32_sums is not None:
+            self._fp32_sums.clear()
         self._keep_effective_batch()
         dataloader = super().get_train_dataloader()
         self._micro_batches_per_epoch = len(dataloader) if has_length(dataloader) else None
@@ -366,6 +443,18 @@ class AccumTrainer(Trainer):
             f"{current.describe()} ({_plan_differences(saved, current)}). Resuming would change the effective "
             "batch and misplace the data position; resume with the checkpoint's settings"
         )
+
+
+class _ReleaseFp32Sums(TrainerCallback):
+    """Remove the fp32 accumulation hooks when training ends (the model may be used without the trainer)."""
+
+    def __init__(self, trainer: AccumTrainer):
+        self.trainer = trainer
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.trainer._fp32_sums is not None:
+            self.trainer._fp32_sums.remove()
+            self.trainer._fp32_sums = None
 
 
 class _LogInterval:

@@ -113,29 +113,7 @@ class BigBatchAuditor:
 
     def _mean_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The big batch's loss as transformers defines it: a mean over every target."""
-        problem = self._sequence_problem(logits, labels) if self.loss_kind == "sequence" else None
-        if problem == "regression":
-            return F.mse_loss(logits.reshape(labels.shape), labels.to(logits.dtype)), labels.numel()
-        if problem == "multi_label_classification":
-            return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype)), labels.numel()
-        targets = int(labels.ne(-100).sum())
-        if targets == 0:
-            return logits.sum() * 0, 0
-        loss = F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]),
-            labels.reshape(-1),
-            ignore_index=-100,
-            reduction="mean",
-            label_smoothing=self.label_smoothing,
-        )
-        return loss, targets
-
-    def _sequence_problem(self, logits: torch.Tensor, labels: torch.Tensor) -> str:
-        if self.problem_type is not None:
-            return self.problem_type
-        if logits.shape[-1] == 1:
-            return "regression"
-        return "multi_label_classification" if labels.is_floating_point() else "single_label_classification"
+        return REFERENCE_LAYOUTS[self.loss_kind].mean_loss(self, logits, labels)
 
     @property
     def max_relative_error(self) -> float:
@@ -143,9 +121,61 @@ class BigBatchAuditor:
 
 
 def _shift(logits: torch.Tensor, labels: torch.Tensor, kind: str):
-    if kind == "causal_lm":
-        return logits[:, :-1, :], labels[:, 1:]
+    """Logits and the labels they predict, aligned position by position."""
+    return REFERENCE_LAYOUTS[kind].align(logits, labels)
+
+
+def _next_token(logits: torch.Tensor, labels: torch.Tensor):
+    return logits[:, :-1, :], labels[:, 1:]
+
+
+def _same_positions(logits: torch.Tensor, labels: torch.Tensor):
     return logits, labels
+
+
+def _cross_entropy_mean(auditor: BigBatchAuditor, logits: torch.Tensor, labels: torch.Tensor):
+    targets = int(labels.ne(-100).sum())
+    if targets == 0:
+        return logits.sum() * 0, 0
+    loss = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]),
+        labels.reshape(-1),
+        ignore_index=-100,
+        reduction="mean",
+        label_smoothing=auditor.label_smoothing,
+    )
+    return loss, targets
+
+
+def _sequence_mean(auditor: BigBatchAuditor, logits: torch.Tensor, labels: torch.Tensor):
+    """transformers' three problem types of a sequence-classification head."""
+    problem = auditor.problem_type
+    if problem is None:
+        if logits.shape[-1] == 1:
+            problem = "regression"
+        else:
+            problem = "multi_label_classification" if labels.is_floating_point() else "single_label_classification"
+    if problem == "regression":
+        return F.mse_loss(logits.reshape(labels.shape), labels.to(logits.dtype)), labels.numel()
+    if problem == "multi_label_classification":
+        return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype)), labels.numel()
+    return _cross_entropy_mean(auditor, logits, labels)
+
+
+@dataclass(frozen=True)
+class ReferenceLayout:
+    """How the reference pairs logits with labels, and its mean loss, for one loss kind (written
+    independently of hf_accum.loss.LOSS_KIND_SPECS: this is the yardstick)."""
+
+    align: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    mean_loss: Callable[[BigBatchAuditor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, int]]
+
+
+REFERENCE_LAYOUTS: dict[str, ReferenceLayout] = {
+    "causal_lm": ReferenceLayout(_next_token, _cross_entropy_mean),
+    "token": ReferenceLayout(_same_positions, _cross_entropy_mean),
+    "sequence": ReferenceLayout(_same_positions, _sequence_mean),
+}
 
 
 def _concatenate(micro_batches: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:

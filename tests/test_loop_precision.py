@@ -71,7 +71,7 @@ def test_skipped_fp16_update_does_not_advance_the_scheduler():
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     micro_batches_seen = []
 
-    def loss_overflowing_in_update_2(outputs, labels):
+    def loss_overflowing_in_update_2(outputs, labels, inputs):
         micro_batches_seen.append(1)
         loss_sum, n = token_loss_sum(outputs.logits, labels)
         return (loss_sum * float("inf") if len(micro_batches_seen) in (3, 4) else loss_sum), n

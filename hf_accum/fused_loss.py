@@ -1,0 +1,549 @@
+"""Fused linear cross-entropy: a causal LM's summed token loss from its last hidden states and its
+output layer, without ever holding the ``(tokens x vocab)`` logits.
+
+This module owns the fused loss and the choice between it and the logits path:
+
+1. :func:`linear_cross_entropy_sum` -- the loss. Target positions are processed in chunks; for each
+   chunk the logits are computed, the summed cross-entropy taken and, in the same pass, the
+   gradients with respect to the hidden states and the head's weights (softmax minus the smoothed
+   one-hot target, multiplied back through the head). The loss is a *sum*, so a chunk's gradient is
+   final once computed: backward only multiplies the stored gradients by the incoming scalar. One
+   chunk's logits exist at a time and no forward is recomputed -- the approach of Liger-Kernel's
+   FusedLinearCrossEntropy and Apple's Cut Cross-Entropy. On CUDA with ``liger-kernel`` installed,
+   Liger's kernel does the same job (``reduction="sum"``).
+2. :func:`resolve_head` -- what a model's output layer computes, as tensors (:class:`LinearHead`):
+   ``logits = h W^T + b + scale * (h A^T) B^T``. It knows ``nn.Linear``, PEFT's
+   ``ModulesToSaveWrapper`` (the active trainable copy) and PEFT's LoRA ``Linear`` (one adapter,
+   dropout off); anything else raises :class:`NotFusable` and the caller keeps the logits path.
+3. :class:`FusedCausalLMLoss` -- running a model so that its head *returns the loss*. Why inside the
+   model's forward, not by calling the decoder and then the loss: under DDP the forward must go
+   through the DDP wrapper (its reducer prepares for backward there), and with
+   ``find_unused_parameters=True`` (``Trainer``'s default) every parameter that receives a gradient
+   must be reachable from that forward's outputs -- the output layer included. So for one call the
+   head module's ``forward`` is replaced by one that computes the loss from the hidden states it is
+   given; the model returns that loss where the logits would be.
+
+   Before fusing anything, the first micro-batch of a run is *probed* (a short slice, no gradient):
+   the head must be called once, on hidden states of every position, its output must equal
+   :meth:`LinearHead.logits` of its input, and the model must return that output unchanged (no
+   soft-capping, no logit scale). If any of this fails the run keeps the logits path and says why,
+   once.
+4. :class:`MicroBatchLoss` -- what both front-ends call per micro-batch: the fused path for causal
+   LMs while training, the logits path (``hf_accum.loss.token_loss_sum`` or a custom loss) otherwise.
+
+Sums are taken in :func:`hf_accum.loss.compute_dtype` (at least fp32; fp64 stays fp64); the targets
+are the causal ones of :func:`hf_accum.loss.aligned_targets`, so the count is that of
+:func:`hf_accum.loss.count_targets`; label smoothing is torch's definition, as in the logits path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hf_accum.loss import (
+    DEFAULT_CHUNK_BYTES,
+    IGNORE_INDEX,
+    LossKind,
+    aligned_targets,
+    check_label_smoothing,
+    compute_dtype,
+    count_targets,
+    loss_kind_spec,
+    probing,
+    resolve_loss_kind,
+    token_loss_sum,
+    unwrap_model,
+)
+
+logger = logging.getLogger(__name__)
+
+# Positions of the probe forward (one row): enough to see what the model does after its head.
+PROBE_POSITIONS = 16
+
+
+# ----------------------------------------------------------------------------------------------
+# The loss
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LinearHead:
+    """An output layer as tensors: ``logits = h W^T + b + lora_scale * (h A^T) B^T``."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    lora_a: torch.Tensor | None = None
+    lora_b: torch.Tensor | None = None
+    lora_scale: float = 1.0
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits this head computes (the probe's reference; training never calls it on all rows)."""
+        base = F.linear(hidden, self.weight, self.bias)
+        if self.lora_a is None:
+            return base
+        low_rank = F.linear(F.linear(hidden.to(self.lora_a.dtype), self.lora_a), self.lora_b) * self.lora_scale
+        return (base + low_rank).to(base.dtype)
+
+
+def linear_cross_entropy_sum(
+    hidden: torch.Tensor,
+    head: LinearHead,
+    targets: torch.Tensor,
+    label_smoothing: float = 0.0,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> torch.Tensor:
+    """Summed cross-entropy of ``head.logits(hidden)`` against ``targets`` (``-100``: no target).
+
+    ``hidden`` is ``[..., H]`` and ``targets`` holds one entry per position of ``hidden`` (already
+    aligned: for a causal LM, :func:`hf_accum.loss.aligned_targets`). Returns a 0-dim tensor in
+    :func:`~hf_accum.loss.compute_dtype`; its gradient is exact (no recomputation, no approximation).
+    ``chunk_bytes`` bounds one chunk's logits, in the loss dtype.
+    """
+    check_label_smoothing(label_smoothing)
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_targets = targets.reshape(-1).to(hidden.device)
+    if flat_hidden.shape[0] != flat_targets.shape[0]:
+        raise ValueError(f"{flat_targets.shape[0]} targets for {flat_hidden.shape[0]} hidden positions")
+    if _use_liger(flat_hidden, head):
+        return _liger_loss_sum(flat_hidden, head, flat_targets, label_smoothing)
+    vocab = head.weight.shape[0]
+    chunk_rows = max(1, chunk_bytes // (vocab * compute_dtype(head.weight.dtype).itemsize))
+    return _LinearCrossEntropySum.apply(
+        flat_hidden, flat_targets, head.weight, head.bias, head.lora_a, head.lora_b, head.lora_scale,
+        label_smoothing, chunk_rows,
+    )
+
+
+class _LinearCrossEntropySum(torch.autograd.Function):
+    """Loss and all gradients in one chunked pass; backward scales the stored gradients.
+
+    Per target row with logits ``z``, target ``t``, smoothing ``eps`` over ``V`` classes (torch's
+    definition: ``(1 - eps) * nll + eps * mean_c(-log p_c)``)::
+
+        loss = lse(z) - (1 - eps) * z_t - eps / V * sum_c z_c
+        dloss/dz_c = softmax(z)_c - (1 - eps) * [c == t] - eps / V
+
+    and ``dz`` is multiplied back through the head: ``dh = dz W (+ scale * dz B A)``,
+    ``dW += dz^T h``, ``db += sum dz``, ``dB += scale * dz^T (h A^T)``, ``dA += scale * (dz B)^T h``.
+    Rows without a target are never computed (prompt and padding cost nothing here).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, targets, weight, bias, lora_a, lora_b, lora_scale, label_smoothing, chunk_rows):
+        needs = ctx.needs_input_grad
+        rows = targets.ne(IGNORE_INDEX).nonzero().squeeze(1)
+        accumulators = _GradientSums(hidden, weight, bias, lora_a, lora_b, needs)
+        total = torch.zeros((), dtype=compute_dtype(weight.dtype), device=hidden.device)
+        for start in range(0, rows.shape[0], chunk_rows):
+            chunk = rows[start : start + chunk_rows]
+            h = hidden.index_select(0, chunk)
+            logits, low_rank_input = _chunk_logits(h, weight, bias, lora_a, lora_b, lora_scale, total.dtype)
+            chunk_loss, grad_logits = _loss_and_logit_gradient(logits, targets.index_select(0, chunk), label_smoothing)
+            total += chunk_loss
+            accumulators.add_chunk(chunk, h, grad_logits, low_rank_input, lora_scale)
+        ctx.gradients = accumulators
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        sums, ctx.gradients = ctx.gradients, None
+        if sums is None:
+            raise RuntimeError(
+                "the fused linear cross-entropy frees its gradients after one backward; retain_graph=True "
+                "is not supported (use the logits path: fused_loss=False)"
+            )
+        return (sums.hidden_grad(grad_total), None, *sums.head_grads(grad_total), None, None, None)
+
+
+def _chunk_logits(h, weight, bias, lora_a, lora_b, lora_scale, loss_dtype):
+    """One chunk's logits in the loss dtype, computed with the same ops (and autocast) as the head;
+    also ``h A^T`` when the head has a LoRA adapter (its gradients need it)."""
+    logits = F.linear(h, weight, bias)
+    if lora_a is None:
+        return logits.to(loss_dtype), None
+    low_rank_input = F.linear(h.to(lora_a.dtype), lora_a)
+    logits = logits.to(loss_dtype) + F.linear(low_rank_input, lora_b).to(loss_dtype) * lora_scale
+    return logits, low_rank_input
+
+
+def _loss_and_logit_gradient(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float):
+    """Summed loss of a chunk and d(loss)/d(logits), computed in place in ``logits`` (softmax in 4 passes,
+    no temporary of the chunk's size)."""
+    vocab = logits.shape[-1]
+    picked = logits.gather(1, targets[:, None]).squeeze(1)
+    smooth_sum = logits.sum(1) if label_smoothing else None
+    row_max = logits.amax(1, keepdim=True)
+    exp_sum = logits.sub_(row_max).exp_().sum(1, keepdim=True)
+    log_sum_exp = (row_max + exp_sum.log()).squeeze(1)
+    loss = (log_sum_exp - (1.0 - label_smoothing) * picked).sum()
+    if smooth_sum is not None:
+        loss = loss - label_smoothing / vocab * smooth_sum.sum()
+    grad = logits.div_(exp_sum)  # softmax
+    grad[torch.arange(grad.shape[0], device=grad.device), targets] -= 1.0 - label_smoothing
+    if label_smoothing:
+        grad.sub_(label_smoothing / vocab)
+    return loss, grad
+
+
+class _GradientSums:
+    """The gradients of the summed loss, summed over chunks in at least fp32 (the matmuls run in the
+    head's own dtype, as autograd would run them); rounded to each input's dtype once, in backward."""
+
+    def __init__(self, hidden, weight, bias, lora_a, lora_b, needs_input_grad):
+        def zeros_if(needed: bool, like: torch.Tensor | None):
+            return torch.zeros_like(like, dtype=compute_dtype(like.dtype)) if needed and like is not None else None
+
+        self.dtypes = [t.dtype if t is not None else None for t in (hidden, weight, bias, lora_a, lora_b)]
+        self.weight, self.lora_a, self.lora_b = weight, lora_a, lora_b
+        self.hidden = zeros_if(needs_input_grad[0], hidden)
+        self.head = [zeros_if(needs_input_grad[i], t) for i, t in zip((2, 3, 4, 5), (weight, bias, lora_a, lora_b))]
+
+    def add_chunk(self, rows, h, grad_logits, low_rank_input, lora_scale) -> None:
+        grad_weight, grad_bias, grad_a, grad_b = self.head
+        base = grad_logits.to(self.weight.dtype) if grad_logits.dtype != self.weight.dtype else grad_logits
+        if self.hidden is not None:
+            self.hidden.index_copy_(0, rows, torch.mm(base, self.weight).to(self.hidden.dtype))
+        if grad_weight is not None:
+            grad_weight.add_(torch.mm(base.t(), h.to(self.weight.dtype)))
+        if grad_bias is not None:
+            grad_bias.add_(grad_logits.sum(0))
+        if self.lora_a is None:
+            return
+        low = grad_logits.to(self.lora_b.dtype)
+        grad_low_rank_input = torch.mm(low, self.lora_b) * lora_scale  # d loss / d (h A^T)
+        if self.hidden is not None:
+            self.hidden.index_add_(0, rows, torch.mm(grad_low_rank_input, self.lora_a).to(self.hidden.dtype))
+        if grad_b is not None:
+            grad_b.add_(torch.mm(low.t(), low_rank_input) * lora_scale)
+        if grad_a is not None:
+            grad_a.add_(torch.mm(grad_low_rank_input.t(), h.to(self.lora_a.dtype)))
+
+    def hidden_grad(self, grad_total: torch.Tensor) -> torch.Tensor | None:
+        return _scaled(self.hidden, grad_total, self.dtypes[0])
+
+    def head_grads(self, grad_total: torch.Tensor) -> list[torch.Tensor | None]:
+        return [_scaled(g, grad_total, dtype) for g, dtype in zip(self.head, self.dtypes[1:])]
+
+
+def _scaled(grad: torch.Tensor | None, grad_total: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """``grad * d(output)/d(loss)`` in the sum's precision, then rounded once to the input's dtype."""
+    if grad is None:
+        return None
+    return grad.mul_(grad_total.to(grad.dtype)).to(dtype)
+
+
+# -- CUDA: Liger-Kernel -------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _liger_function() -> Callable | None:
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except ImportError:
+        return None
+    return liger_fused_linear_cross_entropy
+
+
+def _use_liger(hidden: torch.Tensor, head: LinearHead) -> bool:
+    """Liger's Triton kernel: CUDA, a plain (non-LoRA) head, and at most fp32 (fp64 must stay fp64)."""
+    return (
+        hidden.is_cuda and head.lora_a is None and hidden.dtype != torch.float64 and _liger_function() is not None
+    )
+
+
+def _liger_loss_sum(hidden, head: LinearHead, targets, label_smoothing: float) -> torch.Tensor:
+    fused = _liger_function()
+    options = {}
+    if "accum_dtype" in inspect.signature(fused).parameters:
+        options["accum_dtype"] = torch.float32  # sum the weight gradient over chunks in fp32 (newer Liger)
+    return fused(
+        hidden.contiguous(), head.weight, targets, bias=head.bias, ignore_index=IGNORE_INDEX,
+        label_smoothing=label_smoothing, reduction="sum", **options,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# The head: what a model's output layer computes
+# ----------------------------------------------------------------------------------------------
+
+
+class NotFusable(Exception):
+    """This model's output layer (or what the model does with its output) is not a plain linear map."""
+
+
+def resolve_head(module: nn.Module) -> LinearHead:
+    """The tensors ``module`` computes its logits with; :class:`NotFusable` (with the reason) otherwise."""
+    _require_no_hooks(module)
+    for cls, resolver in _head_resolvers().items():
+        if type(module) is cls:  # exact type: a subclass may override forward
+            return resolver(module)
+    raise NotFusable(f"the output layer is a {type(module).__name__}, not nn.Linear or a PEFT LoRA/modules_to_save wrapper")
+
+
+def _head_resolvers() -> dict[type, Callable[[nn.Module], LinearHead]]:
+    """Module type -> how to read its linear map (one entry per supported kind of output layer)."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+    from peft.utils.other import ModulesToSaveWrapper
+
+    return {nn.Linear: _plain_linear, ModulesToSaveWrapper: _modules_to_save, LoraLinear: _lora_linear}
+
+
+def _require_no_hooks(module: nn.Module) -> None:
+    if module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__:
+        raise NotFusable(f"the output layer {type(module).__name__} has forward hooks or a patched forward")
+
+
+def _plain_linear(module: nn.Linear) -> LinearHead:
+    return LinearHead(module.weight, module.bias)
+
+
+def _modules_to_save(wrapper: nn.Module) -> LinearHead:
+    """PEFT's modules_to_save: the active adapter's trainable copy (the frozen original when disabled)."""
+    adapters = wrapper.active_adapters
+    if wrapper.disable_adapters or not adapters or adapters[0] not in wrapper.modules_to_save:
+        return resolve_head(wrapper.original_module)
+    return resolve_head(wrapper.modules_to_save[adapters[0]])
+
+
+def _lora_linear(layer: nn.Module) -> LinearHead:
+    """PEFT LoRA on the output layer: ``W x + scale * B A x`` with one active adapter and no dropout."""
+    base = resolve_head(layer.get_base_layer())
+    if layer.disable_adapters or layer.merged:  # merged: the base weight already holds B A
+        return base
+    active = [name for name in layer.active_adapters if name in layer.lora_A]
+    if not active:
+        return base
+    if len(active) > 1:
+        raise NotFusable(f"LoRA on the output layer with {len(active)} active adapters")
+    name = active[0]
+    dropout = layer.lora_dropout[name]
+    if name in getattr(layer, "lora_variant", {}):
+        raise NotFusable(f"LoRA variant {type(layer.lora_variant[name]).__name__} on the output layer")
+    if not isinstance(dropout, nn.Identity) and not (dropout.p == 0 or not dropout.training):
+        raise NotFusable(f"LoRA dropout {dropout.p} on the output layer (the fused head computes dropout-free LoRA)")
+    lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
+    if type(lora_a) is not nn.Linear or type(lora_b) is not nn.Linear or lora_a.bias is not None or lora_b.bias is not None:
+        raise NotFusable("LoRA matrices of the output layer are not bias-free nn.Linear")
+    for part in (lora_a, lora_b, dropout):
+        _require_no_hooks(part)
+    return LinearHead(base.weight, base.bias, lora_a.weight, lora_b.weight, float(layer.scaling[name]))
+
+
+# ----------------------------------------------------------------------------------------------
+# Running a causal LM with a loss-returning head
+# ----------------------------------------------------------------------------------------------
+
+
+class FusedCausalLMLoss:
+    """The fused loss for one training run of one causal LM.
+
+    Call :meth:`forward_loss` per micro-batch: the first call probes the model (see the module
+    docstring) and decides, once, whether this run fuses; it returns ``None`` when it does not (the
+    caller then takes the logits path) and ``(outputs, loss_sum)`` when it does.
+    """
+
+    def __init__(self, label_smoothing: float = 0.0, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+        check_label_smoothing(label_smoothing)
+        self.label_smoothing = label_smoothing
+        self.chunk_bytes = chunk_bytes
+        self.head_module: nn.Module | None = None
+        self.reason: str | None = None  # why not fused, once decided
+        self._decided = False
+
+    @property
+    def active(self) -> bool:
+        return self._decided and self.head_module is not None
+
+    def forward_loss(self, model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor):
+        """``(outputs, loss_sum)`` from one forward whose head returned the summed loss, or None."""
+        if not self._decided:
+            self._decide(model, inputs)
+        if self.head_module is None:
+            return None
+        targets = aligned_targets(labels, "causal_lm")
+        head = resolve_head(self.head_module)  # read per call: the active adapter may change between calls
+        with _head_returns_loss(self.head_module, self._loss_of(head, targets)) as calls:
+            outputs = model(**inputs)
+        marker = outputs["logits"]
+        if len(calls) != 1 or marker.shape != (1, 1, 1):
+            raise RuntimeError(
+                f"the model called its output layer {len(calls)} times / returned logits of shape "
+                f"{tuple(marker.shape)} although the probe saw one plain call; pass fused_loss=False"
+            )
+        return outputs, marker.reshape(())
+
+    def disable(self, reason: str) -> None:
+        """Decide for the logits path (e.g. a custom loss needs the logits)."""
+        self._decided, self.head_module, self.reason = True, None, reason
+
+    def _loss_of(self, head: LinearHead, targets: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        def loss(hidden: torch.Tensor) -> torch.Tensor:
+            if hidden.shape[:-1] != targets.shape:
+                raise RuntimeError(f"hidden states {tuple(hidden.shape)} do not match labels {tuple(targets.shape)}")
+            return linear_cross_entropy_sum(hidden, head, targets, self.label_smoothing, self.chunk_bytes)
+
+        return loss
+
+    def _decide(self, model: nn.Module, inputs: dict[str, Any]) -> None:
+        self._decided = True
+        try:
+            self.head_module = probe_fusable_head(model, inputs)
+        except NotFusable as reason:
+            self.reason = str(reason)
+            logger.warning("fused linear cross-entropy off, logits path for this run: %s", reason)
+            return
+        vocab = self.head_module.weight.shape[0] if hasattr(self.head_module, "weight") else "?"
+        logger.info("fused linear cross-entropy on (vocabulary %s, at most %d MiB of logits per chunk)",
+                    vocab, self.chunk_bytes // 2**20)
+
+
+def probe_fusable_head(model: nn.Module, inputs: dict[str, Any]) -> nn.Module:
+    """The output-layer module to fuse, after checking on a short slice of ``inputs`` that the model
+    returns exactly what that layer computes from every position's hidden state."""
+    if isinstance(model, nn.DataParallel):
+        raise NotFusable("nn.DataParallel replicates modules per call (use DDP)")
+    inner = unwrap_model(model)
+    get_head = getattr(inner, "get_output_embeddings", None)
+    head_module = get_head() if callable(get_head) else None
+    if head_module is None:
+        raise NotFusable(f"{type(inner).__name__} has no output embeddings (get_output_embeddings)")
+    expected = resolve_head(head_module)
+    # Through the model as training calls it (DDP and Accelerate's autocast included); every rank
+    # probes its first micro-batch at the same point, so DDP's buffer broadcast stays in step.
+    seen = _probe_forward(model, head_module, _probe_slice(inputs))
+    if len(seen["calls"]) != 1:
+        raise NotFusable(f"the output layer was called {len(seen['calls'])} times in one forward")
+    (hidden, head_output), positions = seen["calls"][0], seen["positions"]
+    if positions is None or tuple(hidden.shape[:-1]) != positions:
+        raise NotFusable("the output layer does not see every position's hidden state")
+    _require_equal(expected.logits(hidden), head_output, "the output layer computes something other than its linear map")
+    returned = seen["logits"]
+    if returned is None or returned.dtype.itemsize < head_output.dtype.itemsize:
+        raise NotFusable("the model does not return its output layer's logits")
+    _require_equal(returned.to(head_output.dtype), head_output, "the model changes the logits after its output "
+                   "layer (e.g. final_logit_softcapping, logit_scale)", exact=True)
+    return head_module
+
+
+def _probe_forward(model: nn.Module, head_module: nn.Module, inputs: dict[str, Any]) -> dict:
+    calls = []
+
+    def record(module, args, output):
+        calls.append((args[0].detach(), output.detach()))
+
+    handle = head_module.register_forward_hook(record)
+    try:
+        with probing(model):
+            outputs = model(**inputs)
+    finally:
+        handle.remove()
+    positions = next((tuple(inputs[k].shape[:2]) for k in ("input_ids", "inputs_embeds") if k in inputs), None)
+    logits = outputs["logits"] if "logits" in outputs else None
+    return {"calls": calls, "positions": positions, "logits": logits}
+
+
+def _probe_slice(inputs: dict[str, Any]) -> dict[str, Any]:
+    """The first row's first positions, when every tensor input is laid out [batch, positions, ...]
+    (else the whole micro-batch: correct, only costlier)."""
+    reference = inputs.get("input_ids", inputs.get("inputs_embeds"))
+    tensors = {k: v for k, v in inputs.items() if torch.is_tensor(v)}
+    if reference is None or any(tuple(v.shape[:2]) != tuple(reference.shape[:2]) for v in tensors.values()):
+        return dict(inputs)
+    return {k: v[:1, :PROBE_POSITIONS] if k in tensors else v for k, v in inputs.items()}
+
+
+def _require_equal(ours: torch.Tensor, theirs: torch.Tensor, message: str, exact: bool = False) -> None:
+    if ours.shape != theirs.shape:
+        raise NotFusable(message)
+    if exact:
+        same = torch.equal(ours, theirs)
+    else:
+        tolerance = max(1e-6, 4 * torch.finfo(theirs.dtype).eps) * float(theirs.abs().max().clamp_min(1.0))
+        same = bool((ours.to(theirs.dtype) - theirs).abs().max() <= tolerance)
+    if not same:
+        raise NotFusable(message)
+
+
+@contextlib.contextmanager
+def _head_returns_loss(head_module: nn.Module, loss: Callable[[torch.Tensor], torch.Tensor]):
+    """For one forward: the head returns ``loss(hidden_states)`` as a ``[1, 1, 1]`` tensor."""
+    calls: list[torch.Tensor] = []
+
+    def forward(hidden_states, *args, **kwargs):
+        if args or kwargs:
+            raise RuntimeError(f"the output layer was called with extra arguments {list(kwargs) or len(args)}")
+        calls.append(loss(hidden_states))
+        return calls[-1].reshape(1, 1, 1)
+
+    head_module.forward = forward  # an instance attribute: nn.Module.__call__ finds it first
+    try:
+        yield calls
+    finally:
+        del head_module.forward
+
+
+# ----------------------------------------------------------------------------------------------
+# One micro-batch: fused where possible, from the logits otherwise (both front-ends)
+# ----------------------------------------------------------------------------------------------
+
+# (outputs, labels, inputs) -> (summed loss, number of targets). Must sum, never average.
+LossSumFn = Callable[[Any, torch.Tensor, dict], "tuple[torch.Tensor, torch.Tensor]"]
+
+
+class MicroBatchLoss:
+    """A run's forward and summed loss per micro-batch: ``(outputs, loss_sum, n_targets)``.
+
+    * ``kind`` -- the target layout; None: from the model class, else probed on the first micro-batch
+      (:func:`hf_accum.loss.resolve_loss_kind`).
+    * ``loss_sum_fn(outputs, labels, inputs)`` -- the loss from the forward's outputs (the logits path);
+      None: :func:`hf_accum.loss.token_loss_sum`.
+    * ``fused`` -- whether layouts that allow it (causal LMs) may use :class:`FusedCausalLMLoss` while
+      training; ``outputs.logits`` then holds the loss, not logits. Pass False when ``loss_sum_fn``
+      needs the logits (a custom loss).
+    """
+
+    def __init__(
+        self,
+        kind: LossKind | None = None,
+        label_smoothing: float = 0.0,
+        problem_type: str | None = None,
+        loss_sum_fn: LossSumFn | None = None,
+        fused: bool = True,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ):
+        check_label_smoothing(label_smoothing)
+        self.kind = kind
+        self.label_smoothing = label_smoothing
+        self.problem_type = problem_type
+        self.loss_sum_fn = loss_sum_fn or self._token_loss_sum
+        self.fused = FusedCausalLMLoss(label_smoothing, chunk_bytes) if fused else None
+
+    def __call__(self, model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor, need_logits: bool = False):
+        if self.kind is None:
+            self.kind = resolve_loss_kind(model, inputs, labels)
+        if self._may_fuse(model) and not need_logits:
+            fused = self.fused.forward_loss(model, inputs, labels)
+            if fused is not None:
+                outputs, loss_sum = fused
+                return outputs, loss_sum, count_targets(labels, self.kind)
+        outputs = model(**inputs)  # no labels: no model-side loss, no wasted (fp32) loss math
+        loss_sum, n_targets = self.loss_sum_fn(outputs, labels, inputs)
+        return outputs, loss_sum, n_targets
+
+    def _may_fuse(self, model: nn.Module) -> bool:
+        # Training only: evaluation and prediction want logits, and the fused path computes gradients.
+        return (
+            self.fused is not None and loss_kind_spec(self.kind).fused and model.training and torch.is_grad_enabled()
+        )
+
+    def _token_loss_sum(self, outputs, labels, inputs):
+        return token_loss_sum(outputs.logits, labels, self.kind, self.label_smoothing, problem_type=self.problem_type)

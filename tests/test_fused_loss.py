@@ -1,0 +1,390 @@
+"""The fused linear cross-entropy (hf_accum.fused_loss).
+
+* The function equals torch's cross-entropy on the materialized logits, in value and gradient (float64
+  to 1e-12; fp32, bf16 and bf16 autocast as close to a float64 reference as the logits path is).
+* Both front-ends use it for causal LMs with the heads real fine-tunes have (LoRA on the output layer,
+  modules_to_save, tied embeddings) and stay exact in float64 (< 1e-10, naive controls fail); the other
+  scenarios of the exactness suites (padding, prompt masking, short windows, smoothing, checkpointing,
+  LoRA, packing, DDP) run on it too -- checked here to really take the fused path.
+* No (tokens x vocab) tensor exists while training (an allocation hook sees one on the logits path).
+* It falls back, logged, where it cannot be proved equal (soft-capping, logit scale, LoRA dropout on
+  the head, custom losses).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from peft import LoraConfig, get_peft_model
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.data import DataLoader
+
+from hf_accum import AccumTrainer
+from hf_accum.batching import PackingCollator, PaddingCollator
+from hf_accum.fused_loss import LinearHead, MicroBatchLoss, NotFusable, linear_cross_entropy_sum, resolve_head
+from hf_accum.loop import LoopConfig, train
+from hf_accum.loss import rows_per_chunk, token_loss_sum
+from hf_accum.testing import (
+    PAD,
+    VOCAB,
+    Scenario,
+    fresh_accelerator,
+    random_rows,
+    run_exact,
+    run_naive,
+    run_trainer,
+    tiny_causal_lm,
+    training_args,
+)
+from hf_accum.testing.models import TEST_SHAPE
+
+EXACT = 1e-10
+NAIVE_IS_WRONG = 1e-3
+FUSED_ON = "fused linear cross-entropy on"
+FUSED_OFF = "fused linear cross-entropy off"
+
+
+# -- the function against torch.nn.functional.cross_entropy --------------------------------------
+
+
+def _head_and_inputs(head_kind: str, dtype=torch.float64, rows=37, hidden=8, vocab=29, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator, dtype=torch.float64) * scale).to(dtype).requires_grad_()
+
+    weight = randn(vocab, hidden, scale=0.5)
+    head = LinearHead(weight)
+    if head_kind == "bias":
+        head = LinearHead(weight, randn(vocab))
+    elif head_kind == "lora":  # the base weight frozen, as under PEFT
+        head = LinearHead(weight.detach(), None, randn(3, hidden), randn(vocab, 3), lora_scale=0.7)
+    h = randn(rows, hidden)
+    targets = torch.randint(0, vocab, (rows,), generator=generator)
+    targets[::4] = -100  # prompt / padding / the last position of a row
+    return h, head, targets
+
+
+def _trainable(h, head):
+    return [t for t in (h, head.weight, head.bias, head.lora_a, head.lora_b) if t is not None and t.requires_grad]
+
+
+def _value_and_grads(loss_fn, h, head, upstream=3.0):
+    loss = loss_fn()
+    return loss.detach(), torch.autograd.grad(loss * upstream, _trainable(h, head))
+
+
+def _max_relative(ours, reference):
+    return max(float((a.double() - b.double()).abs().max() / b.double().abs().max()) for a, b in zip(ours, reference))
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("head_kind", ["plain", "bias", "lora"])
+def test_equals_torch_cross_entropy_in_float64(head_kind, smoothing):
+    h, head, targets = _head_and_inputs(head_kind)
+    reference, reference_grads = _value_and_grads(
+        lambda: F.cross_entropy(head.logits(h), targets, reduction="sum", label_smoothing=smoothing), h, head
+    )
+    for chunk_rows in (5, 1000):  # 6 chunks, and all targets in one
+        loss, grads = _value_and_grads(
+            lambda: linear_cross_entropy_sum(h, head, targets, smoothing, chunk_bytes=chunk_rows * 29 * 8), h, head
+        )
+        assert loss.dtype == torch.float64
+        torch.testing.assert_close(loss, reference, rtol=1e-13, atol=0)
+        assert _max_relative(grads, reference_grads) < 1e-12
+
+
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
+def test_low_precision_is_as_close_to_float64_as_the_logits_path(dtype, autocast):
+    """Against a float64 reference on the same (rounded) inputs, the fused loss and its gradients are no
+    further off than the logits path (logits in the model's dtype, loss summed in fp32) -- within 2x."""
+    h, head, targets = _head_and_inputs("bias", dtype=dtype, rows=64, hidden=32, vocab=300)
+    h64, head64 = h.detach().double().requires_grad_(), LinearHead(head.weight.detach().double().requires_grad_(),
+                                                                    head.bias.detach().double().requires_grad_())
+    reference, reference_grads = _value_and_grads(
+        lambda: F.cross_entropy(head64.logits(h64), targets, reduction="sum", label_smoothing=0.1), h64, head64
+    )
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        fused, fused_grads = _value_and_grads(
+            lambda: linear_cross_entropy_sum(h, head, targets, 0.1, chunk_bytes=16 * 300 * 4), h, head
+        )
+        logits_path, logits_grads = _value_and_grads(
+            lambda: token_loss_sum(head.logits(h), targets, "token", 0.1)[0], h, head
+        )
+    assert fused.dtype == torch.float32
+    fused_error = abs(float(fused) / float(reference) - 1)
+    logits_error = abs(float(logits_path) / float(reference) - 1)
+    assert fused_error <= 2 * logits_error + 1e-6, (fused_error, logits_error)
+    assert _max_relative(fused_grads, reference_grads) <= 2 * _max_relative(logits_grads, reference_grads) + 1e-6
+
+
+def test_rows_without_targets_give_zero_loss_and_zero_gradients():
+    h, head, targets = _head_and_inputs("bias")
+    loss, grads = _value_and_grads(lambda: linear_cross_entropy_sum(h, head, torch.full_like(targets, -100)), h, head)
+    assert float(loss) == 0.0
+    assert all(g is not None and not g.any() for g in grads)  # real zeros: DDP waits for every gradient
+
+
+def test_a_second_backward_is_refused():
+    h, head, targets = _head_and_inputs("plain")
+    loss = linear_cross_entropy_sum(h, head, targets)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        loss.backward()
+
+
+# -- what the output layer computes ---------------------------------------------------------------
+
+
+def _peft(model, **lora):
+    config = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **{"target_modules": ["q_proj", "v_proj"], **lora})
+    return get_peft_model(model, config).to(torch.float64)
+
+
+def _lora_on_head():
+    return _peft(tiny_causal_lm(), target_modules=["q_proj", "v_proj", "lm_head"])
+
+
+def _modules_to_save():  # the recipe's default: embeddings and head trained in full
+    return _peft(tiny_causal_lm(), modules_to_save=["lm_head", "embed_tokens"])
+
+
+def _tied():
+    model = tiny_causal_lm(tie_word_embeddings=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    return model
+
+
+def _checkpointed():
+    model = tiny_causal_lm()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+@pytest.mark.parametrize("factory", [tiny_causal_lm, _lora_on_head, _modules_to_save, _tied])
+def test_resolved_head_computes_the_model_logits(factory):
+    model = factory()
+    head_module = model.get_output_embeddings()
+    hidden = torch.randn(3, 5, TEST_SHAPE["hidden_size"], dtype=torch.float64)
+    torch.testing.assert_close(resolve_head(head_module).logits(hidden), head_module(hidden), rtol=1e-14, atol=1e-14)
+
+
+def test_modules_to_save_head_is_the_trainable_copy():
+    model = _modules_to_save()
+    wrapper = model.get_output_embeddings()
+    head = resolve_head(wrapper)
+    assert head.weight is wrapper.modules_to_save["default"].weight and head.weight.requires_grad
+    assert head.weight is not wrapper.original_module.weight
+
+
+def test_lora_dropout_on_the_head_is_not_fused():
+    model = _peft(tiny_causal_lm(), target_modules=["lm_head"], lora_dropout=0.1)
+    with pytest.raises(NotFusable, match="dropout"):
+        resolve_head(model.get_output_embeddings())
+    model.eval()  # dropout is off in eval mode
+    assert resolve_head(model.get_output_embeddings()).lora_a is not None
+
+
+# -- both front-ends take the fused path and stay exact --------------------------------------------
+
+
+def _batch(examples, collator=PaddingCollator(PAD)):
+    batch = collator(examples)
+    return {k: v for k, v in batch.items() if k != "labels"}, batch["labels"]
+
+
+@pytest.mark.parametrize(
+    "factory,collator",
+    [(tiny_causal_lm, PaddingCollator(PAD)), (_checkpointed, PaddingCollator(PAD)),
+     (lambda: _peft(tiny_causal_lm()), PaddingCollator(PAD)), (tiny_causal_lm, PackingCollator()),
+     (_lora_on_head, PaddingCollator(PAD)), (_modules_to_save, PaddingCollator(PAD)), (_tied, PaddingCollator(PAD))],
+    ids=["plain", "checkpointing", "lora", "packed", "lora_on_head", "modules_to_save", "tied"],
+)
+def test_models_of_the_exactness_suites_take_the_fused_path(factory, collator, caplog):
+    """The float64 exactness suites (padding, masking, windows, smoothing, checkpointing, LoRA, packing,
+    DDP) run with the front-ends' defaults; these are their models: each is fused, with the same loss."""
+    model = factory().train()
+    inputs, labels = _batch(random_rows(4, seed=3, prompt_masking=True), collator)
+    step = MicroBatchLoss(label_smoothing=0.1)
+    with caplog.at_level(logging.INFO, logger="hf_accum.fused_loss"):
+        _, fused, n_targets = step(model, inputs, labels)
+    assert step.fused.active and FUSED_ON in caplog.text
+    logits = model(**inputs).logits
+    reference, reference_n = token_loss_sum(logits, labels, "causal_lm", 0.1)
+    assert int(n_targets) == int(reference_n)
+    torch.testing.assert_close(fused, reference, rtol=1e-13, atol=0)
+
+
+HEAD_SCENARIOS = {
+    "lora_on_head": _lora_on_head,
+    "modules_to_save": _modules_to_save,
+    "tied_embeddings": _tied,
+}
+
+
+def _head_scenario(name):
+    return Scenario(name, HEAD_SCENARIOS[name], random_rows(22, seed=41, prompt_masking=True), PaddingCollator(PAD),
+                    label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("name", sorted(HEAD_SCENARIOS))
+def test_loop_is_exact_with_fused_heads_and_naive_is_not(name, caplog):
+    with caplog.at_level(logging.INFO, logger="hf_accum.fused_loss"):
+        result, auditor = run_exact(_head_scenario(name))
+    assert FUSED_ON in caplog.text
+    assert len(auditor.records) == len(result.updates) == 3  # windows of 4, 4 and a short 3 micro-batches
+    assert auditor.max_relative_error < EXACT, [r.relative_error for r in auditor.records]
+    assert run_naive(_head_scenario(name)).max_relative_error > NAIVE_IS_WRONG
+
+
+@pytest.mark.parametrize("name", sorted(HEAD_SCENARIOS))
+def test_accum_trainer_is_exact_with_fused_heads(name, tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="hf_accum.fused_loss"):
+        run = run_trainer(_head_scenario(name), str(tmp_path), AccumTrainer)
+    assert FUSED_ON in caplog.text
+    assert len(run.errors) == 3 and run.max_error < EXACT, run.errors
+
+
+# -- no (tokens x vocab) tensor --------------------------------------------------------------------
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest tensor (in elements) any op produces, forward and backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(tensor, torch.Tensor):
+                self.largest = max(self.largest, tensor.numel())
+        return out
+
+
+LARGE_VOCAB = 128256
+
+
+def _train_large_vocab(front_end: str, row_length: int, output_dir: str, fused_loss: bool = True) -> None:
+    """One update (2 micro-batches of 2 rows) at a Llama-3 vocabulary, fp32, without the auditor (its
+    big-batch reference materializes logits on purpose)."""
+    model = tiny_causal_lm(dtype=torch.float32, vocab_size=LARGE_VOCAB)
+    rows = [{"input_ids": list(range(3 + i, 3 + i + row_length))} for i in range(4)]
+    if front_end == "loop":
+        accelerator = fresh_accelerator(2)
+        loader = DataLoader(rows, batch_size=2, collate_fn=PaddingCollator(PAD))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        train(model, optimizer, loader, accelerator, LoopConfig(disable_tqdm=True, fused_loss=fused_loss))
+    else:
+        scenario = Scenario("large_vocab", None, rows, PaddingCollator(PAD), micro_batch=2, accumulation=2)
+        AccumTrainer(model=model, args=training_args(scenario, output_dir), train_dataset=rows,
+                     data_collator=scenario.collator, fused_loss=fused_loss).train()
+
+
+@pytest.mark.parametrize("front_end", ["loop", "trainer"])
+def test_no_tokens_by_vocab_tensor_is_allocated_while_training(front_end, tmp_path):
+    row_length = 640  # 1280 positions per micro-batch: 164M logits (656 MB in fp32) on the logits path
+    with LargestTensor() as watch:
+        _train_large_vocab(front_end, row_length, str(tmp_path))
+    chunk = rows_per_chunk(LARGE_VOCAB, torch.float32) * LARGE_VOCAB
+    assert LARGE_VOCAB * TEST_SHAPE["hidden_size"] <= watch.largest <= chunk < 2 * row_length * LARGE_VOCAB / 2
+
+
+@pytest.mark.parametrize("front_end", ["loop", "trainer"])
+def test_the_allocation_hook_sees_the_logits_of_the_logits_path(front_end, tmp_path):
+    """Negative control: with fused_loss=False the same run (shorter rows) holds (tokens x vocab) logits."""
+    row_length = 32
+    with LargestTensor() as watch:
+        _train_large_vocab(front_end, row_length, str(tmp_path), fused_loss=False)
+    assert watch.largest >= 2 * row_length * LARGE_VOCAB
+
+
+# -- where it cannot be proved equal: the logits path, logged once ----------------------------------
+
+
+def _gemma2(softcapping):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma2Config(vocab_size=VOCAB, pad_token_id=PAD, head_dim=8, final_logit_softcapping=softcapping,
+                          **TEST_SHAPE)
+    return Gemma2ForCausalLM(config).double()
+
+
+def _cohere():
+    from transformers import CohereConfig, CohereForCausalLM
+
+    torch.manual_seed(0)
+    return CohereForCausalLM(CohereConfig(vocab_size=VOCAB, pad_token_id=PAD, eos_token_id=2, bos_token_id=1,
+                                          logit_scale=0.0625, **TEST_SHAPE)).double()
+
+
+def _two_micro_batches(step, model, caplog):
+    inputs, labels = _batch(random_rows(4, seed=5, prompt_masking=True))
+    with caplog.at_level(logging.INFO, logger="hf_accum.fused_loss"):
+        for _ in range(2):
+            _, loss, n_targets = step(model, inputs, labels)
+    reference, reference_n = token_loss_sum(model(**inputs).logits, labels, "causal_lm")
+    assert int(n_targets) == int(reference_n)
+    torch.testing.assert_close(loss, reference, rtol=1e-13, atol=0)
+
+
+@pytest.mark.parametrize("factory", [lambda: _gemma2(30.0), _cohere], ids=["gemma2_softcapping", "cohere_logit_scale"])
+def test_logits_changed_after_the_output_layer_keep_the_logits_path(factory, caplog):
+    step = MicroBatchLoss()
+    _two_micro_batches(step, factory().train(), caplog)
+    assert not step.fused.active and "changes the logits after its output layer" in step.fused.reason
+    assert caplog.text.count(FUSED_OFF) == 1  # logged once per run, not per micro-batch
+
+
+def test_gemma2_without_softcapping_is_fused(caplog):
+    """Positive control for the probe: the same architecture with a plain head is fused."""
+    step = MicroBatchLoss()
+    _two_micro_batches(step, _gemma2(None).train(), caplog)
+    assert step.fused.active
+
+
+def test_lora_dropout_on_the_output_layer_keeps_the_logits_path(caplog):
+    model = _peft(tiny_causal_lm(), target_modules=["lm_head"], lora_dropout=0.1).train()
+    step = MicroBatchLoss()
+    inputs, labels = _batch(random_rows(4, seed=5))
+    with caplog.at_level(logging.INFO, logger="hf_accum.fused_loss"):
+        step(model, inputs, labels)
+    assert not step.fused.active and "dropout" in caplog.text
+
+
+def test_custom_loop_loss_receives_logits_and_is_logged(caplog):
+    """A custom loss_sum_fn(outputs, labels, inputs) gets real logits: that run takes the logits path."""
+    seen = []
+
+    def loss_sum_fn(outputs, labels, inputs):
+        seen.append((tuple(outputs.logits.shape), tuple(inputs["input_ids"].shape)))
+        return token_loss_sum(outputs.logits, labels)
+
+    accelerator = fresh_accelerator(2)
+    model = tiny_causal_lm()
+    loader = DataLoader(random_rows(4, seed=6), batch_size=2, collate_fn=PaddingCollator(PAD))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    with caplog.at_level(logging.INFO):
+        train(model, optimizer, loader, accelerator, LoopConfig(disable_tqdm=True), loss_sum_fn=loss_sum_fn)
+    assert "custom loss_sum_fn" in caplog.text and FUSED_ON not in caplog.text
+    assert len(seen) == 2 and all(logits[:2] == ids and logits[2] == VOCAB for logits, ids in seen)
+
+
+def test_overriding_loss_sum_and_count_is_logged_and_unfused(tmp_path, caplog):
+    class SameLossOverridden(AccumTrainer):
+        def loss_sum_and_count(self, outputs, labels, inputs):
+            return super().loss_sum_and_count(outputs, labels, inputs)
+
+    scenario = Scenario("override", tiny_causal_lm, random_rows(4), PaddingCollator(PAD))
+    with caplog.at_level(logging.INFO, logger="hf_accum.trainer"):
+        trainer = SameLossOverridden(model=tiny_causal_lm(), args=training_args(scenario, str(tmp_path)),
+                              train_dataset=scenario.examples, data_collator=scenario.collator)
+    assert trainer._micro_batch_loss.fused is None
+    assert "overrides loss_sum_and_count" in caplog.text
