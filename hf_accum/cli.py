@@ -1,7 +1,8 @@
 """``hf-accum``: the command line.
 
-* ``hf-accum plan``  -- split a global batch into micro-batch x accumulation x processes, with the
-  LR scaling rule stated, and refuse (naming the nearest valid values) when it does not divide.
+* ``hf-accum plan``  -- split a global batch into micro-batch x accumulation x processes (nodes x
+  processes per node), with the LR scaling rule stated, and refuse (naming the nearest valid
+  values) when it does not divide.
 * ``hf-accum check`` -- run a few accumulated updates of a model (the built-in tiny Llama, or a
   local model directory) under :class:`hf_accum.verify.BigBatchAuditor` and report, per update,
   how far the applied gradient is from the big-batch gradient -- for hf_accum's loop and for the
@@ -40,7 +41,10 @@ def _parser() -> argparse.ArgumentParser:
     plan = commands.add_parser("plan", help="global batch -> micro-batch x accumulation x processes")
     plan.add_argument("--global-batch-size", type=int, required=True, help="sequences per optimizer update")
     plan.add_argument("--micro-batch-size", type=int, required=True, help="sequences per forward, per process")
-    plan.add_argument("--num-processes", type=int, default=1, help="data-parallel processes (GPUs x nodes)")
+    plan.add_argument("--num-processes", type=int, help="data-parallel processes over all nodes (default: "
+                      "--nodes x --gpus-per-node, else 1)")
+    plan.add_argument("--nodes", type=int, default=1, help="machines (default 1)")
+    plan.add_argument("--gpus-per-node", type=int, help="processes (GPUs) per machine")
     plan.add_argument("--learning-rate", type=float, help="LR tuned at --base-batch-size, to rescale")
     plan.add_argument("--base-batch-size", type=int, help="global batch the LR was tuned at")
     plan.add_argument("--lr-scaling", choices=["linear", "sqrt", "none"], default="sqrt",
@@ -104,13 +108,28 @@ def _add_bench_parser(commands) -> None:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    plan = plan_global_batch(args.global_batch_size, args.micro_batch_size, args.num_processes)
+    plan = plan_global_batch(args.global_batch_size, args.micro_batch_size, _num_processes(args), args.nodes)
     print(plan.describe())
     if args.learning_rate is not None:
         base = args.base_batch_size or plan.global_batch_size
         lr = scaled_learning_rate(args.learning_rate, base, plan.global_batch_size, args.lr_scaling)
         print(f"learning rate {lr:.3e} ({args.lr_scaling} scaling from {args.learning_rate:.3e} at batch {base})")
     return 0
+
+
+def _num_processes(args: argparse.Namespace) -> int:
+    """All processes of all nodes, from --num-processes or --nodes x --gpus-per-node (both must agree)."""
+    if args.gpus_per_node is None:
+        return args.num_processes or 1
+    if args.gpus_per_node < 1 or args.nodes < 1:
+        raise ValueError(f"--nodes {args.nodes} --gpus-per-node {args.gpus_per_node}: both must be >= 1")
+    total = args.nodes * args.gpus_per_node
+    if args.num_processes is not None and args.num_processes != total:
+        raise ValueError(
+            f"--num-processes {args.num_processes} != --nodes {args.nodes} x --gpus-per-node {args.gpus_per_node} "
+            f"= {total}; give one or the other"
+        )
+    return total
 
 
 def _run_check(args: argparse.Namespace) -> int:

@@ -40,6 +40,7 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, has_length
 
 from hf_accum.accumulation import WindowTally, WindowTotals, drop_gradients_, exact_mean_factor, global_sum
+from hf_accum.distributed import num_nodes
 from hf_accum.loss import LossKind, count_targets, infer_loss_kind, model_problem_type, token_loss_sum
 from hf_accum.schedule import BatchPlan, planned_updates, repeated_examples_warning
 
@@ -84,6 +85,7 @@ class AccumTrainer(Trainer):
 
     def __init__(self, *args: Any, loss_kind: LossKind | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._refuse_optimizer_deepspeed_replaces()
         if self.compute_loss_func is not None:
             raise ValueError(
                 "AccumTrainer cannot verify that compute_loss_func normalizes exactly; override "
@@ -108,6 +110,16 @@ class AccumTrainer(Trainer):
             logger.info(
                 "average_tokens_across_devices=False is ignored: AccumTrainer always normalizes by the "
                 "target count summed over all ranks (the only exact mean under DDP)"
+            )
+
+    def _refuse_optimizer_deepspeed_replaces(self) -> None:
+        """Under DeepSpeed, ``Trainer`` drops an optimizer passed in ``optimizers=`` and builds its own from
+        ``TrainingArguments.optim`` (or the DeepSpeed config's ``optimizer`` section), saying nothing."""
+        if self.is_deepspeed_enabled and self.optimizer is not None:
+            raise ValueError(
+                f"under DeepSpeed, Trainer replaces the optimizer passed in optimizers= ({type(self.optimizer).__name__}) "
+                "with one built from TrainingArguments.optim / optim_args (or the DeepSpeed config's 'optimizer' "
+                "section); choose the optimizer there instead"
             )
 
     # -- the override point -----------------------------------------------------------------
@@ -208,6 +220,7 @@ class AccumTrainer(Trainer):
             self._train_batch_size // max(1, self.args.n_gpu),
             self.args.gradient_accumulation_steps,
             self.accelerator.num_processes,
+            num_nodes(),
         )
         if self.args.should_log:
             logger.info("%s (sequences per update)", self.batch_plan.describe())
