@@ -18,12 +18,15 @@ import argparse
 import sys
 from typing import Sequence
 
-from hf_accum.schedule import plan_global_batch, scaled_learning_rate
+from hf_accum.schedule import BatchPlan, plan_global_batch, scaled_learning_rate
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "config", None):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides = unknown  # hf-accum plan --config: the recipe's own overrides (section.key=value)
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
@@ -39,8 +42,10 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command")
 
     plan = commands.add_parser("plan", help="global batch -> micro-batch x accumulation x processes")
-    plan.add_argument("--global-batch-size", type=int, required=True, help="sequences per optimizer update")
-    plan.add_argument("--micro-batch-size", type=int, required=True, help="sequences per forward, per process")
+    plan.add_argument("--global-batch-size", type=int, help="sequences per optimizer update")
+    plan.add_argument("--micro-batch-size", type=int, help="sequences per forward, per process")
+    plan.add_argument("--config", help="take both from a recipe config (followed by the recipe's overrides, "
+                      "section.key=value), as recipes/finetune_llama.py would resolve them")
     plan.add_argument("--num-processes", type=int, help="data-parallel processes over all nodes (default: "
                       "--nodes x --gpus-per-node, else 1)")
     plan.add_argument("--nodes", type=int, default=1, help="machines (default 1)")
@@ -108,13 +113,36 @@ def _add_bench_parser(commands) -> None:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    plan = plan_global_batch(args.global_batch_size, args.micro_batch_size, _num_processes(args), args.nodes)
+    processes = _num_processes(args)
+    plan = _recipe_plan(args, processes) if args.config else _explicit_plan(args, processes)
     print(plan.describe())
     if args.learning_rate is not None:
         base = args.base_batch_size or plan.global_batch_size
         lr = scaled_learning_rate(args.learning_rate, base, plan.global_batch_size, args.lr_scaling)
         print(f"learning rate {lr:.3e} ({args.lr_scaling} scaling from {args.learning_rate:.3e} at batch {base})")
     return 0
+
+
+def _explicit_plan(args: argparse.Namespace, processes: int) -> BatchPlan:
+    if args.global_batch_size is None or args.micro_batch_size is None:
+        raise ValueError("give --global-batch-size and --micro-batch-size, or --config with a recipe config")
+    return plan_global_batch(args.global_batch_size, args.micro_batch_size, processes, args.nodes)
+
+
+def _recipe_plan(args: argparse.Namespace, processes: int) -> BatchPlan:
+    """The recipe's batch arithmetic on ``processes``: its micro-batch, and its accumulation derived from
+    ``global_batch_size`` (or given as ``training.gradient_accumulation_steps``)."""
+    from hf_accum import config as C
+
+    if args.global_batch_size is not None or args.micro_batch_size is not None:
+        raise ValueError("--config takes the batch sizes from the recipe config; override them there "
+                         "(global_batch_size=..., training.per_device_train_batch_size=...)")
+    path, overrides = C.parse_overrides(["--config", args.config, *args.overrides])
+    config = C.load_config(path, overrides)
+    micro = config.training.get("per_device_train_batch_size", 8)
+    if config.global_batch_size is not None:
+        return plan_global_batch(config.global_batch_size, micro, processes, args.nodes)
+    return BatchPlan(micro, config.training.get("gradient_accumulation_steps", 1), processes, args.nodes)
 
 
 def _num_processes(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ The recipe therefore calls, in this order:
    :class:`LaunchError` naming what was asked, what would run instead, and a command that works;
 2. engine ``loop``: :func:`loop_accelerator` builds the ``Accelerator`` (under DeepSpeed with the
    config's ``"auto"`` values filled from the recipe, and around two Accelerate traps on CPU);
+   :func:`check_offload_optimizer` before ``prepare`` (ZeRO-Offload swaps the optimizer);
    engine ``trainer`` passes ``training.deepspeed`` to ``TrainingArguments`` unchanged;
 3. :func:`check_engine` -- once the ``Accelerator`` (``trainer.accelerator`` for the Trainer)
    exists: the distributed type and process count it really got (``loop_accelerator`` calls it);
@@ -307,6 +308,33 @@ def loop_accelerator(
         accelerator = Accelerator(deepspeed_plugin=plugin, **kwargs)
     check_engine(accelerator, launch)
     return accelerator
+
+
+def check_offload_optimizer(optimizer: torch.optim.Optimizer, launch: Launch) -> None:
+    """ZeRO-Offload steps on the CPU with DeepSpeed's own optimizers: Accelerate swaps a torch optimizer
+    for ``DeepSpeedCPUAdam`` (``DeepSpeedCPUAdagrad`` for Adagrad) keeping only its lr and weight decay
+    -- an SGD becomes Adam, other betas/eps become (0.9, 0.999)/1e-8, without a word. Refuse those."""
+    config = launch.deepspeed_config or {}
+    offload = config.get("zero_optimization", {}).get("offload_optimizer") or {}
+    if launch.backend != DEEPSPEED or offload.get("device", "none") == "none":
+        return
+    if not config.get("zero_force_ds_cpu_optimizer", True):
+        return  # the torch optimizer itself runs on the CPU
+    name = type(optimizer).__name__
+    if isinstance(optimizer, torch.optim.Adagrad):
+        return
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        defaults = optimizer.defaults
+        if tuple(defaults["betas"]) == (0.9, 0.999) and defaults["eps"] == 1e-8 and not defaults.get("amsgrad"):
+            return
+        change = f"betas={tuple(defaults['betas'])}, eps={defaults['eps']} by DeepSpeedCPUAdam's (0.9, 0.999), 1e-8"
+    else:
+        change = f"{name} by DeepSpeedCPUAdam"
+    raise LaunchError(
+        f"ZeRO-Offload ({launch.source}) would replace {change} (Accelerate keeps only lr and weight_decay). "
+        "Use AdamW with the default betas/eps, or set \"zero_force_ds_cpu_optimizer\": false in the DeepSpeed "
+        "config to step this optimizer itself on the CPU (slower)"
+    )
 
 
 # -- 3. after the Accelerator exists: what it really got ------------------------------------------

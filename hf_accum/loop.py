@@ -262,33 +262,45 @@ def _deepspeed_epoch_updates(
     for batches in _windows(dataloader, accelerator.gradient_accumulation_steps):
         step += len(batches)
         n_window = _window_target_count(batches, kind, accelerator)
-        if n_window == 0:
-            for batch in batches:
-                window.tally.add(torch.zeros((), device=accelerator.device), torch.zeros(()), batch)
-            totals = window.tally.reduce(accelerator)
-            window.tally.reset()
-            yield step, totals, None, "no targets in window", scheduler.get_last_lr()[0]
-            continue
-        factor = engine.gradient_accumulation_steps() * exact_mean_factor(n_window, accelerator.num_processes)
-        for index, batch in enumerate(batches):
-            # The engine's boundary (reduce + step) is the window's last micro-batch, short windows included.
-            # Set by hand, as Trainer._run_epoch does for its prefetched windows: accumulate() would see
-            # the dataloader's end while the last window's first micro-batch is still being processed.
-            accelerator.gradient_state._set_sync_gradients(index == len(batches) - 1)
-            labels, inputs = _split_labels(batch)
-            loss_sum, n_targets = loss_sum_fn(model(**inputs), labels)
-            accelerator.backward(loss_sum * factor)
-            window.tally.add(loss_sum, n_targets, batch)
-        totals = window.tally.reduce(accelerator)
-        window.tally.reset()
-        _check_window_count(totals, n_window)
         lr = scheduler.get_last_lr()[0]
+        if n_window == 0:
+            yield step, _tally_skipped_window(batches, window, accelerator), None, "no targets in window", lr
+            continue
+        totals = _deepspeed_window(model, batches, n_window, engine, accelerator, loss_sum_fn, window)
         skipped = accelerator.optimizer_step_was_skipped  # fp16 overflow: the engine skipped the step
         if not skipped:
             scheduler.step()
         grad_norm = engine.get_global_grad_norm()
         grad_norm = float(grad_norm) if grad_norm is not None else None
         yield step, totals, grad_norm, "inf/nan gradients (fp16 loss scale lowered)" if skipped else "", lr
+
+
+def _deepspeed_window(model, batches, n_window: int, engine, accelerator, loss_sum_fn, window: _WindowState):
+    """Forward and backward every micro-batch of one window; the engine steps on the last one."""
+    # K undoes the engine's own 1/K (engine.backward's scale_wrt_gas); W / N is the exact mean over ranks.
+    factor = engine.gradient_accumulation_steps() * exact_mean_factor(n_window, accelerator.num_processes)
+    for index, batch in enumerate(batches):
+        # The engine's boundary (reduce + step) is the window's last micro-batch, short windows included.
+        # Set by hand, as Trainer._run_epoch does for its prefetched windows: accumulate() would see
+        # the dataloader's end while the last window's first micro-batch is still being processed.
+        accelerator.gradient_state._set_sync_gradients(index == len(batches) - 1)
+        labels, inputs = _split_labels(batch)
+        loss_sum, n_targets = loss_sum_fn(model(**inputs), labels)
+        accelerator.backward(loss_sum * factor)
+        window.tally.add(loss_sum, n_targets, batch)
+    totals = window.tally.reduce(accelerator)
+    window.tally.reset()
+    _check_window_count(totals, n_window)
+    return totals
+
+
+def _tally_skipped_window(batches, window: _WindowState, accelerator) -> WindowTotals:
+    """Totals (sequences, padding) of a window without targets, which runs no forward at all."""
+    for batch in batches:
+        window.tally.add(torch.zeros((), device=accelerator.device), torch.zeros(()), batch)
+    totals = window.tally.reduce(accelerator)
+    window.tally.reset()
+    return totals
 
 
 def _windows(dataloader, size: int) -> Iterator[list]:

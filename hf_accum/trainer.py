@@ -201,7 +201,10 @@ class AccumTrainer(Trainer):
             # No mean exists; zero gradients would still let AdamW decay and move weights by momentum.
             drop_gradients_(model.parameters())
             logger.warning(
-                "update %d: no prediction targets in the window; no gradient applied", self.state.global_step + 1
+                "update %d: no prediction targets in the window; no gradient applied%s", self.state.global_step + 1,
+                # The engine steps inside backward, before this point: it applied a zero gradient.
+                " (DeepSpeed stepped with a zero gradient: momentum and weight decay still moved the weights)"
+                if self.is_deepspeed_enabled else "",
             )
         self._interval.add(totals)
         self._run_totals.add(totals)

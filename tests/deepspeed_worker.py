@@ -20,14 +20,13 @@ import sys
 import torch
 import torch.distributed as dist
 from accelerate.state import AcceleratorState, GradientState
-from accelerate.utils import DistributedType
 from torch.utils.data import DataLoader
 from transformers import TrainerCallback
 from transformers.integrations import unset_hf_deepspeed_config
 
 from hf_accum import AccumTrainer
 from hf_accum.batching import PaddingCollator
-from hf_accum.distributed import check_launch, loop_accelerator, save_pretrained
+from hf_accum.distributed import check_launch, gathered_state_dict, loop_accelerator, save_pretrained
 from hf_accum.loop import LoopConfig, train
 from hf_accum.schedule import create_update_scheduler
 from hf_accum.testing import PAD, Scenario, fresh_accelerator, random_rows, tiny_causal_lm, training_args
@@ -39,8 +38,14 @@ LR = 6.0
 SAVE_UPDATES = 10
 
 
-def ds_config(stage: int) -> str:
-    return os.path.join(ROOT, "recipes", "deepspeed", f"zero{stage}.json")
+def ds_config(stage: int | str):
+    """recipes/deepspeed/zero{stage}.json; ``"3_offload"``: ZeRO-3 with CPU offload, stepping the torch
+    optimizer itself (DeepSpeed would otherwise swap SGD for its CPU Adam)."""
+    path = os.path.join(ROOT, "recipes", "deepspeed", f"zero{stage}.json")
+    if stage != "3_offload":
+        return path
+    with open(path) as handle:
+        return {**json.load(handle), "zero_force_ds_cpu_optimizer": False}
 
 
 def examples() -> list[dict]:
@@ -61,7 +66,7 @@ def reset_accelerate() -> None:
     unset_hf_deepspeed_config()
 
 
-def training_section(stage: int | None, max_grad_norm: float) -> dict:
+def training_section(stage: int | str | None, max_grad_norm: float) -> dict:
     section = {"per_device_train_batch_size": MICRO_BATCH, "gradient_accumulation_steps": ACCUMULATION,
                "max_grad_norm": max_grad_norm}
     if stage is not None:
@@ -69,7 +74,7 @@ def training_section(stage: int | None, max_grad_norm: float) -> dict:
     return section
 
 
-def build_accelerator(stage: int | None, max_grad_norm: float):
+def build_accelerator(stage: int | str | None, max_grad_norm: float):
     """The loop engine's Accelerator as the recipe builds it: check_launch -> loop_accelerator (-> check_engine)."""
     reset_accelerate()
     if stage is None:
@@ -85,7 +90,13 @@ def engine_facts(accelerator) -> dict:
         "num_processes": accelerator.num_processes,
         "zero_stage": engine.engine.zero_optimization_stage() if engine is not None else None,
         "engine_accumulation_steps": engine.engine.gradient_accumulation_steps() if engine is not None else None,
+        "offload": _offload_devices(engine.engine) if engine is not None else None,
     }
+
+
+def _offload_devices(engine) -> list[str]:
+    return [str(getattr(config, "device", "none")).split(".")[-1]
+            for config in (engine.zero_offload_param(), engine.zero_offload_optimizer())]
 
 
 class AppliedLRs:
@@ -107,7 +118,7 @@ class AppliedLRs:
 # -- exactness: weight deltas of SGD lr 1 -----------------------------------------------------------
 
 
-def exact_loop(stage: int, naive: bool = False) -> dict:
+def exact_loop(stage: int | str, naive: bool = False) -> dict:
     accelerator = build_accelerator(stage, max_grad_norm=0.0)
     model = fp32_model()
     initial = {k: v.clone() for k, v in model.state_dict().items()}
@@ -152,6 +163,37 @@ def naive_ds_loop(engine, loader, accelerator, scheduler_factory, optimizer, on_
                     scheduler.step()
                     on_update()
     return scheduler.last_epoch
+
+
+def loop_window_without_targets(stage: int) -> dict:
+    """The first window (3 micro-batches on each rank) has every label masked: the loop must skip it
+    whole under DeepSpeed -- no engine step, no scheduler step, weights untouched."""
+    accelerator = build_accelerator(stage, max_grad_norm=0.0)
+    rows = examples()
+    for row in rows[: MICRO_BATCH * ACCUMULATION * 2]:
+        row["prompt_length"] = len(row["input_ids"])
+    model = fp32_model()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.0)
+    loader = DataLoader(rows, batch_size=MICRO_BATCH, shuffle=False, collate_fn=PaddingCollator(PAD))
+    engine, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    schedulers = []
+
+    def scheduler_factory(opt, total):
+        schedulers.append(create_update_scheduler(opt, total, "linear"))
+        return schedulers[-1]
+
+    moved = []
+
+    def on_update(update):
+        weights = gathered_state_dict(model)
+        moved.append(max(float((weights[k] - initial[k]).abs().max()) for k in initial))
+
+    config = LoopConfig(num_train_epochs=1, lr_scheduler_type="linear", max_grad_norm=0.0, disable_tqdm=True)
+    result = train(engine, optimizer, loader, accelerator, config, lr_scheduler=scheduler_factory, on_update=on_update)
+    return {"applied": [u.applied for u in result.updates], "targets": [u.targets for u in result.updates],
+            "skip_reasons": [u.skip_reason for u in result.updates], "moved": moved,
+            "scheduler_steps": schedulers[0].last_epoch}
 
 
 class RecordUpdates(TrainerCallback):
@@ -277,7 +319,9 @@ def main(report_path: str) -> None:
         "save_trainer_ddp": lambda: saved_trainer_adapters(None),
         "loop_zero2": lambda: exact_loop(2),
         "loop_zero3": lambda: exact_loop(3),
+        "loop_zero3_offload": lambda: exact_loop("3_offload"),
         "naive_loop_zero2": lambda: exact_loop(2, naive=True),
+        "loop_zero2_window_without_targets": lambda: loop_window_without_targets(2),
         "trainer_zero2": lambda: exact_trainer(2),
         "trainer_zero3": lambda: exact_trainer(3),
         "save_loop_zero3": lambda: saved_loop_adapter(3),

@@ -19,7 +19,7 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="pip install 'hf_accum[deepspeed]'"),
 ]
 
-EXACT_RUNS = ["loop_zero2", "loop_zero3", "trainer_zero2", "trainer_zero3"]
+EXACT_RUNS = ["loop_zero2", "loop_zero3", "loop_zero3_offload", "trainer_zero2", "trainer_zero3"]
 UPDATES = 6  # 2 epochs x windows of 3, 3 and 1 micro-batches per rank
 
 
@@ -34,8 +34,9 @@ def test_two_processes_really_ran_deepspeed(report):
     for name in EXACT_RUNS + ["naive_loop_zero2"]:
         run = report[name]
         assert run["distributed_type"] == "DEEPSPEED" and run["num_processes"] == 2, name
-        assert run["zero_stage"] == int(name[-1]), name
+        assert run["zero_stage"] == (2 if "zero2" in name else 3), name
         assert run["engine_accumulation_steps"] == 3, name
+        assert run["offload"] == (["cpu", "cpu"] if "offload" in name else ["none", "none"]), name
 
 
 @pytest.mark.parametrize("name", EXACT_RUNS)
@@ -61,6 +62,14 @@ def test_naive_accumulation_under_deepspeed_is_wrong(report):
     """Negative control: the model's own mean loss per micro-batch, DeepSpeed's 1/K."""
     errors = report["naive_loop_zero2"]["errors"]
     assert min(errors) > 1e-2, errors
+
+
+def test_loop_skips_a_window_without_targets_under_deepspeed(report):
+    run = report["loop_zero2_window_without_targets"]
+    assert run["applied"] == [False, True, True] and run["targets"][0] == 0
+    assert run["skip_reasons"][0] == "no targets in window"
+    assert run["moved"][0] == 0.0 and run["moved"][1] > 0  # no engine step for the empty window
+    assert run["scheduler_steps"] == 2  # the scheduler counts applied updates only
 
 
 @pytest.mark.parametrize("name", EXACT_RUNS)
