@@ -73,7 +73,7 @@ def check_launch(training: Mapping[str, Any], environ: Mapping[str, str] | None 
     environ = os.environ if environ is None else environ
     _check_started_processes(environ)
     backend, source = requested_backend(training, environ)
-    world_size = int(environ.get("WORLD_SIZE", "1"))
+    world_size = launched_world_size(environ) or 1
     if backend == FSDP:
         _check_fsdp_device(training, environ, source)
     ds_config = None
@@ -113,9 +113,9 @@ def _check_started_processes(environ: Mapping[str, str]) -> None:
     """``accelerate launch --num_processes N`` without a multi-process launcher (``--cpu``, or no GPU
     and no ``--multi_gpu``) starts the script ONCE. The trace it leaves: its simple launcher always
     exports ``ACCELERATE_USE_CPU``, and exports ``MASTER_ADDR``/``MASTER_PORT`` only when more than
-    one process or machine was asked -- but no ``WORLD_SIZE``, which every multi-process launcher
-    (torchrun, accelerate's own torchrun/deepspeed launchers, mpirun via Accelerate) sets."""
-    from_simple_launcher = "ACCELERATE_USE_CPU" in environ and "WORLD_SIZE" not in environ
+    one process or machine was asked -- but no world size, which every multi-process launcher sets
+    (torchrun and Accelerate's launchers built on it: ``WORLD_SIZE``; mpirun: its own variable)."""
+    from_simple_launcher = "ACCELERATE_USE_CPU" in environ and launched_world_size(environ) is None
     if from_simple_launcher and "MASTER_ADDR" in environ and "MASTER_PORT" in environ:
         asked = _asked_process_count()
         raise LaunchError(
@@ -124,6 +124,18 @@ def _check_started_processes(environ: Mapping[str, str]) -> None:
             f"batch {asked or 'N'} times smaller than planned. Start the processes with torchrun: "
             f"torchrun --nproc_per_node {asked or 'N'} {_script()} ..."
         )
+
+
+# The world-size variables Accelerate reads for CPU processes (accelerate.utils.get_cpu_distributed_information).
+_WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def launched_world_size(environ: Mapping[str, str]) -> int | None:
+    """Processes the launcher started, as it announces them; None when no launcher announced any."""
+    for name in _WORLD_SIZE_VARIABLES:
+        if environ.get(name, "").isdigit():
+            return int(environ[name])
+    return None
 
 
 def _asked_process_count() -> int | None:

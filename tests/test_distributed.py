@@ -40,11 +40,15 @@ def test_one_process_instead_of_two_is_refused():
     assert "started only this one" in message and "torchrun --nproc_per_node" in message
 
 
-@pytest.mark.parametrize("environ", [{}, TORCHRUN_2, {"ACCELERATE_USE_CPU": "True"}],
-                         ids=["python", "torchrun", "accelerate_launch_one_process"])
-def test_launches_that_start_what_they_asked_pass(environ):
+@pytest.mark.parametrize(
+    "environ, world_size",
+    [({}, 1), (TORCHRUN_2, 2), ({"ACCELERATE_USE_CPU": "True"}, 1),
+     ({**ACCELERATE_CPU_2, "PMI_SIZE": "2", "PMI_RANK": "0"}, 2)],
+    ids=["python", "torchrun", "accelerate_launch_one_process", "accelerate_launch_mpirun"],
+)
+def test_launches_that_start_what_they_asked_pass(environ, world_size):
     launch = D.check_launch(TRAINING, environ)
-    assert launch.backend == D.DDP and launch.world_size == int(environ.get("WORLD_SIZE", 1))
+    assert launch.backend == D.DDP and launch.world_size == world_size
 
 
 @pytest.mark.slow
