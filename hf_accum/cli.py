@@ -1,7 +1,8 @@
 """``hf-accum``: the command line.
 
-* ``hf-accum plan``  -- split a global batch into micro-batch x accumulation x processes, with the
-  LR scaling rule stated, and refuse (naming the nearest valid values) when it does not divide.
+* ``hf-accum plan``  -- split a global batch into micro-batch x accumulation x processes (nodes x
+  processes per node), with the LR scaling rule stated, and refuse (naming the nearest valid
+  values) when it does not divide.
 * ``hf-accum check`` -- run a few accumulated updates of a model (the built-in tiny Llama, or a
   local model directory) under :class:`hf_accum.verify.BigBatchAuditor` and report, per update,
   how far the applied gradient is from the big-batch gradient -- for hf_accum's loop and for the
@@ -19,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from hf_accum.schedule import plan_global_batch, scaled_learning_rate
+from hf_accum.schedule import BatchPlan, plan_global_batch, scaled_learning_rate
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -28,9 +29,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
-    if args.command != "bench" and rest:
+    # The rest goes on: to the benchmarks' own parser (bench), or as the recipe's overrides
+    # (section.key=value) to hf-accum plan --config.
+    if rest and args.command != "bench" and not getattr(args, "config", None):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    args.bench_args = rest
+    args.bench_args = args.overrides = rest
     try:
         return args.run(args)
     except ValueError as error:
@@ -43,9 +46,14 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command")
 
     plan = commands.add_parser("plan", help="global batch -> micro-batch x accumulation x processes")
-    plan.add_argument("--global-batch-size", type=int, required=True, help="sequences per optimizer update")
-    plan.add_argument("--micro-batch-size", type=int, required=True, help="sequences per forward, per process")
-    plan.add_argument("--num-processes", type=int, default=1, help="data-parallel processes (GPUs x nodes)")
+    plan.add_argument("--global-batch-size", type=int, help="sequences per optimizer update")
+    plan.add_argument("--micro-batch-size", type=int, help="sequences per forward, per process")
+    plan.add_argument("--config", help="take both from a recipe config (followed by the recipe's overrides, "
+                      "section.key=value), as recipes/finetune_llama.py would resolve them")
+    plan.add_argument("--num-processes", type=int, help="data-parallel processes over all nodes (default: "
+                      "--nodes x --gpus-per-node, else 1)")
+    plan.add_argument("--nodes", type=int, default=1, help="machines (default 1)")
+    plan.add_argument("--gpus-per-node", type=int, help="processes (GPUs) per machine")
     plan.add_argument("--learning-rate", type=float, help="LR tuned at --base-batch-size, to rescale")
     plan.add_argument("--base-batch-size", type=int, help="global batch the LR was tuned at")
     plan.add_argument("--lr-scaling", choices=["linear", "sqrt", "none"], default="sqrt",
@@ -70,13 +78,51 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    plan = plan_global_batch(args.global_batch_size, args.micro_batch_size, args.num_processes)
+    processes = _num_processes(args)
+    plan = _recipe_plan(args, processes) if args.config else _explicit_plan(args, processes)
     print(plan.describe())
     if args.learning_rate is not None:
         base = args.base_batch_size or plan.global_batch_size
         lr = scaled_learning_rate(args.learning_rate, base, plan.global_batch_size, args.lr_scaling)
         print(f"learning rate {lr:.3e} ({args.lr_scaling} scaling from {args.learning_rate:.3e} at batch {base})")
     return 0
+
+
+def _explicit_plan(args: argparse.Namespace, processes: int) -> BatchPlan:
+    if args.global_batch_size is None or args.micro_batch_size is None:
+        raise ValueError("give --global-batch-size and --micro-batch-size, or --config with a recipe config")
+    return plan_global_batch(args.global_batch_size, args.micro_batch_size, processes, args.nodes)
+
+
+def _recipe_plan(args: argparse.Namespace, processes: int) -> BatchPlan:
+    """The recipe's batch arithmetic on ``processes``: its micro-batch, and its accumulation derived from
+    ``global_batch_size`` (or given as ``training.gradient_accumulation_steps``)."""
+    from hf_accum import config as C
+
+    if args.global_batch_size is not None or args.micro_batch_size is not None:
+        raise ValueError("--config takes the batch sizes from the recipe config; override them there "
+                         "(global_batch_size=..., training.per_device_train_batch_size=...)")
+    path, overrides = C.parse_overrides(["--config", args.config, *args.overrides])
+    config = C.load_config(path, overrides)
+    micro = config.training.get("per_device_train_batch_size", 8)
+    if config.global_batch_size is not None:
+        return plan_global_batch(config.global_batch_size, micro, processes, args.nodes)
+    return BatchPlan(micro, config.training.get("gradient_accumulation_steps", 1), processes, args.nodes)
+
+
+def _num_processes(args: argparse.Namespace) -> int:
+    """All processes of all nodes, from --num-processes or --nodes x --gpus-per-node (both must agree)."""
+    if args.gpus_per_node is None:
+        return args.num_processes or 1
+    if args.gpus_per_node < 1 or args.nodes < 1:
+        raise ValueError(f"--nodes {args.nodes} --gpus-per-node {args.gpus_per_node}: both must be >= 1")
+    total = args.nodes * args.gpus_per_node
+    if args.num_processes is not None and args.num_processes != total:
+        raise ValueError(
+            f"--num-processes {args.num_processes} != --nodes {args.nodes} x --gpus-per-node {args.gpus_per_node} "
+            f"= {total}; give one or the other"
+        )
+    return total
 
 
 def _run_check(args: argparse.Namespace) -> int:

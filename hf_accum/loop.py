@@ -16,6 +16,12 @@ The normalization (see :mod:`hf_accum.accumulation` for the math) works like fai
    scheduler only if the optimizer step was applied.
 
 The scheduler horizon is planned in updates before training (:mod:`hf_accum.schedule`).
+
+Under DeepSpeed the engine owns the gradients -- it reduces, clips and applies them inside
+``accelerator.backward`` of the window's last micro-batch -- so nothing can be rescaled after
+backward. There the window is counted *before* backward instead (:func:`_deepspeed_epoch_updates`,
+as AccumTrainer does): fetch the window's micro-batches, count their targets, all-reduce once, and
+backpropagate ``loss_sum * K * W / N``.
 """
 
 from __future__ import annotations
@@ -41,8 +47,9 @@ from hf_accum.accumulation import (
     global_sum,
     rescale_gradients_,
 )
+from hf_accum.distributed import num_nodes
 from hf_accum.fused_loss import LossSumFn, MicroBatchLoss
-from hf_accum.loss import LossKind, model_problem_type, unwrap_model
+from hf_accum.loss import LossKind, count_targets, infer_loss_kind, model_problem_type, unwrap_model
 from hf_accum.schedule import (
     BatchPlan,
     create_update_scheduler,
@@ -185,8 +192,9 @@ def train(
     micro_batches = _micro_batches_per_epoch(train_dataloader, accelerator, config)
     total_updates = planned_updates(micro_batches or 0, accumulation_steps, config.num_train_epochs, config.max_steps)
     scheduler = (lr_scheduler or _default_scheduler(config))(optimizer, total_updates)
-    micro_batch_loss = _micro_batch_loss(model, config, loss_sum_fn)
-    plan = BatchPlan(_micro_batch_size(train_dataloader), accumulation_steps, accelerator.num_processes)
+    # Under DeepSpeed the engine owns the (ZeRO-3: partitioned) head weight: the logits path there.
+    micro_batch_loss = _micro_batch_loss(model, config, loss_sum_fn, fused_allowed=not _is_deepspeed(accelerator))
+    plan = BatchPlan(_micro_batch_size(train_dataloader), accumulation_steps, accelerator.num_processes, num_nodes())
     _log_start(accelerator, plan, micro_batches, total_updates)
     _warn_repeated_samples(accelerator, train_dataloader, plan)
 
@@ -197,10 +205,11 @@ def train(
     model.train()
     window = _WindowState(WindowTally(device=accelerator.device), fp32_sums, accelerator.scaler is not None)
     epochs = range(epochs_needed(total_updates, micro_batches, accumulation_steps)) if micro_batches else count()
+    epoch_updates = _deepspeed_epoch_updates if _is_deepspeed(accelerator) else _epoch_updates
     with _cache_disabled(model), _removing(fp32_sums):
         for epoch in epochs:
             _set_epoch(train_dataloader, epoch)
-            for step_in_epoch, totals, grad_norm, skip_reason, lr in _epoch_updates(
+            for step_in_epoch, totals, grad_norm, skip_reason, lr in epoch_updates(
                 model, optimizer, scheduler, train_dataloader, accelerator, params, micro_batch_loss, config, window
             ):
                 update = UpdateLog(
@@ -284,6 +293,109 @@ def _epoch_updates(
         yield step, totals, grad_norm, skip_reason, lr
 
 
+def _deepspeed_epoch_updates(
+    model, optimizer, scheduler, dataloader, accelerator, params, micro_batch_loss, config, window: _WindowState
+) -> Iterator[tuple[int, WindowTotals, float | None, str, float]]:
+    """One epoch under DeepSpeed; yields like :func:`_epoch_updates`.
+
+    The engine applies the update inside ``accelerator.backward`` of the window's last micro-batch
+    (reduce, clip at its ``gradient_clipping``, step), so the normalization goes into the loss:
+    ``loss_sum * K * W / N`` with ``N`` counted over the window's micro-batches on all ranks before
+    any backward. ``engine.backward`` divides every loss by its ``gradient_accumulation_steps``
+    (``scale_wrt_gas``, the engine's own K) and ZeRO averages gradients over the ``W`` data-parallel
+    ranks; ``K * W / N`` undoes both and leaves ``grad(sum of all targets' losses) / N``.
+    A window without targets is skipped whole: no forward, no engine step, no scheduler step.
+    """
+    engine = accelerator.deepspeed_engine_wrapped.engine
+    _check_deepspeed_clipping(engine, config)
+    kind = micro_batch_loss.kind or infer_loss_kind(model)
+    step = 0
+    for batches in _windows(dataloader, accelerator.gradient_accumulation_steps):
+        step += len(batches)
+        n_window = _window_target_count(batches, kind, accelerator)
+        lr = scheduler.get_last_lr()[0]
+        if n_window == 0:
+            yield step, _tally_skipped_window(batches, window, accelerator), None, "no targets in window", lr
+            continue
+        totals = _deepspeed_window(model, batches, n_window, engine, accelerator, micro_batch_loss, window)
+        skipped = accelerator.optimizer_step_was_skipped  # fp16 overflow: the engine skipped the step
+        if not skipped:
+            scheduler.step()
+        grad_norm = engine.get_global_grad_norm()
+        grad_norm = float(grad_norm) if grad_norm is not None else None
+        yield step, totals, grad_norm, "inf/nan gradients (fp16 loss scale lowered)" if skipped else "", lr
+
+
+def _deepspeed_window(model, batches, n_window: int, engine, accelerator, micro_batch_loss, window: _WindowState):
+    """Forward and backward every micro-batch of one window; the engine steps on the last one."""
+    # K undoes the engine's own 1/K (engine.backward's scale_wrt_gas); W / N is the exact mean over ranks.
+    factor = engine.gradient_accumulation_steps() * exact_mean_factor(n_window, accelerator.num_processes)
+    for index, batch in enumerate(batches):
+        # The engine's boundary (reduce + step) is the window's last micro-batch, short windows included.
+        # Set by hand, as Trainer._run_epoch does for its prefetched windows: accumulate() would see
+        # the dataloader's end while the last window's first micro-batch is still being processed.
+        accelerator.gradient_state._set_sync_gradients(index == len(batches) - 1)
+        labels, inputs = _split_labels(batch)
+        _, loss_sum, n_targets = micro_batch_loss(model, inputs, labels)
+        accelerator.backward(loss_sum * factor)
+        window.tally.add(loss_sum, n_targets, batch)
+    totals = window.tally.reduce(accelerator)
+    window.tally.reset()
+    _check_window_count(totals, n_window)
+    return totals
+
+
+def _tally_skipped_window(batches, window: _WindowState, accelerator) -> WindowTotals:
+    """Totals (sequences, padding) of a window without targets, which runs no forward at all."""
+    for batch in batches:
+        window.tally.add(torch.zeros((), device=accelerator.device), torch.zeros(()), batch)
+    totals = window.tally.reduce(accelerator)
+    window.tally.reset()
+    return totals
+
+
+def _windows(dataloader, size: int) -> Iterator[list]:
+    """The dataloader's micro-batches in windows of ``size``; the epoch's last window may be shorter."""
+    window = []
+    for batch in dataloader:
+        window.append(batch)
+        if len(window) == size:
+            yield window
+            window = []
+    if window:
+        yield window
+
+
+def _window_target_count(batches, kind: LossKind, accelerator: Accelerator) -> int:
+    """Targets in the window's micro-batches on every rank: one all-reduce per window."""
+    local = sum(count_targets(batch["labels"], kind).to(accelerator.device, torch.float64) for batch in batches)
+    return int(round(float(global_sum(torch.as_tensor(local, dtype=torch.float64), accelerator))))
+
+
+def _check_window_count(totals: WindowTotals, counted: int) -> None:
+    if totals.targets != counted:
+        raise ValueError(
+            f"loss_sum_fn counted {totals.targets} targets in this window but count_targets counted {counted}; "
+            "the normalization uses the latter, so loss_sum_fn must sum over exactly the targets of "
+            "hf_accum.loss.count_targets"
+        )
+
+
+def _check_deepspeed_clipping(engine, config: LoopConfig) -> None:
+    """The engine clips (at its config's ``gradient_clipping``); it must be the loop's ``max_grad_norm``."""
+    clipping = float(engine.gradient_clipping() or 0.0)
+    if clipping != float(config.max_grad_norm or 0.0):
+        raise ValueError(
+            f"DeepSpeed clips at gradient_clipping={clipping} but LoopConfig.max_grad_norm={config.max_grad_norm}; "
+            "build the Accelerator with hf_accum.distributed.loop_accelerator (it fills the config's \"auto\" "
+            "from max_grad_norm) or make the two equal"
+        )
+
+
+def _is_deepspeed(accelerator: Accelerator) -> bool:
+    return accelerator.distributed_type == DistributedType.DEEPSPEED
+
+
 def _apply_update(optimizer, scheduler, accelerator, params, totals: WindowTotals, config, window: _WindowState):
     """Scale to the exact mean, clip, step. Returns ``(grad_norm, skip_reason)``; '' when applied."""
     fp32_sums = window.fp32_sums
@@ -315,6 +427,8 @@ def _apply_update(optimizer, scheduler, accelerator, params, totals: WindowTotal
 def _fp32_accumulator(params, accelerator: Accelerator, config: LoopConfig) -> Fp32GradientAccumulator | None:
     if not config.fp32_grad_accumulation or not any(p.dtype in (torch.bfloat16, torch.float16) for p in params):
         return None
+    if _is_deepspeed(accelerator):
+        return None  # DeepSpeed accumulates in its own buffers (its config's data_types.grad_accum_dtype)
     if accelerator.num_processes > 1:
         raise NotImplementedError(
             "fp32 gradient accumulation for bf16/fp16 weights is single-process only (DDP all-reduces .grad "
@@ -333,13 +447,15 @@ def _removing(fp32_sums: Fp32GradientAccumulator | None):
             fp32_sums.remove()
 
 
-def _micro_batch_loss(model: torch.nn.Module, config: LoopConfig, loss_sum_fn: LossSumFn | None) -> MicroBatchLoss:
+def _micro_batch_loss(
+    model: torch.nn.Module, config: LoopConfig, loss_sum_fn: LossSumFn | None, fused_allowed: bool = True
+) -> MicroBatchLoss:
     """Forward + summed loss per micro-batch: fused for causal LMs unless a custom loss needs the logits."""
     if loss_sum_fn is not None and config.fused_loss:
         logger.info("a custom loss_sum_fn receives the logits: this run takes the logits path, not the fused loss")
     return MicroBatchLoss(
         config.loss_kind, config.label_smoothing, model_problem_type(model), loss_sum_fn,
-        fused=config.fused_loss and loss_sum_fn is None,
+        fused=config.fused_loss and loss_sum_fn is None and fused_allowed,
     )
 
 
@@ -412,11 +528,6 @@ def _default_scheduler(config: LoopConfig):
 
 
 def _check_supported(accelerator: Accelerator, dataloader: Any) -> None:
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        raise NotImplementedError(
-            "hf_accum.loop rescales .grad at the update boundary, which DeepSpeed keeps inside its engine; "
-            "use engine: trainer (AccumTrainer scales the loss before backward) with DeepSpeed"
-        )
     if not hasattr(dataloader, "end_of_dataloader") and not hasattr(dataloader, "gradient_state"):
         raise TypeError(
             "pass a dataloader returned by accelerator.prepare: accumulate() needs it to close the short "

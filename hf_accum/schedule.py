@@ -10,7 +10,7 @@ stretches warmup and decay ``K`` times) and never per process.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import get_scheduler
@@ -66,22 +66,40 @@ def create_update_scheduler(
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """``global_batch = micro_batch x accumulation_steps x num_processes`` (sequences per update)."""
+    """``global_batch = micro_batch x accumulation_steps x num_processes`` (sequences per update),
+    where ``num_processes = num_nodes x processes per node``."""
 
     micro_batch_size: int
     accumulation_steps: int
     num_processes: int
+    num_nodes: int = field(default=1, compare=False)
+    """Machines the processes run on. Says where the processes are, not how many: two plans with the
+    same processes are the same batch arithmetic (a checkpoint may resume on another node layout)."""
+
+    def __post_init__(self) -> None:
+        if self.num_nodes < 1 or self.num_processes % self.num_nodes:
+            raise ValueError(
+                f"num_processes={self.num_processes} is not a whole number of processes on each of "
+                f"num_nodes={self.num_nodes} nodes"
+            )
 
     @property
     def global_batch_size(self) -> int:
         return self.micro_batch_size * self.accumulation_steps * self.num_processes
 
+    @property
+    def processes_per_node(self) -> int:
+        return self.num_processes // self.num_nodes
+
     def describe(self) -> str:
-        return (
+        line = (
             f"effective batch {self.global_batch_size} = {self.micro_batch_size} per device x "
             f"{self.accumulation_steps} accumulation x {self.num_processes} "
             f"process{'es' if self.num_processes != 1 else ''}"
         )
+        if self.num_nodes > 1:
+            line += f" ({self.num_nodes} nodes x {self.processes_per_node})"
+        return line
 
 
 def repeated_examples_warning(num_examples: int, plan: BatchPlan, even_batches: bool = True) -> str | None:
@@ -99,14 +117,18 @@ def repeated_examples_warning(num_examples: int, plan: BatchPlan, even_batches: 
     )
 
 
-def plan_global_batch(global_batch_size: int, micro_batch_size: int, num_processes: int = 1) -> BatchPlan:
+def plan_global_batch(
+    global_batch_size: int, micro_batch_size: int, num_processes: int = 1, num_nodes: int = 1
+) -> BatchPlan:
     """Derive the accumulation steps from a global batch; refuse a global batch that does not divide.
 
-    The error names the nearest valid global batches so the user can pick one deliberately
-    (silently rounding would change the effective batch and with it the LR rule).
+    ``num_processes`` counts every process of every node (nodes x processes per node). The error
+    names the nearest valid global batches so the user can pick one deliberately (silently
+    rounding would change the effective batch and with it the LR rule).
     """
     _require_positive(
-        global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, num_processes=num_processes
+        global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, num_processes=num_processes,
+        num_nodes=num_nodes,
     )
     per_window = micro_batch_size * num_processes
     if global_batch_size % per_window:
@@ -118,7 +140,7 @@ def plan_global_batch(global_batch_size: int, micro_batch_size: int, num_process
             f"{micro_batch_size} x {num_processes} = {per_window}; nearest valid global_batch_size: "
             f"{' or '.join(options)} (or change micro_batch_size)"
         )
-    return BatchPlan(micro_batch_size, global_batch_size // per_window, num_processes)
+    return BatchPlan(micro_batch_size, global_batch_size // per_window, num_processes, num_nodes)
 
 
 def scaled_learning_rate(base_lr: float, base_batch: int, new_batch: int, rule: str = "linear") -> float:

@@ -50,6 +50,7 @@ from hf_accum.accumulation import (
     global_sum,
     rescale_gradients_,
 )
+from hf_accum.distributed import num_nodes
 from hf_accum.fused_loss import MicroBatchLoss
 from hf_accum.loop import UpdateLog
 from hf_accum.loss import LossKind, count_targets, infer_loss_kind, model_problem_type, resolve_loss_kind, token_loss_sum
@@ -108,6 +109,7 @@ class AccumTrainer(Trainer):
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self._refuse_optimizer_deepspeed_replaces()
         if self.compute_loss_func is not None:
             raise ValueError(
                 "AccumTrainer cannot verify that compute_loss_func normalizes exactly; override "
@@ -142,6 +144,16 @@ class AccumTrainer(Trainer):
                 "target count summed over all ranks (the only exact mean under DDP)"
             )
 
+    def _refuse_optimizer_deepspeed_replaces(self) -> None:
+        """Under DeepSpeed, ``Trainer`` drops an optimizer passed in ``optimizers=`` and builds its own from
+        ``TrainingArguments.optim`` (or the DeepSpeed config's ``optimizer`` section), saying nothing."""
+        if self.is_deepspeed_enabled and self.optimizer is not None:
+            raise ValueError(
+                f"under DeepSpeed, Trainer replaces the optimizer passed in optimizers= ({type(self.optimizer).__name__}) "
+                "with one built from TrainingArguments.optim / optim_args (or the DeepSpeed config's 'optimizer' "
+                "section); choose the optimizer there instead"
+            )
+
     # -- the override point -----------------------------------------------------------------
     @property
     def loss_kind(self) -> LossKind:
@@ -155,9 +167,10 @@ class AccumTrainer(Trainer):
         if overridden and fused_loss:
             logger.info("%s overrides loss_sum_and_count, which receives the logits: this run takes the logits "
                         "path, not the fused loss", type(self).__name__)
+        # Under DeepSpeed the engine owns the (ZeRO-3: partitioned) head weight: the logits path there.
         return MicroBatchLoss(
             loss_kind, self.args.label_smoothing_factor, self._problem_type, self.loss_sum_and_count,
-            fused=fused_loss and not overridden,
+            fused=fused_loss and not overridden and not self.is_deepspeed_enabled,
         )
 
     def _resolve_loss_kind(self, batch: dict[str, Any]) -> None:
@@ -266,7 +279,10 @@ class AccumTrainer(Trainer):
             # No mean exists; zero gradients would still let AdamW decay and move weights by momentum.
             drop_gradients_(model.parameters())
             logger.warning(
-                "update %d: no prediction targets in the window; no gradient applied", self.state.global_step + 1
+                "update %d: no prediction targets in the window; no gradient applied%s", self.state.global_step + 1,
+                # The engine steps inside backward, before this point: it applied a zero gradient.
+                " (DeepSpeed stepped with a zero gradient: momentum and weight decay still moved the weights)"
+                if self.is_deepspeed_enabled else "",
             )
         self._interval.add(totals)
         self._run_totals.add(totals)
@@ -299,6 +315,7 @@ class AccumTrainer(Trainer):
             self._train_batch_size // max(1, self.args.n_gpu),
             self.args.gradient_accumulation_steps,
             self.accelerator.num_processes,
+            num_nodes(),
         )
         if self.args.should_log:
             logger.info("%s (sequences per update)", self.batch_plan.describe())

@@ -9,7 +9,10 @@ torchrun launcher. Nothing here is used by training itself.
 * :mod:`~hf_accum.testing.scenarios` -- a scenario (model, data, batch arithmetic) run through the
   hf_accum loop, the naive ``loss / K`` loop or a ``Trainer``, each under
   :class:`hf_accum.verify.BigBatchAuditor`; the big-batch LR reference;
-* :mod:`~hf_accum.testing.launch` -- start a worker on 2 real CPU processes with torchrun.
+* :mod:`~hf_accum.testing.launch` -- start a worker on 2 real CPU processes with torchrun (or on
+  2 "nodes" of this host);
+* :mod:`~hf_accum.testing.deltas` -- the weight-delta audit for engines that keep gradients out of
+  reach (DeepSpeed ZeRO): each SGD update against the independently computed big-batch update.
 """
 
 from hf_accum.testing.data import ClassificationCollator, random_rows

@@ -1,7 +1,9 @@
 #!/bin/bash
 # SLURM: 2 nodes x 8 GPUs, one `accelerate launch` per node (it starts 8 processes there).
-#   sbatch recipes/accelerate/slurm_multi_node.sh
-# global batch = micro x accumulation x (nodes x GPUs per node) = 4 x 1 x 16 = 64 with llama3_8b_lora.yaml
+#   sbatch recipes/accelerate/slurm_multi_node.sh [recipe overrides, e.g. training.max_steps=100]
+# global batch = micro x accumulation x (nodes x GPUs per node), from the recipe config; with llama3_8b_lora.yaml
+#   effective batch 64 = 4 per device x 1 accumulation x 16 processes (2 nodes x 8)
+# which the script prints (hf-accum plan) before starting anything, and stops if it does not divide.
 #SBATCH --job-name=hf_accum_llama3_lora
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
@@ -15,6 +17,9 @@ GPUS_PER_NODE=8
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 MASTER_PORT=29500
 CONFIG=${CONFIG:-recipes/configs/llama3_8b_lora.yaml}
+
+# The batch arithmetic of this job, from the config and the overrides the recipe will get.
+hf-accum plan --config "$CONFIG" --nodes "$SLURM_NNODES" --gpus-per-node "$GPUS_PER_NODE" "$@"
 
 # srun starts one task per node; each runs accelerate launch with its own node rank.
 srun bash -c "accelerate launch \

@@ -1,0 +1,288 @@
+"""hf_accum.distributed: no silent fallback (FSDP on CPU, DeepSpeed not installed, one process started
+instead of two, an Accelerator that dropped DeepSpeed), the DeepSpeed JSON files and the launcher
+configs that point at them (accelerate's own loader and launcher environment, DeepSpeed's own config
+parser), and the node layout."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hf_accum import distributed as D
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROBE = os.path.join(ROOT, "tests", "launch_probe.py")
+DS_JSONS = sorted(glob.glob(os.path.join(ROOT, "recipes", "deepspeed", "*.json")))
+DS_LAUNCHERS = sorted(glob.glob(os.path.join(ROOT, "recipes", "accelerate", "deepspeed_*.yaml")))
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed not installed")
+
+TRAINING = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4, "max_grad_norm": 1.0}
+TORCHRUN_2 = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0",
+              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+# What `accelerate launch --cpu --num_processes 2 script.py` leaves in the ONE process it starts (measured).
+ACCELERATE_CPU_2 = {"ACCELERATE_USE_CPU": "True", "ACCELERATE_MIXED_PRECISION": "no", "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": "29500"}
+
+
+# -- one process instead of two --------------------------------------------------------------------
+
+
+def test_one_process_instead_of_two_is_refused():
+    with pytest.raises(D.LaunchError) as error:
+        D.check_launch(TRAINING, ACCELERATE_CPU_2)
+    message = str(error.value)
+    assert "started only this one" in message and "torchrun --nproc_per_node" in message
+
+
+@pytest.mark.parametrize(
+    "environ, world_size",
+    [({}, 1), (TORCHRUN_2, 2), ({"ACCELERATE_USE_CPU": "True"}, 1),
+     ({**ACCELERATE_CPU_2, "PMI_SIZE": "2", "PMI_RANK": "0"}, 2)],
+    ids=["python", "torchrun", "accelerate_launch_one_process", "accelerate_launch_mpirun"],
+)
+def test_launches_that_start_what_they_asked_pass(environ, world_size):
+    launch = D.check_launch(TRAINING, environ)
+    assert launch.backend == D.DDP and launch.world_size == world_size
+
+
+@pytest.mark.slow
+def test_accelerate_launch_cpu_two_processes_is_refused_for_real(tmp_path):
+    """The real launcher: one process starts, the check names the 2 processes asked and the torchrun command."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "--num_machines",
+               "1", "--mixed_precision", "no", "--dynamo_backend", "no", PROBE, json.dumps(TRAINING)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    assert proc.stdout.count("probe started") == 1  # the launcher really started one process
+    assert "accelerate launch was asked for 2 processes but started only this one" in proc.stderr
+    assert "torchrun --nproc_per_node 2 " in proc.stderr
+
+
+# -- FSDP on CPU ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "training, environ",
+    [({**TRAINING, "fsdp": "full_shard", "use_cpu": True}, {}),
+     (TRAINING, {**TORCHRUN_2, "ACCELERATE_USE_FSDP": "true"})],
+    ids=["training.fsdp+use_cpu", "accelerate_fsdp_config"],
+)
+def test_fsdp_on_cpu_is_refused(training, environ, monkeypatch):
+    monkeypatch.setattr(D, "gpu_like_device_available", lambda: False)
+    with pytest.raises(D.LaunchError) as error:
+        D.check_launch(training, environ)
+    message = str(error.value)
+    assert "FSDP was asked for" in message  # what was asked
+    assert "would train with plain DDP" in message  # what would run
+    assert f"training.deepspeed={D.ZERO3_CONFIG}" in message and "recipes/accelerate/fsdp.yaml" in message  # what works
+
+
+def test_fsdp_with_a_gpu_passes(monkeypatch):
+    monkeypatch.setattr(D, "gpu_like_device_available", lambda: True)
+    assert D.check_launch({**TRAINING, "fsdp": "full_shard"}, TORCHRUN_2).backend == D.FSDP
+
+
+@pytest.mark.slow
+def test_accelerate_fsdp_config_on_this_cpu_is_refused_for_real():
+    """recipes/accelerate/fsdp.yaml launched here (no GPU): every process stops with the message."""
+    if D.gpu_like_device_available():
+        pytest.skip("this machine has a GPU: FSDP would really run")
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/fsdp.yaml",
+               "--num_processes", "2", PROBE, json.dumps(TRAINING)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    assert "FSDP was asked for (accelerate launch (distributed_type: FSDP)) but this machine has no GPU" in proc.stderr
+
+
+def test_fsdp_and_deepspeed_together_are_refused():
+    with pytest.raises(D.LaunchError, match="both DeepSpeed .* and FSDP"):
+        D.check_launch({**TRAINING, "fsdp": "full_shard", "deepspeed": DS_JSONS[0]}, {})
+
+
+# -- DeepSpeed asked for --------------------------------------------------------------------------
+
+
+def test_missing_deepspeed_install_is_refused(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real_find_spec(name, *a))
+    with pytest.raises(D.LaunchError) as error:
+        D.check_launch({**TRAINING, "deepspeed": "recipes/deepspeed/zero2.json"}, TORCHRUN_2)
+    message = str(error.value)
+    assert "training.deepspeed=recipes/deepspeed/zero2.json" in message and "pip install 'hf_accum[deepspeed]'" in message
+
+
+@needs_deepspeed
+def test_deepspeed_from_the_config_is_accepted():
+    launch = D.check_launch({**TRAINING, "deepspeed": os.path.join(ROOT, "recipes", "deepspeed", "zero3.json")},
+                            TORCHRUN_2)
+    assert launch.backend == D.DEEPSPEED and launch.world_size == 2
+    assert launch.deepspeed_config["zero_optimization"]["stage"] == 3
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"gradient_accumulation_steps": 8}, "gradient_accumulation_steps=8 but the recipe has gradient_accumulation_steps = 4"),
+        ({"train_batch_size": 64}, "train_batch_size=64 but the recipe has"),
+        ({"gradient_clipping": 0.5}, "gradient_clipping=0.5 but the recipe has max_grad_norm = 1.0"),
+        ({"scheduler": {"type": "WarmupLR"}}, "'scheduler' section"),
+        ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage=4"),
+    ],
+)
+def test_deepspeed_config_contradicting_the_recipe_is_refused(change, message):
+    config = {**json.load(open(DS_JSONS[0])), **change}
+    with pytest.raises(D.LaunchError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        D.check_launch({**TRAINING, "deepspeed": config}, TORCHRUN_2)
+
+
+def test_missing_deepspeed_file_is_refused(tmp_path):
+    with pytest.raises(D.LaunchError, match="no such file"):
+        D.load_deepspeed_config(str(tmp_path / "nope.json"))
+
+
+@needs_deepspeed
+def test_accelerator_built_with_cpu_true_drops_deepspeed_and_check_engine_says_so(monkeypatch):
+    """Accelerate 1.15 ignores DeepSpeed when cpu=True -- the trap loop_accelerator avoids."""
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+
+    from hf_accum.testing import fresh_accelerator
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")  # Accelerator sets it; restored afterwards
+    fresh_accelerator(1)  # resets Accelerate's singletons
+    launch = D.check_launch({**TRAINING, "deepspeed": DS_JSONS[0]}, {})
+    accelerator = Accelerator(cpu=True, deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=launch.deepspeed_config))
+    with pytest.raises(D.LaunchError, match="deepspeed was asked for .* but the Accelerator runs NO"):
+        D.check_engine(accelerator, launch)
+    fresh_accelerator(1)
+
+
+def offload_launch(**extra) -> D.Launch:
+    config = {**json.load(open(os.path.join(ROOT, "recipes", "deepspeed", "zero3_offload.json"))), **extra}
+    return D.Launch(D.DEEPSPEED, "training.deepspeed=zero3_offload.json", 2, 1, config)
+
+
+@pytest.mark.parametrize(
+    "optimizer, refused",
+    [("SGD", "SGD by DeepSpeedCPUAdam"), ("AdamW", None), ("AdamW_betas", "betas=(0.9, 0.95), eps=1e-08 by"),
+     ("Adagrad", None)],
+)
+def test_zero_offload_optimizer_swap_is_refused_when_it_changes_the_optimizer(optimizer, refused):
+    import torch
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    built = {"SGD": lambda: torch.optim.SGD(params, lr=1.0), "AdamW": lambda: torch.optim.AdamW(params, lr=1e-3),
+             "AdamW_betas": lambda: torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95)),
+             "Adagrad": lambda: torch.optim.Adagrad(params)}[optimizer]()
+    if refused is None:
+        D.check_offload_optimizer(built, offload_launch())
+    else:
+        with pytest.raises(D.LaunchError, match=refused.replace("(", r"\(").replace(")", r"\)")):
+            D.check_offload_optimizer(built, offload_launch())
+    D.check_offload_optimizer(built, offload_launch(zero_force_ds_cpu_optimizer=False))  # torch's own runs
+    no_offload = D.Launch(D.DEEPSPEED, "zero3", 2, 1, json.load(open(os.path.join(ROOT, "recipes", "deepspeed", "zero3.json"))))
+    D.check_offload_optimizer(built, no_offload)
+
+
+# -- the DeepSpeed JSON files and the launcher configs -----------------------------------------------
+
+
+def test_ready_deepspeed_files_ship():
+    assert {os.path.basename(p) for p in DS_JSONS} == {"zero2.json", "zero3.json", "zero3_offload.json"}
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("path", DS_JSONS, ids=os.path.basename)
+def test_deepspeed_json_fills_from_the_recipe_and_parses(path):
+    """Every batch value is "auto", filled as Accelerate fills it; DeepSpeed's own parser accepts the result."""
+    from accelerate.utils import DeepSpeedPlugin
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    config = D.load_deepspeed_config(path)
+    assert all(config[key] == "auto" for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                                                 "train_batch_size", "gradient_clipping"))
+    plugin = DeepSpeedPlugin(hf_ds_config=config, gradient_accumulation_steps=4, gradient_clipping=1.0)
+    plugin.set_mixed_precision("bf16")
+    hidden = 32
+    plugin.deepspeed_config_process(must_match=False, **{
+        "train_micro_batch_size_per_gpu": 2, "train_batch_size": 8,
+        "zero_optimization.reduce_bucket_size": hidden * hidden,
+        "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+        "zero_optimization.stage3_param_persistence_threshold": 10 * hidden,
+    })
+    assert "auto" not in json.dumps(plugin.deepspeed_config)
+    parsed = DeepSpeedConfig(plugin.deepspeed_config)
+    stage = 2 if "zero2" in path else 3
+    assert parsed.zero_optimization_stage == stage
+    assert (parsed.train_micro_batch_size_per_gpu, parsed.gradient_accumulation_steps) == (2, 4)
+    assert parsed.gradient_clipping == 1.0 and parsed.bfloat16_config.enabled
+    if stage == 3:
+        assert parsed.zero_config.gather_16bit_weights_on_model_save  # a ZeRO-3 model can be saved whole
+    offload = parsed.zero_config.offload_param
+    assert (offload is not None and offload.device == "cpu") == ("offload" in path)
+
+
+def launcher_environment(yaml_path: str) -> dict:
+    """The environment `accelerate launch --config_file yaml_path` gives the script, from accelerate's own
+    launcher code (the DeepSpeed branch of accelerate.commands.launch.launch_command)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env
+
+    args = launch_command_parser().parse_args(["--config_file", yaml_path, "script.py"])
+    args, defaults, mixed_precision_from_config = _validate_launch_command(args)
+    fields = list(defaults.deepspeed_config) + (["mixed_precision"] if mixed_precision_from_config else [])
+    args.deepspeed_fields_from_accelerate_config = ",".join(fields)
+    return prepare_deepspeed_cmd_env(args)[1]
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("path", DS_LAUNCHERS, ids=os.path.basename)
+def test_deepspeed_launcher_points_at_a_json_accelerate_accepts(path, monkeypatch):
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.utils import DeepSpeedPlugin
+
+    config = load_config_from_file(path)
+    json_path = config.deepspeed_config["deepspeed_config_file"]
+    assert os.path.isfile(os.path.join(ROOT, json_path))
+    monkeypatch.chdir(ROOT)  # the launcher configs name the JSON relative to the repository root
+    environ = launcher_environment(path)
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    plugin = DeepSpeedPlugin()  # what Accelerate builds in the script; refuses keys that conflict with the file
+    assert plugin.deepspeed_config["zero_optimization"]["stage"] == (2 if "zero2" in path else 3)
+    launch = D.check_launch(TRAINING, {**environ, **TORCHRUN_2})
+    assert launch.backend == D.DEEPSPEED and launch.source == "accelerate launch (distributed_type: DEEPSPEED)"
+
+
+@needs_deepspeed
+def test_launcher_setting_mixed_precision_next_to_the_json_is_refused_by_accelerate(tmp_path, monkeypatch):
+    """Negative control: why the DeepSpeed launcher configs carry no mixed_precision (the JSON's bf16 is
+    "auto", filled from the recipe's training.bf16)."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(open(DS_LAUNCHERS[0]).read().replace("deepspeed_config:", "mixed_precision: bf16\ndeepspeed_config:"))
+    monkeypatch.chdir(ROOT)
+    for key, value in launcher_environment(str(path)).items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match="deepspeed_config_file"):
+        DeepSpeedPlugin()
+
+
+# -- nodes --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "environ, nodes",
+    [({}, 1), (TORCHRUN_2, 1), ({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}, 2),
+     ({"GROUP_WORLD_SIZE": "2", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1"}, 2)],
+)
+def test_num_nodes_from_the_launcher(environ, nodes):
+    assert D.num_nodes(environ) == nodes

@@ -1,0 +1,136 @@
+"""Multi-node: the batch arithmetic in nodes x processes per node (BatchPlan, hf-accum plan), a real
+2-node job on this host (torchrun --nnodes 2, c10d rendezvous, 1 process per node) that is exact and
+logs its plan, and the SLURM script's launcher commands (fake srun/scontrol/accelerate on PATH)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hf_accum.cli import main as cli_main
+from hf_accum.schedule import BatchPlan, plan_global_batch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(__file__)
+TWO_NODES = "effective batch 32 = 8 per device x 2 accumulation x 2 processes (2 nodes x 1)"
+
+
+def test_plan_speaks_nodes():
+    assert plan_global_batch(32, 8, num_processes=2, num_nodes=2).describe() == TWO_NODES
+    # one node keeps the single-node wording
+    assert BatchPlan(8, 2, 2).describe() == "effective batch 32 = 8 per device x 2 accumulation x 2 processes"
+    # where the processes run does not change the batch arithmetic (a checkpoint may resume elsewhere)
+    assert BatchPlan(8, 2, 2, num_nodes=2) == BatchPlan(8, 2, 2)
+    with pytest.raises(ValueError, match="num_processes=3 is not a whole number of processes on each of num_nodes=2"):
+        BatchPlan(8, 2, 3, num_nodes=2)
+
+
+def test_hf_accum_plan_nodes_x_gpus_per_node(capsys):
+    assert cli_main(["plan", "--nodes", "2", "--gpus-per-node", "8", "--global-batch-size", "256",
+                     "--micro-batch-size", "4"]) == 0
+    assert capsys.readouterr().out.strip() == "effective batch 256 = 4 per device x 4 accumulation x 16 processes (2 nodes x 8)"
+    assert cli_main(["plan", "--nodes", "2", "--gpus-per-node", "8", "--num-processes", "8", "--global-batch-size",
+                     "64", "--micro-batch-size", "4"]) == 2
+    assert "--num-processes 8 != --nodes 2 x --gpus-per-node 8 = 16" in capsys.readouterr().err
+
+
+def test_hf_accum_plan_from_a_recipe_config(capsys):
+    config = os.path.join(ROOT, "recipes", "configs", "llama3_8b_lora.yaml")
+    assert cli_main(["plan", "--config", config, "--nodes", "2", "--gpus-per-node", "8", "global_batch_size=128"]) == 0
+    assert capsys.readouterr().out.strip() == "effective batch 128 = 4 per device x 2 accumulation x 16 processes (2 nodes x 8)"
+
+
+# -- a real 2-node job on this host ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    from hf_accum.testing.launch import run_torchrun_nodes
+
+    return run_torchrun_nodes(os.path.join(HERE, "multinode_worker.py"), tmp_path_factory.mktemp("nodes") / "report.json")
+
+
+@pytest.mark.slow
+def test_two_nodes_really_started(two_nodes):
+    assert two_nodes["world_size"] == 2
+    assert two_nodes["env"]["GROUP_WORLD_SIZE"] == "2" and two_nodes["env"]["LOCAL_WORLD_SIZE"] == "1"
+
+
+@pytest.mark.slow
+def test_two_node_run_is_exact_and_logs_its_plan(two_nodes):
+    assert two_nodes["loop_updates"] == len(two_nodes["loop_errors"]) == 3
+    assert max(two_nodes["loop_errors"]) < 1e-10, two_nodes["loop_errors"]
+    assert len(two_nodes["trainer_errors"]) == 3 and max(two_nodes["trainer_errors"]) < 1e-10
+    logged = two_nodes["log_lines"]
+    assert sum(line.startswith(TWO_NODES + ";") for line in logged) == 1  # the loop
+    assert TWO_NODES + " (sequences per update)" in logged  # AccumTrainer
+
+
+# -- the SLURM script --------------------------------------------------------------------------------
+
+FAKE_SCONTROL = """#!/bin/bash
+# scontrol show hostnames LIST -> one host per line
+[ "$1 $2" = "show hostnames" ] && [ "$3" = "gpu[07-08]" ] && printf 'gpu07\\ngpu08\\n'
+"""
+FAKE_SRUN = """#!/bin/bash
+# one task per node, each with its node id (sequentially here)
+for node in $(seq 0 $((SLURM_NNODES - 1))); do SLURM_NODEID=$node SLURM_PROCID=$node "$@"; done
+"""
+FAKE_ACCELERATE = """#!/bin/bash
+# record the launcher command instead of launching
+python3 -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "$@" >> "$FAKE_ACCELERATE_LOG"
+"""
+
+
+def fake_bin(directory) -> str:
+    for name, text in {"scontrol": FAKE_SCONTROL, "srun": FAKE_SRUN, "accelerate": FAKE_ACCELERATE}.items():
+        path = directory / name
+        path.write_text(text)
+        path.chmod(0o755)
+    return str(directory)
+
+
+def run_slurm_script(tmp_path, *overrides: str) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
+    log = tmp_path / "accelerate.log"
+    env = {
+        **os.environ,
+        # fakes first, then this interpreter's bin (the real hf-accum)
+        "PATH": os.pathsep.join([fake_bin(tmp_path), os.path.dirname(sys.executable), os.environ["PATH"]]),
+        "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_NNODES": "2", "FAKE_ACCELERATE_LOG": str(log),
+    }
+    script = os.path.join(ROOT, "recipes", "accelerate", "slurm_multi_node.sh")
+    proc = subprocess.run(["bash", script, *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    launches = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    return proc, launches
+
+
+def option(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+@pytest.mark.slow  # hf-accum's start-up (torch, transformers) dominates
+def test_slurm_script_builds_one_launcher_per_node(tmp_path):
+    proc, launches = run_slurm_script(tmp_path, "training.max_steps=100")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0] == "effective batch 64 = 4 per device x 1 accumulation x 16 processes (2 nodes x 8)"
+    assert len(launches) == 2
+    for node_rank, argv in enumerate(launches):
+        assert option(argv, "--config_file") == "recipes/accelerate/multi_node.yaml"
+        assert option(argv, "--num_machines") == "2"
+        assert option(argv, "--num_processes") == "16"
+        assert option(argv, "--machine_rank") == str(node_rank)
+        assert option(argv, "--main_process_ip") == "gpu07"  # the first host of the allocation
+        assert option(argv, "--main_process_port") == "29500"
+        script = argv.index("recipes/finetune_llama.py")
+        assert argv[script + 1:] == ["--config", "recipes/configs/llama3_8b_lora.yaml", "training.max_steps=100"]
+
+
+@pytest.mark.slow
+def test_slurm_script_stops_before_launching_when_the_batch_does_not_divide(tmp_path):
+    proc, launches = run_slurm_script(tmp_path, "global_batch_size=100")
+    assert proc.returncode != 0 and launches == []
+    assert "nearest valid global_batch_size: 64 or 128" in proc.stderr
