@@ -220,7 +220,8 @@ def nonfinite_flag(tensors: Iterable[torch.Tensor | None], device: torch.device 
     The max-norm (largest magnitude) is finite exactly when every element is, and unlike the 2-norm it
     cannot overflow in fp16/bf16.
     """
-    tensors = [t for t in tensors if t is not None]
+    # Sharded gradients (DTensor): this rank's shard; the flags are summed over ranks afterwards.
+    tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors if t is not None]
     if not tensors:
         return torch.zeros((), dtype=torch.float64, device=device)
     largest = torch.stack([norm.to(device, torch.float64) for norm in torch._foreach_norm(tensors, float("inf"))])

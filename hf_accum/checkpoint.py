@@ -2,7 +2,8 @@
 
 Shared by both engines:
 
-* **Atomic writes** (:func:`staged_checkpoint`): every rank writes into a hidden sibling directory
+* **Atomic writes** (:func:`staged_checkpoint`, on :func:`atomic_directory`; :func:`atomic_file` for single
+  files): every rank writes into a hidden sibling directory
   ``.staging-checkpoint-<update>/checkpoint-<update>``; when all ranks are done (barrier) the main process
   writes the batch plan (:data:`PLAN_FILE`, the completion marker), flushes to disk and renames the directory
   into place. A kill in the middle leaves only the staging directory (ignored, and removed by the next
@@ -183,9 +184,62 @@ def check_resume_plan(checkpoint: str, current: BatchPlan, same_global_batch_ok:
 # -- atomic writing ------------------------------------------------------------------------------------
 
 
-def staging_parent(output_dir: str, update: int) -> str:
-    """Hidden sibling that a checkpoint is written into (not matched by ``checkpoint-*`` globs)."""
-    return os.path.join(output_dir, f"{STAGING_PREFIX}{CHECKPOINT_PREFIX}-{update}")
+@contextlib.contextmanager
+def atomic_directory(
+    final: str,
+    *,
+    commits: bool = True,
+    barrier: Callable[[], None] = lambda: None,
+    seal: Callable[[str], None] | None = None,
+) -> Iterator[str]:
+    """Write the directory ``final`` atomically: yields ``<parent>/.staging-<name>/<name>`` to write into,
+    then renames it to ``final`` (replacing an existing one) when the block succeeds. On an exception the
+    staging directory is removed and ``final`` is untouched; after a kill only the hidden staging directory
+    remains (removed by the next write).
+
+    Several processes: every rank enters with the same ``final``; ``commits`` is True on the process that
+    renames (the main process, or each node's main process when every node has its own disk), which runs
+    ``seal(staged)`` (e.g. writing a completion marker) after the ``barrier()`` that follows everyone's
+    writes. On exit every rank has passed a barrier after the rename.
+    """
+    parent, name = os.path.split(os.path.normpath(final))
+    staging = os.path.join(parent, f"{STAGING_PREFIX}{name}")
+    staged = os.path.join(staging, name)
+    if commits:
+        shutil.rmtree(staging, ignore_errors=True)  # left over from a write that was killed
+        os.makedirs(staged)
+    barrier()
+    try:
+        yield staged
+        barrier()  # every rank's files are written
+        if commits:
+            if seal is not None:
+                seal(staged)
+            _fsync_tree(staged)
+            _move_into_place(staged, final)
+            shutil.rmtree(staging, ignore_errors=True)
+    except BaseException:
+        if commits:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    barrier()  # nobody reads or rotates before the directory is in place
+
+
+@contextlib.contextmanager
+def atomic_file(path: str) -> Iterator[str]:
+    """Yields a temporary path next to ``path``; it replaces ``path`` only when the block succeeds (a kill or
+    an error leaves ``path`` as it was)."""
+    folder, name = os.path.split(os.path.abspath(path))
+    temporary = os.path.join(folder, f"{STAGING_PREFIX}{name}.{os.getpid()}")
+    try:
+        yield temporary
+        with open(temporary, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temporary)
+        raise
 
 
 @contextlib.contextmanager
@@ -197,34 +251,12 @@ def staged_checkpoint(
     barrier: Callable[[], None],
     seal: Callable[[str], None],
 ) -> Iterator[str]:
-    """Write ``checkpoint-<update>`` atomically. Every rank enters; yields the directory to write into
-    (``.staging-checkpoint-<update>/checkpoint-<update>``, the same path on every rank).
-
-    ``commits``: this process renames the result into place (the main process, or each node's main process
-    when every node has its own disk). ``seal(staged_dir)`` runs there after all ranks finished writing
-    (it writes the completion marker). On an exception the staging directory is removed and nothing is
-    renamed. On exit every rank has passed a barrier after the rename.
-    """
-    parent = staging_parent(output_dir, update)
-    staged = os.path.join(parent, f"{CHECKPOINT_PREFIX}-{update}")
-    if commits:
-        shutil.rmtree(parent, ignore_errors=True)  # left over from a write that was killed
-        os.makedirs(staged)
-    barrier()
-    try:
+    """:func:`atomic_directory` for ``output_dir/checkpoint-<update>``; ``seal`` writes the completion marker
+    (:data:`PLAN_FILE`). Also removes staging directories that killed writes left in ``output_dir``."""
+    with atomic_directory(checkpoint_path(output_dir, update), commits=commits, barrier=barrier, seal=seal) as staged:
         yield staged
-        barrier()  # every rank's files are written
-        if commits:
-            seal(staged)
-            _fsync_tree(staged)
-            _move_into_place(staged, checkpoint_path(output_dir, update))
-            shutil.rmtree(parent, ignore_errors=True)
-            _remove_stale_staging(output_dir)
-    except BaseException:
-        if commits:
-            shutil.rmtree(parent, ignore_errors=True)
-        raise
-    barrier()  # nobody reads or rotates before the checkpoint is in place
+    if commits:
+        _remove_stale_staging(output_dir)
 
 
 def _move_into_place(staged: str, final: str) -> None:
@@ -337,7 +369,9 @@ def capture_random_states(generators: Iterable[torch.Generator] = ()) -> dict[st
     return state
 
 
-def restore_random_states(state: dict[str, Any], generators: Iterable[torch.Generator] = ()) -> None:
+def restore_random_states(state: dict[str, Any], generators: Iterable[torch.Generator] | None = ()) -> None:
+    """Restore what :func:`capture_random_states` captured; ``generators=None`` leaves the data generators
+    alone (only the global random states are restored)."""
     random.setstate(state["python"])
     numpy_state = state["numpy"]
     np.random.set_state(
@@ -350,6 +384,10 @@ def restore_random_states(state: dict[str, Any], generators: Iterable[torch.Gene
         )
     )
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if generators is None:
+        return
     generators = list(generators)
     if len(generators) != len(state["generators"]):
         raise ValueError(
@@ -358,8 +396,6 @@ def restore_random_states(state: dict[str, Any], generators: Iterable[torch.Gene
         )
     for generator, saved in zip(generators, state["generators"]):
         generator.set_state(saved)
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 # -- the loop's checkpoints ----------------------------------------------------------------------------
@@ -474,17 +510,19 @@ class LoopCheckpointer:
     def _rest_of_epoch(self, dataloader: Any, pending: _Resumed) -> Iterator:
         """The epoch's order is re-drawn from the states saved at its start; Accelerate's
         ``skip_first_batches`` then skips the consumed micro-batches by index (without loading them).
-        Fetching the first remaining batch starts the sampler (and may draw from the random states), so the
-        states of the checkpoint's moment are restored after that fetch, before any forward pass.
 
-        (A collator that draws random numbers would see them one prefetched batch early; the collators of
-        this package draw none.)"""
+        Fetching the first remaining batch starts the sampler, and -- fetching one batch ahead -- may already
+        reach the sampler's end, where it draws again; the interrupted run made that draw after the
+        checkpoint. So the data generators keep the state this replay gives them (the same draws from the
+        same start), and only the global states (dropout, ...) of the checkpoint's moment are restored, after
+        that fetch and before any forward pass. (A collator that draws from the global states would see its
+        draws of the first prefetched batch overwritten; the collators of this package draw none.)"""
         from accelerate import skip_first_batches
 
         restore_random_states(pending.random_states["epoch_start"], self.generators)
         iterator = iter(skip_first_batches(dataloader, pending.state.micro_batches_in_epoch))
         first = next(iterator, _END)
-        restore_random_states(pending.random_states["now"], self.generators)
+        restore_random_states(pending.random_states["now"], generators=None)
         if first is _END:
             return
         yield first

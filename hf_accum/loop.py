@@ -215,6 +215,8 @@ def train(
     stop_signals = StopSignals(control, config.stop_on_signals)
     with _cache_disabled(model), _removing(fp32_sums), stop_signals, contextlib.closing(progress):
         for epoch in epochs:
+            if len(result.updates) >= total_updates:  # resumed from the run's last checkpoint: nothing left
+                break
             _set_epoch(train_dataloader, epoch)
             batches, consumed = supervisor.epoch_batches(train_dataloader, epoch)
             for step_in_epoch, totals, grad_norm, skip_reason, lr in _epoch_updates(
@@ -253,7 +255,9 @@ class _Supervisor:
     def __init__(self, config: LoopConfig, accelerator: Accelerator, control: TrainingControl, window: "_WindowState",
                  result: TrainResult, micro_batches: int | None, total_updates: int) -> None:
         if config.save_strategy == "epoch" and config.output_dir and micro_batches is None:
-            raise ValueError("LoopConfig.save_strategy='epoch' needs a dataloader with a length (a stream has no epochs)")
+            raise ValueError(
+                "LoopConfig.save_strategy='epoch' needs a dataloader with a length (a stream has no epochs)"
+            )
         self.config = config
         self.accelerator = accelerator
         self.control = control

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from hf_accum.checkpoint import STAGING_PREFIX
+from hf_accum.checkpoint import STAGING_PREFIX, latest_complete_checkpoint
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -36,6 +36,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def run_dir(out: str) -> str:
     return os.path.join(out, "run")
+
+
+def resume_argument(out: str) -> bool | None:
+    """The same command for the first run and every restart: Trainer's ``resume_from_checkpoint=True`` (the
+    latest complete checkpoint) once there is one."""
+    return True if latest_complete_checkpoint(run_dir(out)) else None
 
 
 class KillAtMicroBatch:

@@ -20,7 +20,6 @@ from torch.utils.data import DataLoader
 
 from hf_accum import LoopConfig, train
 from hf_accum.batching import PaddingCollator
-from hf_accum.checkpoint import latest_complete_checkpoint
 from hf_accum.testing import PAD, fresh_accelerator, random_rows, tiny_lora_causal_lm
 from interruptions import (
     KillAtMicroBatch,
@@ -28,6 +27,7 @@ from interruptions import (
     kill_during_checkpoint_write,
     maybe_sigterm,
     parse_args,
+    resume_argument,
     run_dir,
     trainable_weights,
 )
@@ -65,7 +65,7 @@ def run(args, micro_batch: int = MICRO_BATCH, accumulation: int | None = None, w
         maybe_sigterm(args, update.step, accelerator.process_index)
 
     result = train(model, optimizer, loader, accelerator, config, on_update=on_update,
-                   resume_from_checkpoint=latest_complete_checkpoint(run_dir(args.out)))
+                   resume_from_checkpoint=resume_argument(args.out))
     recorder.finish(args.out, args.tag, trainable_weights(accelerator.unwrap_model(model)),
                     {"updates": result.as_dicts(), "world_size": accelerator.num_processes})
     accelerator.wait_for_everyone()

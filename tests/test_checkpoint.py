@@ -16,6 +16,8 @@ from hf_accum import LoopConfig, train
 from hf_accum.batching import PaddingCollator
 from hf_accum.checkpoint import (
     PLAN_FILE,
+    atomic_directory,
+    atomic_file,
     capture_random_states,
     check_output_dir_writable,
     complete_checkpoints,
@@ -69,6 +71,27 @@ def test_rewriting_a_checkpoint_replaces_it_and_clears_stale_staging(tmp_path):
     write_checkpoint(out, 4)  # a resumed run reaches update 4 again
     assert sorted(os.listdir(out)) == ["checkpoint-4"]
     assert os.path.isfile(os.path.join(out, "checkpoint-4", PLAN_FILE))
+
+
+def test_atomic_file_and_directory(tmp_path):
+    target = tmp_path / "metrics.json"
+    target.write_text("old")
+    with pytest.raises(RuntimeError):
+        with atomic_file(str(target)) as temporary:
+            with open(temporary, "w") as handle:
+                handle.write("half")
+            raise RuntimeError("killed mid-write")
+    assert target.read_text() == "old" and os.listdir(tmp_path) == ["metrics.json"]
+    with atomic_file(str(target)) as temporary:
+        with open(temporary, "w") as handle:
+            handle.write("new")
+    assert target.read_text() == "new"
+    for content in ("first", "second"):  # the second write replaces the first directory whole
+        with atomic_directory(str(tmp_path / "adapter")) as staged:
+            with open(os.path.join(staged, content), "w") as handle:
+                handle.write(content)
+    assert sorted(os.listdir(tmp_path)) == ["adapter", "metrics.json"]
+    assert os.listdir(tmp_path / "adapter") == ["second"]
 
 
 def test_rotation_keeps_the_newest(tmp_path):
@@ -149,7 +172,7 @@ def test_exit_codes():
 # -- the loop: requests, settings -------------------------------------------------------------------------
 
 
-def tiny_loop(output_dir, control=None, on_update=None, **config):
+def tiny_loop(output_dir, control=None, on_update=None, resume_from_checkpoint=None, **config):
     accelerator = fresh_accelerator(2)
     model = tiny_causal_lm(seed=0)
     loader = DataLoader(random_rows(12, seed=3), batch_size=2, collate_fn=PaddingCollator(PAD))
@@ -157,7 +180,8 @@ def tiny_loop(output_dir, control=None, on_update=None, **config):
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     settings = dict(disable_tqdm=True, output_dir=output_dir, save_strategy="no")
     settings.update(config)
-    return train(model, optimizer, loader, accelerator, LoopConfig(**settings), on_update=on_update, control=control)
+    return train(model, optimizer, loader, accelerator, LoopConfig(**settings), on_update=on_update, control=control,
+                 resume_from_checkpoint=resume_from_checkpoint)
 
 
 def test_loop_checkpoint_and_stop_requests(tmp_path):
@@ -179,6 +203,15 @@ def test_loop_save_strategy_epoch(tmp_path):
     result = tiny_loop(str(tmp_path), save_strategy="epoch", num_train_epochs=2)
     assert len(result.updates) == 6
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-3", "checkpoint-6"]
+
+
+def test_resuming_a_finished_run_trains_nothing_more(tmp_path):
+    """max_steps ends the run mid-epoch, at a checkpoint: resuming it must not run one more update."""
+    first = tiny_loop(str(tmp_path), max_steps=2, save_strategy="steps", save_steps=2)
+    seen = []
+    again = tiny_loop(str(tmp_path), on_update=seen.append, resume_from_checkpoint=True, max_steps=2,
+                      save_strategy="steps", save_steps=2)
+    assert seen == [] and again.as_dicts() == first.as_dicts()
 
 
 @pytest.mark.parametrize(

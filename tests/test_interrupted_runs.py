@@ -28,18 +28,15 @@ import pytest
 import torch
 
 from hf_accum.checkpoint import (
-    LOOP_STATE_FILE,
     ResumeMismatchError,
-    complete_checkpoints,
     is_complete_checkpoint,
     latest_complete_checkpoint,
 )
 from hf_accum.control import EXIT_PREEMPTED
-from hf_accum.testing.launch import torchrun
 from interruptions import assert_same_run, parse_args, read_records, run_dir, stitched
 
 HERE = os.path.dirname(__file__)
-WORKERS = {"loop": os.path.join(HERE, "loop_resume_worker.py"), "trainer": os.path.join(HERE, "trainer_resume_worker.py")}
+WORKERS = {engine: os.path.join(HERE, f"{engine}_resume_worker.py") for engine in ("loop", "trainer")}
 # Collator calls (prefetch included) that fall inside the short last window of epoch 1, after checkpoint-2.
 SHORT_WINDOW_CALLS = (10, 11)
 RANDOM = random.Random(20240611)
@@ -131,9 +128,10 @@ def test_resumed_run_reports_the_whole_run(story):
 
 @pytest.mark.parametrize(
     "plan, message",
-    [({"accumulation": 2}, "gradient_accumulation_steps 4 -> 2"), ({"micro_batch": 1}, "per-device micro-batch 2 -> 1")],
+    [({"accumulation": 2}, "gradient_accumulation_steps 4 -> 2"),
+     ({"micro_batch": 1}, "per-device micro-batch 2 -> 1")],
 )
-def test_resume_with_another_batch_plan_is_refused(story, plan, message, tmp_path):
+def test_resume_with_another_batch_plan_is_refused(story, plan, message):
     """In-process, into the story's directory (it holds checkpoint-5 of a 2 x 4 x 1 plan)."""
     import loop_resume_worker
     import trainer_resume_worker

@@ -18,7 +18,6 @@ from transformers import TrainerCallback
 
 from hf_accum import AccumTrainer
 from hf_accum.batching import PaddingCollator
-from hf_accum.checkpoint import latest_complete_checkpoint
 from hf_accum.testing import PAD, Scenario, random_rows, tiny_lora_causal_lm, training_args
 from interruptions import (
     KillAtMicroBatch,
@@ -26,6 +25,7 @@ from interruptions import (
     kill_during_checkpoint_write,
     maybe_sigterm,
     parse_args,
+    resume_argument,
     run_dir,
     trainable_weights,
 )
@@ -75,7 +75,7 @@ def build(args, micro_batch: int = MICRO_BATCH, accumulation: int | None = None)
 def run(args, **plan) -> AccumTrainer:
     trainer = build(args, **plan)
     kill_during_checkpoint_write(args.kill_in_save)
-    trainer.train(resume_from_checkpoint=latest_complete_checkpoint(run_dir(args.out)))
+    trainer.train(resume_from_checkpoint=resume_argument(args.out))
     trainer.recorder.finish(args.out, args.tag, trainable_weights(trainer.model),
                             {"log_history": trainer.state.log_history, "world_size": trainer.args.world_size})
     return trainer
