@@ -412,6 +412,8 @@ class LoopState:
     micro_batches_in_epoch: int
     """Micro-batches of that epoch already consumed on each process (skipped on resume)."""
     planned_updates: int
+    micro_batches_per_epoch: int | None = None
+    """Per process (None for a stream): another number means other data, and the position would be wrong."""
     window_magnitude: float | None = None
     """fp16 only: the loss magnitude hint carried from window to window (hf_accum.loop._WindowState)."""
     consecutive_nonfinite: int = 0
@@ -478,6 +480,12 @@ class LoopCheckpointer:
         check_resume_plan(checkpoint, self.plan)
         with open(os.path.join(checkpoint, LOOP_STATE_FILE)) as handle:
             state = LoopState(**json.load(handle))
+        if state.micro_batches_per_epoch != micro_batches_per_epoch:
+            raise ResumeMismatchError(
+                f"cannot resume from {checkpoint}: it was trained on {state.micro_batches_per_epoch} micro-batches "
+                f"per epoch and process, this run has {micro_batches_per_epoch} (other data?); the data position "
+                "would be wrong. Resume with the checkpoint's data"
+            )
         rng_path = os.path.join(checkpoint, _rng_file(self.accelerator.process_index))
         random_states = _load(rng_path)
         _load_model(self.accelerator.unwrap_model(self.model), checkpoint)

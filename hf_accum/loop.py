@@ -305,7 +305,8 @@ class _Supervisor:
         self.result.checkpoint = self.checkpointer.save(
             LoopState(
                 update=update.step, epoch=epoch, micro_batches_in_epoch=consumed,
-                planned_updates=self.total_updates, window_magnitude=self.window.magnitude,
+                planned_updates=self.total_updates, micro_batches_per_epoch=self.micro_batches,
+                window_magnitude=self.window.magnitude,
                 consecutive_nonfinite=self.guard.consecutive, log_history=self.result.as_dicts(),
             )
         )

@@ -16,6 +16,7 @@ from hf_accum import LoopConfig, train
 from hf_accum.batching import PaddingCollator
 from hf_accum.checkpoint import (
     PLAN_FILE,
+    ResumeMismatchError,
     atomic_directory,
     atomic_file,
     capture_random_states,
@@ -172,10 +173,10 @@ def test_exit_codes():
 # -- the loop: requests, settings -------------------------------------------------------------------------
 
 
-def tiny_loop(output_dir, control=None, on_update=None, resume_from_checkpoint=None, **config):
+def tiny_loop(output_dir, control=None, on_update=None, resume_from_checkpoint=None, rows=12, **config):
     accelerator = fresh_accelerator(2)
     model = tiny_causal_lm(seed=0)
-    loader = DataLoader(random_rows(12, seed=3), batch_size=2, collate_fn=PaddingCollator(PAD))
+    loader = DataLoader(random_rows(rows, seed=3), batch_size=2, collate_fn=PaddingCollator(PAD))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     settings = dict(disable_tqdm=True, output_dir=output_dir, save_strategy="no")
@@ -212,6 +213,12 @@ def test_resuming_a_finished_run_trains_nothing_more(tmp_path):
     again = tiny_loop(str(tmp_path), on_update=seen.append, resume_from_checkpoint=True, max_steps=2,
                       save_strategy="steps", save_steps=2)
     assert seen == [] and again.as_dicts() == first.as_dicts()
+
+
+def test_resuming_on_other_data_is_refused(tmp_path):
+    tiny_loop(str(tmp_path), max_steps=2, save_strategy="steps", save_steps=2)
+    with pytest.raises(ResumeMismatchError, match="trained on 6 micro-batches per epoch and process, this run has 7"):
+        tiny_loop(str(tmp_path), resume_from_checkpoint=True, rows=14, max_steps=3)
 
 
 @pytest.mark.parametrize(
