@@ -30,6 +30,14 @@ _library_logger()
 
 from hf_accum.accumulation import WindowTally, WindowTotals, exact_mean_factor  # noqa: E402
 from hf_accum.batching import PackingCollator, PaddingCollator  # noqa: E402
+from hf_accum.checkpoint import latest_complete_checkpoint  # noqa: E402
+from hf_accum.control import (  # noqa: E402
+    EXIT_INTERRUPTED,
+    EXIT_PREEMPTED,
+    NonFiniteLossError,
+    TrainingControl,
+    TrainingStopped,
+)
 from hf_accum.loss import count_targets, infer_loss_kind, token_loss_sum  # noqa: E402
 from hf_accum.loop import LoopConfig, TrainResult, UpdateLog, train  # noqa: E402
 from hf_accum.schedule import BatchPlan, create_update_scheduler, plan_global_batch, planned_updates  # noqa: E402
@@ -37,11 +45,16 @@ from hf_accum.schedule import BatchPlan, create_update_scheduler, plan_global_ba
 __version__ = "0.1.0"
 
 __all__ = [
+    "EXIT_INTERRUPTED",
+    "EXIT_PREEMPTED",
     "BatchPlan",
     "LoopConfig",
+    "NonFiniteLossError",
     "PackingCollator",
     "PaddingCollator",
     "TrainResult",
+    "TrainingControl",
+    "TrainingStopped",
     "UpdateLog",
     "WindowTally",
     "WindowTotals",
@@ -49,6 +62,7 @@ __all__ = [
     "create_update_scheduler",
     "exact_mean_factor",
     "infer_loss_kind",
+    "latest_complete_checkpoint",
     "plan_global_batch",
     "planned_updates",
     "token_loss_sum",

@@ -13,7 +13,8 @@ i.e. each rank backpropagates *summed* losses and the window is scaled once by `
 with the *global* ``N`` (all-reduced). Dividing by the local count, by K, or by the number
 of micro-batches is what makes naive accumulation wrong on uneven micro-batches.
 
-A window with ``N == 0`` (every label masked) has no mean: it applies no update.
+A window with ``N == 0`` (every label masked) has no mean: it applies no update. Nor does a window with an
+inf/NaN loss or gradient: every rank learns of it from the same all-reduce (:meth:`WindowTally.mark_boundary`).
 """
 
 from __future__ import annotations
@@ -93,6 +94,10 @@ class Fp32GradientAccumulator:
         mine = {id(p) for p in self.parameters}
         return [p for p in parameters if id(p) not in mine]
 
+    def pending_sums(self) -> list[torch.Tensor]:
+        """The fp32 sums of the window so far (what ``.grad`` will hold after :meth:`write_gradients_`)."""
+        return list(self._sums.values())
+
     def clear(self) -> None:
         self._sums.clear()
 
@@ -111,6 +116,14 @@ class WindowTotals:
     real_tokens: int = 0
     total_tokens: int = 0
     micro_batches: int = 0
+    nonfinite_losses: int = 0
+    """Micro-batches whose summed loss was inf/NaN."""
+    nonfinite_gradients: int = 0
+    """Ranks whose window gradient held an inf/NaN (not counted under fp16's GradScaler, which skips itself)."""
+    stop_requests: int = 0
+    """Ranks asked to stop (a signal or :meth:`hf_accum.control.TrainingControl.request_stop`) by the boundary."""
+    checkpoint_requests: int = 0
+    """Ranks asked for a checkpoint by the boundary."""
 
     def add(self, other: "WindowTotals") -> None:
         """Fold another window in (totals over a logging interval of several updates)."""
@@ -126,13 +139,30 @@ class WindowTotals:
     def padding_fraction(self) -> float:
         return 1.0 - self.real_tokens / self.total_tokens if self.total_tokens else 0.0
 
+    @property
+    def nonfinite(self) -> bool:
+        """The window must not reach the weights: some loss or gradient was inf/NaN."""
+        return bool(self.nonfinite_losses or self.nonfinite_gradients)
+
+    @property
+    def nonfinite_reason(self) -> str:
+        """Why the window was skipped ('' when it was finite), for logs."""
+        if self.nonfinite_losses:
+            return f"inf/nan loss in {self.nonfinite_losses} micro-batch(es)"
+        return "inf/nan gradients" if self.nonfinite_gradients else ""
+
+
+# The columns of a window tally, summed over micro-batches and then over ranks in one all-reduce.
+_TALLY_COLUMNS = tuple(WindowTotals.__dataclass_fields__)
+
 
 @dataclass
 class WindowTally:
     """Running per-rank sums of the current window, reduced across ranks in one all-reduce.
 
     Loss and counts stay tensors on the device (no device->host sync per micro-step for them);
-    the window's one sync is :meth:`reduce`, once per update.
+    the window's one sync is :meth:`reduce`, once per update. The same all-reduce carries the flags
+    every rank must agree on (inf/NaN, stop and checkpoint requests): no extra collective.
     """
 
     device: torch.device | str = "cpu"
@@ -140,33 +170,62 @@ class WindowTally:
 
     def add(self, loss_sum: torch.Tensor, n_targets: torch.Tensor, batch: Mapping[str, Any]) -> None:
         sequences, real_tokens, total_tokens = batch_shape_counts(batch)
+        loss = loss_sum.detach().to(torch.float64).reshape(())
+        self._add_row(
+            loss_sum=loss,
+            targets=n_targets,
+            sequences=sequences,
+            real_tokens=real_tokens,
+            total_tokens=float(total_tokens),
+            micro_batches=1.0,
+            nonfinite_losses=(~torch.isfinite(loss)).to(torch.float64),  # stays on the device: no sync
+        )
+
+    def mark_boundary(
+        self, nonfinite_gradients: torch.Tensor | bool = False, stop_requested: bool = False,
+        checkpoint_requested: bool = False,
+    ) -> None:
+        """Before :meth:`reduce` at the window's end: this rank's flags, so that every rank decides alike."""
+        self._add_row(
+            nonfinite_gradients=torch.as_tensor(nonfinite_gradients, device=self.device).to(torch.float64),
+            stop_requests=float(stop_requested),
+            checkpoint_requests=float(checkpoint_requested),
+        )
+
+    def _add_row(self, **values: Any) -> None:
         row = torch.stack(
             [
-                loss_sum.detach().to(torch.float64).reshape(()),
-                torch.as_tensor(n_targets).to(self.device, torch.float64).reshape(()),
-                torch.as_tensor(sequences).to(self.device, torch.float64).reshape(()),
-                torch.as_tensor(real_tokens).to(self.device, torch.float64).reshape(()),
-                torch.tensor(float(total_tokens), dtype=torch.float64, device=self.device),
-                torch.ones((), dtype=torch.float64, device=self.device),  # one micro-batch
+                torch.as_tensor(values.get(name, 0.0)).to(self.device, torch.float64).reshape(())
+                for name in _TALLY_COLUMNS
             ]
-        ).to(self.device)
+        )
         self._sums = row if self._sums is None else self._sums + row
 
     def reduce(self, accelerator: Any) -> WindowTotals:
         """All ranks' totals of this window. Every rank must call it (it is a collective)."""
-        sums = self._sums if self._sums is not None else torch.zeros(6, dtype=torch.float64, device=self.device)
-        sums = global_sum(sums, accelerator).tolist()
-        return WindowTotals(
-            loss_sum=sums[0],
-            targets=int(round(sums[1])),
-            sequences=int(round(sums[2])),
-            real_tokens=int(round(sums[3])),
-            total_tokens=int(round(sums[4])),
-            micro_batches=int(round(sums[5])),
-        )
+        sums = self._sums
+        if sums is None:
+            sums = torch.zeros(len(_TALLY_COLUMNS), dtype=torch.float64, device=self.device)
+        values = dict(zip(_TALLY_COLUMNS, global_sum(sums, accelerator).tolist()))
+        loss_sum = values.pop("loss_sum")  # inf/nan when a micro-batch's loss was: the counts stay exact
+        return WindowTotals(loss_sum=loss_sum, **{name: int(round(value)) for name, value in values.items()})
 
     def reset(self) -> None:
         self._sums = None
+
+
+def nonfinite_flag(tensors: Iterable[torch.Tensor | None], device: torch.device | str) -> torch.Tensor:
+    """1.0 when any tensor holds an inf/NaN, else 0.0, as a float64 scalar on ``device`` (no host sync).
+
+    The max-norm (largest magnitude) is finite exactly when every element is, and unlike the 2-norm it
+    cannot overflow in fp16/bf16.
+    """
+    # Sharded gradients (DTensor): this rank's shard; the flags are summed over ranks afterwards.
+    tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors if t is not None]
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    largest = torch.stack([norm.to(device, torch.float64) for norm in torch._foreach_norm(tensors, float("inf"))])
+    return (~torch.isfinite(largest)).any().to(torch.float64)
 
 
 def batch_shape_counts(batch: Mapping[str, Any]) -> tuple[int | torch.Tensor, int | torch.Tensor, int]:

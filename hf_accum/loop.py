@@ -22,6 +22,11 @@ Under DeepSpeed the engine owns the gradients -- it reduces, clips and applies t
 backward. There the window is counted *before* backward instead (:func:`_deepspeed_epoch_updates`,
 as AccumTrainer does): fetch the window's micro-batches, count their targets, all-reduce once, and
 backpropagate ``loss_sum * K * W / N``.
+
+Between updates (:class:`_Supervisor`): a window whose loss or gradients hold an inf/NaN on any rank is
+skipped like a window without targets (no optimizer or scheduler step); checkpoints are written every
+``save_steps`` updates, on request and on a stop signal (:mod:`hf_accum.checkpoint`, :mod:`hf_accum.control`);
+``train(..., resume_from_checkpoint=...)`` continues a run exactly where a checkpoint left it.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from itertools import count
 from typing import Any, Callable, Iterator, Mapping
 
@@ -45,7 +50,21 @@ from hf_accum.accumulation import (
     drop_gradients_,
     exact_mean_factor,
     global_sum,
+    nonfinite_flag,
     rescale_gradients_,
+)
+from hf_accum.checkpoint import (
+    LoopCheckpointer,
+    LoopState,
+    check_output_dir_writable,
+    resolve_resume_checkpoint,
+)
+from hf_accum.control import (
+    DEFAULT_MAX_CONSECUTIVE_NONFINITE,
+    NonFiniteGuard,
+    StopSignals,
+    TrainingControl,
+    TrainingStopped,
 )
 from hf_accum.distributed import num_nodes
 from hf_accum.fused_loss import LossSumFn, MicroBatchLoss
@@ -86,11 +105,27 @@ class LoopConfig:
     fp32_grad_accumulation: bool = True
     """Sum the micro-batch gradients of bf16/fp16 *weights* in fp32 (single process; with
     mixed_precision='bf16' and fp32 weights, gradients are fp32 anyway)."""
+    output_dir: str | None = None
+    """Where ``checkpoint-<update>`` directories go (one directory shared by all processes); None: no
+    checkpoints."""
+    save_strategy: str = "steps"
+    """``"steps"`` (every ``save_steps`` updates), ``"epoch"`` (after each epoch's last update) or ``"no"``.
+    With an ``output_dir``, a stop signal or request writes a checkpoint whatever the strategy."""
+    save_steps: int = 500
+    save_total_limit: int | None = None
+    """Keep only this many newest checkpoints (older ones are deleted after the new one is complete)."""
+    max_consecutive_nonfinite: int = DEFAULT_MAX_CONSECUTIVE_NONFINITE
+    """Updates skipped for inf/NaN losses or gradients in a row before the run writes a checkpoint and raises
+    :class:`hf_accum.control.NonFiniteLossError`."""
+    stop_on_signals: bool = True
+    """SIGTERM/SIGUSR1/SIGINT during ``train``: finish the update, checkpoint, raise
+    :class:`hf_accum.control.TrainingStopped` (exit code 75, or 130 for Ctrl-C)."""
     eval_strategy: str = "no"
     """With ``train(eval_dataloader=...)``: ``steps`` (every ``eval_steps`` updates and after the last),
     ``epoch`` (after each epoch's last update) or ``no``. Evaluates the exact per-token held-out loss."""
     eval_steps: float | None = None
     """Updates between evaluations for ``eval_strategy='steps'``."""
+
 
     @classmethod
     def from_training_arguments(cls, args: Any, **changes: Any) -> "LoopConfig":
@@ -98,7 +133,8 @@ class LoopConfig:
         ``label_smoothing_factor`` is ``label_smoothing`` and a ``warmup_steps`` below 1 is a ratio)."""
         warmup = args.warmup_steps
         values = {name: getattr(args, name) for name in cls.training_argument_names() if hasattr(args, name)}
-        values["eval_strategy"] = str(getattr(args.eval_strategy, "value", args.eval_strategy))
+        for strategy in ("eval_strategy", "save_strategy"):  # TrainingArguments holds enums
+            values[strategy] = str(getattr(getattr(args, strategy), "value", getattr(args, strategy)))
         if values["eval_strategy"] == "steps" and not args.eval_steps:
             values["eval_steps"] = args.logging_steps  # Trainer's rule: eval_steps defaults to logging_steps
         values.update(
@@ -112,7 +148,10 @@ class LoopConfig:
     @classmethod
     def training_argument_names(cls) -> set[str]:
         """The ``TrainingArguments`` fields this config mirrors."""
-        names = {f.name for f in fields(cls)} - {"label_smoothing", "loss_kind", "fp32_grad_accumulation", "warmup_ratio"}
+        names = {f.name for f in fields(cls)} - {
+            "label_smoothing", "loss_kind", "fp32_grad_accumulation", "warmup_ratio", "fused_loss",
+            "max_consecutive_nonfinite", "stop_on_signals",
+        }
         return names | {"label_smoothing_factor"}
 
 
@@ -131,6 +170,8 @@ class UpdateLog:
     micro_batches: int
     applied: bool = True
     skip_reason: str = ""
+    nonfinite: bool = False
+    """Skipped because a loss or gradient was inf/NaN."""
     eval_loss: float | None = None
     """Exact per-token held-out loss after this update, when it was evaluated (``eval_strategy``)."""
 
@@ -159,7 +200,19 @@ class UpdateLog:
 @dataclass
 class TrainResult:
     updates: list[UpdateLog] = field(default_factory=list)
+    """Every update of the run, the ones before a resume included."""
     batch_plan: BatchPlan | None = None
+    checkpoint: str | None = None
+    """The last checkpoint this call wrote."""
+
+    def as_dicts(self) -> list[dict]:
+        """Every update as a dict (what a checkpoint keeps of the log, and what a resumed run continues)."""
+        return [asdict(u) for u in self.updates]
+
+    @property
+    def skipped_nonfinite(self) -> list[int]:
+        """Updates skipped because a loss or gradient was inf/NaN."""
+        return [u.step for u in self.updates if u.nonfinite]
 
 
 def train(
@@ -172,6 +225,8 @@ def train(
     loss_sum_fn: LossSumFn | None = None,
     on_update: Callable[[UpdateLog], None] | None = None,
     eval_dataloader: Any = None,
+    resume_from_checkpoint: str | bool | None = None,
+    control: TrainingControl | None = None,
 ) -> TrainResult:
     """Train with exact accumulation. ``model``, ``optimizer`` and ``train_dataloader`` must come
     from ``accelerator.prepare``; the accumulation steps K are ``accelerator.gradient_accumulation_steps``.
@@ -185,9 +240,14 @@ def train(
     ``eval_dataloader`` (one disjoint shard per rank, see :func:`evaluate_loss`): with
     ``config.eval_strategy``, each evaluated update carries the exact per-token held-out loss
     (``UpdateLog.eval_loss``; summed over every batch and rank, then divided once).
+    ``resume_from_checkpoint``: a checkpoint directory, or True for the latest complete one in
+    ``config.output_dir``; the run continues exactly (same gradients, LRs and data order) with the same
+    model, optimizer, dataloader and config as the interrupted run. ``control``: request a checkpoint or a
+    stop from a callback or another thread (:class:`hf_accum.control.TrainingControl`).
     """
     config = config or LoopConfig()
     _check_supported(accelerator, train_dataloader)
+    resume_path = _check_checkpointing(config, accelerator, resume_from_checkpoint)
     accumulation_steps = accelerator.gradient_accumulation_steps
     micro_batches = _micro_batches_per_epoch(train_dataloader, accelerator, config)
     total_updates = planned_updates(micro_batches or 0, accumulation_steps, config.num_train_epochs, config.max_steps)
@@ -203,15 +263,32 @@ def train(
     params = [p for p in model.parameters() if p.requires_grad]
     fp32_sums = _fp32_accumulator(params, accelerator, config)
     model.train()
-    window = _WindowState(WindowTally(device=accelerator.device), fp32_sums, accelerator.scaler is not None)
-    epochs = range(epochs_needed(total_updates, micro_batches, accumulation_steps)) if micro_batches else count()
+    control = control or TrainingControl()
+    window = _WindowState(
+        WindowTally(device=accelerator.device), fp32_sums, accelerator.scaler is not None, control=control
+    )
+    supervisor = _Supervisor(config, accelerator, control, window, result, micro_batches, total_updates)
+    if config.output_dir or resume_path:
+        supervisor.checkpointer = LoopCheckpointer(
+            config.output_dir, accelerator, model, optimizer, scheduler, train_dataloader, plan, config.save_total_limit
+        )
+    if resume_path:
+        supervisor.resume(resume_path, progress)
+    first = supervisor.first_epoch
+    last = epochs_needed(total_updates, micro_batches, accumulation_steps) if micro_batches else None
+    epochs = range(first, last) if micro_batches else count(first)
     epoch_updates = _deepspeed_epoch_updates if _is_deepspeed(accelerator) else _epoch_updates
-    with _cache_disabled(model), _removing(fp32_sums):
+    stop_signals = StopSignals(control, config.stop_on_signals)
+    with _cache_disabled(model), _removing(fp32_sums), stop_signals, contextlib.closing(progress):
         for epoch in epochs:
+            if len(result.updates) >= total_updates:  # resumed from the run's last checkpoint: nothing left
+                break
             _set_epoch(train_dataloader, epoch)
+            batches, consumed = supervisor.epoch_batches(train_dataloader, epoch)
             for step_in_epoch, totals, grad_norm, skip_reason, lr in epoch_updates(
-                model, optimizer, scheduler, train_dataloader, accelerator, params, micro_batch_loss, config, window
+                model, optimizer, scheduler, batches, accelerator, params, micro_batch_loss, config, window
             ):
+                step_in_epoch += consumed
                 update = UpdateLog(
                     step=len(result.updates) + 1,
                     epoch=epoch + (step_in_epoch / micro_batches if micro_batches else 0.0),
@@ -224,17 +301,128 @@ def train(
                     micro_batches=totals.micro_batches,
                     applied=not skip_reason,
                     skip_reason=skip_reason,
+                    nonfinite=totals.nonfinite,
                 )
                 if _evaluation_due(config, update.step, total_updates, step_in_epoch == micro_batches):
                     update.eval_loss = evaluate_loss(model, eval_dataloader, accelerator, micro_batch_loss)
                 result.updates.append(update)
+                checkpoint = supervisor.after_update(update, totals, epoch, step_in_epoch)
                 _report(update, progress, accelerator, on_update)
+                supervisor.stop_if_requested(update, totals, checkpoint)
                 if len(result.updates) >= total_updates:
                     break
             if len(result.updates) >= total_updates:
                 break
-    progress.close()
     return result
+
+
+class _Supervisor:
+    """Between updates: checkpoints when due or requested, the stop on a signal or request, the inf/NaN
+    limit; and resuming. Every rank runs it in lockstep: its decisions come from all-reduced window totals."""
+
+    def __init__(self, config: LoopConfig, accelerator: Accelerator, control: TrainingControl, window: "_WindowState",
+                 result: TrainResult, micro_batches: int | None, total_updates: int) -> None:
+        if config.save_strategy == "epoch" and config.output_dir and micro_batches is None:
+            raise ValueError(
+                "LoopConfig.save_strategy='epoch' needs a dataloader with a length (a stream has no epochs)"
+            )
+        self.config = config
+        self.accelerator = accelerator
+        self.control = control
+        self.window = window
+        self.result = result
+        self.micro_batches = micro_batches
+        self.guard = NonFiniteGuard(config.max_consecutive_nonfinite)
+        self.checkpointer: LoopCheckpointer | None = None
+        self.first_epoch = 0
+        self.total_updates = total_updates
+        self._nonfinite_limit = False
+
+    def resume(self, checkpoint: str, progress) -> None:
+        state = self.checkpointer.resume(checkpoint, self.micro_batches)
+        self.result.updates = [UpdateLog(**update) for update in state.log_history]
+        self.window.magnitude = state.window_magnitude
+        self.guard.consecutive = state.consecutive_nonfinite
+        self.first_epoch = state.epoch
+        progress.update(state.update)
+        if self.accelerator.is_main_process:
+            if state.planned_updates != self.total_updates:
+                logger.warning(
+                    "%s was planned for %d updates, this run plans %d: the LR schedule differs from the interrupted "
+                    "run's from here on", checkpoint, state.planned_updates, self.total_updates,
+                )
+            logger.info("resuming from %s: %d updates done, epoch %d, %d micro-batches of it consumed",
+                        checkpoint, state.update, state.epoch, state.micro_batches_in_epoch)
+
+    def epoch_batches(self, dataloader: Any, epoch: int) -> tuple[Any, int]:
+        if self.checkpointer is None:
+            return dataloader, 0
+        return self.checkpointer.epoch_batches(dataloader, epoch)
+
+    def after_update(self, update: UpdateLog, totals: WindowTotals, epoch: int, consumed: int) -> str | None:
+        """Count inf/NaN skips; write a checkpoint when one is due. Returns the checkpoint written, if any."""
+        self._nonfinite_limit = self.guard.record(totals.nonfinite)
+        if totals.nonfinite and self.accelerator.is_main_process:
+            logger.warning(
+                "update %d: %s; skipped (weights, optimizer state and LR schedule untouched), %d in a row "
+                "(limit max_consecutive_nonfinite=%d)", update.step, totals.nonfinite_reason, self.guard.consecutive,
+                self.guard.max_consecutive,
+            )
+        if not self.config.output_dir or not self._save_due(update.step, totals, consumed):
+            return None
+        self.result.checkpoint = self.checkpointer.save(
+            LoopState(
+                update=update.step, epoch=epoch, micro_batches_in_epoch=consumed,
+                planned_updates=self.total_updates, micro_batches_per_epoch=self.micro_batches,
+                window_magnitude=self.window.magnitude,
+                consecutive_nonfinite=self.guard.consecutive, log_history=self.result.as_dicts(),
+            )
+        )
+        return self.result.checkpoint
+
+    def _save_due(self, step: int, totals: WindowTotals, consumed: int) -> bool:
+        config = self.config
+        return bool(
+            totals.stop_requests
+            or totals.checkpoint_requests
+            or self._nonfinite_limit
+            or (config.save_strategy == "steps" and step % config.save_steps == 0)
+            or (config.save_strategy == "epoch" and consumed == self.micro_batches)
+        )
+
+    def stop_if_requested(self, update: UpdateLog, totals: WindowTotals, checkpoint: str | None) -> None:
+        """Raise :class:`TrainingStopped` after a stop signal or request on any rank, or
+        :class:`~hf_accum.control.NonFiniteLossError` at the inf/NaN limit (after the checkpoint)."""
+        if totals.stop_requests:
+            stopped = TrainingStopped(self.control.stop_reason or "stop requested on another process", update.step,
+                                      checkpoint)
+            if self.accelerator.is_main_process:
+                logger.warning("%s", stopped)
+            raise stopped
+        if self._nonfinite_limit:
+            raise self.guard.error(update.step, checkpoint)
+
+
+def _check_checkpointing(config: LoopConfig, accelerator: Accelerator, resume_from_checkpoint) -> str | None:
+    """Validate the checkpoint settings and probe ``output_dir`` before any work; returns the checkpoint to
+    resume from (None for a fresh start)."""
+    if config.save_strategy not in ("no", "steps", "epoch"):
+        raise ValueError(f"LoopConfig.save_strategy={config.save_strategy!r}; allowed: 'no', 'steps', 'epoch'")
+    if config.save_strategy == "steps" and (not isinstance(config.save_steps, int) or config.save_steps < 1):
+        raise ValueError(f"LoopConfig.save_steps={config.save_steps!r} must be an integer >= 1")
+    limit = config.save_total_limit
+    if limit is not None and (not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"LoopConfig.save_total_limit={limit!r} must be None or an integer >= 1")
+    NonFiniteGuard(config.max_consecutive_nonfinite)  # raises on a bad value
+    checkpointing = config.output_dir or resume_from_checkpoint not in (None, False)
+    if checkpointing and accelerator.distributed_type == DistributedType.FSDP:
+        raise NotImplementedError(
+            "loop checkpoints of FSDP-sharded models are not implemented (and FSDP cannot run on this project's "
+            "CPU test machines); use engine: trainer (AccumTrainer) for checkpoints with FSDP"
+        )
+    if config.output_dir:
+        check_output_dir_writable(config.output_dir, "LoopConfig.output_dir")
+    return resolve_resume_checkpoint(resume_from_checkpoint, config.output_dir)
 
 
 @dataclass
@@ -253,7 +441,9 @@ class _WindowState:
     tally: WindowTally
     fp32_sums: Fp32GradientAccumulator | None
     track_magnitude: bool
+    """A GradScaler is active (fp16): it also finds and skips inf/NaN gradients itself."""
     magnitude: float | None = None
+    control: TrainingControl | None = None
 
     def scaled(self, loss_sum: torch.Tensor, n_targets: torch.Tensor, accelerator: Accelerator) -> torch.Tensor:
         """The loss to backpropagate: the sum, times the window's magnitude when fp16 needs one."""
@@ -271,6 +461,20 @@ class _WindowState:
         if self.track_magnitude and totals.targets > 0:
             self.magnitude = accelerator.gradient_accumulation_steps * accelerator.num_processes / totals.targets
 
+    def mark_boundary(self, params: list[torch.nn.Parameter]) -> None:
+        """Before the window's all-reduce: this rank's inf/NaN-gradient flag and its pending stop/checkpoint
+        requests join the tally, so every rank takes the same decision from the same sums."""
+        gradients: torch.Tensor | bool = False
+        if not self.track_magnitude:  # under fp16 the GradScaler skips inf/NaN gradients (and lowers its scale)
+            pending = self.fp32_sums.pending_sums() if self.fp32_sums is not None else []
+            gradients = nonfinite_flag([p.grad for p in params] + pending, self.tally.device)
+        control = self.control
+        self.tally.mark_boundary(
+            nonfinite_gradients=gradients,
+            stop_requested=control is not None and control.stop_reason is not None,
+            checkpoint_requested=control is not None and control.take_checkpoint_request(),
+        )
+
 
 def _epoch_updates(
     model, optimizer, scheduler, dataloader, accelerator, params, micro_batch_loss, config, window: _WindowState
@@ -285,6 +489,7 @@ def _epoch_updates(
             window.tally.add(loss_sum, n_targets, batch)
             if not accelerator.sync_gradients:
                 continue
+            window.mark_boundary(params)
             totals = window.tally.reduce(accelerator)
             window.tally.reset()
             lr = scheduler.get_last_lr()[0]
@@ -399,13 +604,15 @@ def _is_deepspeed(accelerator: Accelerator) -> bool:
 def _apply_update(optimizer, scheduler, accelerator, params, totals: WindowTotals, config, window: _WindowState):
     """Scale to the exact mean, clip, step. Returns ``(grad_norm, skip_reason)``; '' when applied."""
     fp32_sums = window.fp32_sums
-    if totals.targets == 0:
-        # No target anywhere in the window (all ranks agree: the count was all-reduced).
-        # There is no mean to apply; AdamW would still move weights via momentum/decay.
+    if totals.targets == 0 or totals.nonfinite:
+        # No target anywhere in the window, or an inf/NaN loss or gradient on some rank (all ranks agree: counts
+        # and flags were all-reduced). Nothing of the window may reach the weights: no mean exists, and even
+        # zero gradients would let AdamW move weights via momentum/decay. No optimizer step (its moments and
+        # step count stay) and no scheduler step.
         if fp32_sums is not None:
             fp32_sums.clear()
         drop_gradients_(params)
-        return None, "no targets in window"
+        return None, totals.nonfinite_reason or "no targets in window"
     # accelerator.backward divided each micro-batch by K (and we multiplied by the magnitude hint):
     # replace both by the exact W / N.
     factor = accelerator.gradient_accumulation_steps * exact_mean_factor(totals.targets, accelerator.num_processes)

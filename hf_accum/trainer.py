@@ -27,11 +27,16 @@ Trainer fetches the window's K micro-batches at once (``get_batch_samples``), th
    at all, drops the gradients so the optimizer applies nothing.
 
 ``loss_is_scaled_for_ga = True`` tells ``Trainer.training_step`` not to divide by K again.
+
+At the same all-reduce every rank adds its inf/NaN-gradient flag and its stop/checkpoint requests
+(:mod:`hf_accum.control`): a window with an inf/NaN loss or gradient is skipped (gradients dropped, the LR
+scheduler left alone), and a stop signal ends training after the update with a checkpoint, on all ranks
+alike. Checkpoints are written atomically and resumed from the latest complete one
+(:mod:`hf_accum.checkpoint`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -39,7 +44,8 @@ from typing import Any, Callable
 
 import torch
 from transformers import Trainer, TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, has_length
+from transformers.trainer_callback import TrainerState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, has_length, rotate_checkpoints
 
 from hf_accum.accumulation import (
     Fp32GradientAccumulator,
@@ -48,7 +54,25 @@ from hf_accum.accumulation import (
     drop_gradients_,
     exact_mean_factor,
     global_sum,
+    nonfinite_flag,
     rescale_gradients_,
+)
+from hf_accum.checkpoint import (
+    PLAN_FILE,
+    check_resume_plan,
+    checkpoint_path,
+    is_complete_checkpoint,
+    resolve_resume_checkpoint,
+    save_batch_plan,
+    staged_checkpoint,
+)
+from hf_accum.control import (
+    DEFAULT_MAX_CONSECUTIVE_NONFINITE,
+    NonFiniteGuard,
+    NonFiniteLossError,
+    StopSignals,
+    TrainingControl,
+    TrainingStopped,
 )
 from hf_accum.distributed import num_nodes
 from hf_accum.fused_loss import MicroBatchLoss
@@ -58,8 +82,8 @@ from hf_accum.schedule import BatchPlan, planned_updates, repeated_examples_warn
 
 logger = logging.getLogger(__name__)
 
-# Written into every checkpoint folder: the batch arithmetic the checkpoint was trained with.
-PLAN_FILE = "hf_accum_plan.json"
+TRAINER_STATE_NAME = "trainer_state.json"  # transformers.trainer.TRAINER_STATE_NAME
+_NONFINITE_LIMIT = "inf/nan limit"
 
 
 class AccumTrainer(Trainer):
@@ -69,7 +93,8 @@ class AccumTrainer(Trainer):
     ``"token"`` or ``"sequence"``; when omitted, inferred from the model class, else from the model's
     own loss on the first micro-batch), ``fused_loss`` (causal LMs: the loss from the hidden states and
     the output layer, never the full logits; default True) and ``fp32_grad_accumulation`` (bf16/fp16
-    weights sum their micro-batch gradients in fp32; default True, single process).
+    weights sum their micro-batch gradients in fp32; default True, single process),
+    ``max_consecutive_nonfinite`` (default 5) and ``stop_on_signals`` (default True).
 
     Guarantees, per optimizer update (window of K micro-batches on each of W ranks):
 
@@ -89,7 +114,17 @@ class AccumTrainer(Trainer):
     * ``auto_find_batch_size`` keeps the effective batch: when it shrinks the micro-batch, the
       accumulation steps grow so that micro-batch x accumulation is unchanged (logged);
     * resuming checks the checkpoint's batch plan and refuses a different micro-batch,
-      accumulation or world size (it would silently change the effective batch).
+      accumulation or world size (it would silently change the effective batch);
+      ``train(resume_from_checkpoint=True)`` takes the latest *complete* checkpoint;
+    * checkpoints are written atomically (staging directory, renamed once every rank is done);
+      ``save_total_limit`` deletes old ones only after the new one is complete;
+    * an update whose loss or gradients hold an inf/NaN on any rank is skipped: weights, optimizer
+      state and LR schedule untouched, logged (``updates_skipped_nonfinite``); after
+      ``max_consecutive_nonfinite`` in a row, a checkpoint and :class:`~hf_accum.control.NonFiniteLossError`
+      (under fp16 the GradScaler's own skip does it; DeepSpeed steps inside backward: the run stops);
+    * SIGTERM/SIGUSR1/SIGINT (``stop_on_signals``) or ``trainer.run_control.request_stop()``: the update
+      finishes, a checkpoint is written, and ``train`` raises :class:`~hf_accum.control.TrainingStopped`
+      (exit code 75, 130 for Ctrl-C); ``run_control.request_checkpoint()`` saves and continues.
 
     Subclass and override :meth:`loss_sum_and_count` to change the loss (it must return a *sum*
     over targets and the number of targets); everything else stays exact. An override receives real
@@ -106,8 +141,11 @@ class AccumTrainer(Trainer):
         on_update: Callable[[UpdateLog], None] | None = None,
         fused_loss: bool = True,
         fp32_grad_accumulation: bool = True,
+        max_consecutive_nonfinite: int = DEFAULT_MAX_CONSECUTIVE_NONFINITE,
+        stop_on_signals: bool = True,
         **kwargs: Any,
     ) -> None:
+        self._nonfinite = NonFiniteGuard(max_consecutive_nonfinite)  # validates before the heavy set-up
         super().__init__(*args, **kwargs)
         self._refuse_optimizer_deepspeed_replaces()
         if self.compute_loss_func is not None:
@@ -138,6 +176,13 @@ class AccumTrainer(Trainer):
         self._on_update = on_update
         self._closed_window: WindowTotals | None = None
         self._eval_loss_of_update: float | None = None
+        self.run_control = TrainingControl()  # request_checkpoint() / request_stop(), from callbacks or threads
+        self._stop_on_signals = stop_on_signals
+        self._halt: str | None = None  # agreed by all ranks: a stop reason, or _NONFINITE_LIMIT
+        self._skip_step = False  # this update's window was inf/NaN: Trainer must not step the LR scheduler
+        self._save_requested = False
+        self._staging_run_dir: str | None = None  # set while Trainer writes a checkpoint
+        self.add_callback(_BoundaryActions(self))
         if self.args.world_size > 1 and not self.args.average_tokens_across_devices:
             logger.info(
                 "average_tokens_across_devices=False is ignored: AccumTrainer always normalizes by the "
@@ -265,6 +310,7 @@ class AccumTrainer(Trainer):
         return loss
 
     def _close_window(self, model) -> None:
+        self._mark_boundary(model)
         totals = self._tally.reduce(self.accelerator)  # one small all-reduce per update
         self._tally.reset()
         if totals.targets != self._window_targets:
@@ -273,6 +319,13 @@ class AccumTrainer(Trainer):
                 f"counted {self._window_targets}; the normalization uses the latter, so the override must "
                 "return the same count (a sum over exactly the targets of hf_accum.loss.count_targets)"
             )
+        self._take_requests(totals)
+        if totals.nonfinite:
+            if self._fp32_sums is not None:
+                self._fp32_sums.clear()
+            self._skip_nonfinite_window(model, totals)
+            self._closed_window = totals  # recorded as a skipped update
+            return
         if self._fp32_sums is not None:
             self._write_fp32_sums(model, totals.targets)
         if totals.targets == 0:
@@ -297,6 +350,48 @@ class AccumTrainer(Trainer):
         remainder = window_scale / self._backward_scale(window_scale)
         self._fp32_sums.write_gradients_(remainder)  # rounded once to the weights' dtype
         rescale_gradients_(self._fp32_sums.other_parameters(model.parameters()), remainder)
+
+    # -- inf/NaN windows, stop and checkpoint requests -----------------------------------------
+    def _mark_boundary(self, model) -> None:
+        """This rank's inf/NaN-gradient flag and its pending requests join the window's all-reduce."""
+        gradients: torch.Tensor | bool = False
+        if self.accelerator.scaler is None and not self.is_deepspeed_enabled:
+            # fp16's GradScaler skips inf/NaN gradients itself; DeepSpeed keeps gradients inside its engine.
+            gradients = nonfinite_flag([p.grad for p in model.parameters()], self.args.device)
+        self._tally.mark_boundary(
+            nonfinite_gradients=gradients,
+            stop_requested=self.run_control.stop_reason is not None,
+            checkpoint_requested=self.run_control.take_checkpoint_request(),
+        )
+
+    def _take_requests(self, totals: WindowTotals) -> None:
+        if self._nonfinite.record(totals.nonfinite):
+            self._halt = _NONFINITE_LIMIT
+        elif totals.stop_requests:
+            self._halt = self.run_control.stop_reason or "stop requested on another process"
+        self._save_requested = bool(totals.checkpoint_requests)
+
+    def _skip_nonfinite_window(self, model, totals: WindowTotals) -> None:
+        """Keep the window out of the weights. Without a GradScaler: drop the gradients (the optimizer then
+        touches no parameter: AdamW's moments and step count stay) and tell Trainer the step was skipped (no
+        LR scheduler step). Under fp16 the GradScaler skips it (and lowers its scale), as for any overflow."""
+        update = self.state.global_step + 1
+        if self.is_deepspeed_enabled:
+            raise NonFiniteLossError(
+                f"update {update}: {totals.nonfinite_reason}; DeepSpeed applies the update inside backward, so it "
+                "cannot be skipped; stopping (resume from the last checkpoint after checking the data)"
+            )
+        if self.accelerator.scaler is not None:
+            _poison_gradients_(model)
+        else:
+            drop_gradients_(model.parameters())
+            self._skip_step = True
+        self._interval.add_nonfinite()
+        logger.warning(
+            "update %d: %s; skipped (weights, optimizer state and LR schedule untouched), %d in a row (limit "
+            "max_consecutive_nonfinite=%d)", update, totals.nonfinite_reason, self._nonfinite.consecutive,
+            self._nonfinite.max_consecutive,
+        )
 
     # -- batch plan, auto_find_batch_size, LR horizon -----------------------------------------
     def get_train_dataloader(self):
@@ -406,22 +501,67 @@ class AccumTrainer(Trainer):
 
     # -- checkpoints and resume ---------------------------------------------------------------
     def _save_checkpoint(self, model, trial) -> None:
-        super()._save_checkpoint(model, trial)
-        if self.args.should_save and self.batch_plan is not None:
-            folder = os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-            with open(os.path.join(folder, PLAN_FILE), "w") as handle:
-                json.dump(_plan_dict(self.batch_plan), handle)
+        """Trainer's checkpoint, written atomically: into a staging directory (Trainer writes where
+        ``_get_output_dir`` says), renamed into place once every rank is done and the batch plan -- the
+        completion marker -- is written; only then are old checkpoints rotated out."""
+        run_dir = self._get_output_dir(trial)
+        with staged_checkpoint(
+            run_dir, self.state.global_step, commits=self.args.should_save,
+            barrier=self.accelerator.wait_for_everyone, seal=self._seal_checkpoint,
+        ) as staged:
+            self._staging_run_dir = os.path.dirname(staged)
+            try:
+                super()._save_checkpoint(model, trial)
+            finally:
+                self._staging_run_dir = None
+        if self.args.should_save:
+            rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=True)
+
+    def _get_output_dir(self, trial) -> str:
+        return self._staging_run_dir or super()._get_output_dir(trial)
+
+    def _seal_checkpoint(self, staged: str) -> None:
+        """Before the rename: paths Trainer recorded inside the staging directory point to the final one."""
+        best = self.state.best_model_checkpoint
+        staging = os.path.dirname(staged)
+        if best is not None and os.path.dirname(best) == staging:
+            final_dir = os.path.dirname(staging)
+            self.state.best_model_checkpoint = os.path.join(final_dir, os.path.basename(best))
+            if os.path.isfile(os.path.join(staged, TRAINER_STATE_NAME)):
+                self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
+        save_batch_plan(staged, self.batch_plan)
 
     def train(self, resume_from_checkpoint=None, *args: Any, **kwargs: Any):
+        """``resume_from_checkpoint=True``: the latest complete checkpoint of ``output_dir``. Raises
+        :class:`~hf_accum.control.TrainingStopped` after a stop signal or request (checkpoint written) and
+        :class:`~hf_accum.control.NonFiniteLossError` at the inf/NaN limit."""
         checkpoint = resume_from_checkpoint
         if checkpoint is True:
-            checkpoint = get_last_checkpoint(self.args.output_dir)
+            checkpoint = resolve_resume_checkpoint(True, self.args.output_dir)
         if isinstance(checkpoint, str):
             self._check_resume_plan(checkpoint)
-        output = super().train(resume_from_checkpoint, *args, **kwargs)
+        self._halt, self._skip_step, self._save_requested = None, False, False
+        self._nonfinite.consecutive = 0
+        self.run_control.reset()
+        with StopSignals(self.run_control, self._stop_on_signals):
+            output = super().train(checkpoint, *args, **kwargs)
+        self._raise_if_halted()
         if "train_loss" in output.metrics:  # set by log() above: the per-target mean of the whole run
             output = output._replace(training_loss=output.metrics["train_loss"])
         return output
+
+    def _raise_if_halted(self) -> None:
+        if self._halt is None:
+            return
+        step = self.state.global_step
+        checkpoint = checkpoint_path(self.args.output_dir, step)
+        checkpoint = checkpoint if is_complete_checkpoint(checkpoint) else None
+        if self._halt == _NONFINITE_LIMIT:
+            raise self._nonfinite.error(step, checkpoint)
+        stopped = TrainingStopped(self._halt, step, checkpoint)
+        if self.args.should_log:
+            logger.warning("%s", stopped)
+        raise stopped
 
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix="eval"):
@@ -439,27 +579,56 @@ class AccumTrainer(Trainer):
     def _check_resume_plan(self, checkpoint: str) -> None:
         """Refuse to resume with other batch arithmetic: Trainer maps ``global_step`` to a data position
         with the *current* K and micro-batch, and the effective batch would silently change."""
-        path = os.path.join(checkpoint, PLAN_FILE)
-        if not os.path.isfile(path):
-            logger.warning("%s has no %s; cannot check that the batch plan is unchanged", checkpoint, PLAN_FILE)
-            return
-        with open(path) as handle:
-            saved = BatchPlan(**json.load(handle))
         micro_batch, accumulation = self._requested_batch
         current = BatchPlan(micro_batch // max(1, self.args.n_gpu), accumulation, self.accelerator.num_processes)
-        if saved == current:
-            return
-        if (
-            self.args.auto_find_batch_size  # it re-derives (micro-batch, K) for the same effective batch
-            and saved.global_batch_size == current.global_batch_size
-            and saved.num_processes == current.num_processes
-        ):
-            return
-        raise ValueError(
-            f"cannot resume from {checkpoint}: it was trained with {saved.describe()}, this run has "
-            f"{current.describe()} ({_plan_differences(saved, current)}). Resuming would change the effective "
-            "batch and misplace the data position; resume with the checkpoint's settings"
+        # auto_find_batch_size re-derives (micro-batch, K) for the same effective batch.
+        if check_resume_plan(checkpoint, current, same_global_batch_ok=self.args.auto_find_batch_size) is None:
+            logger.warning("%s has no %s; cannot check that the batch plan is unchanged", checkpoint, PLAN_FILE)
+
+
+class _BoundaryActions(TrainerCallback):
+    """Carries out AccumTrainer's update-boundary decisions through Trainer's own flow (``_run_epoch`` is
+    not overridden): a skipped inf/NaN window must not step the LR scheduler; a checkpoint request or a
+    stop saves a checkpoint; a stop ends training."""
+
+    def __init__(self, trainer: AccumTrainer) -> None:
+        self.trainer = trainer
+
+    def on_optimizer_step(self, args, state: TrainerState, control, optimizer=None, **kwargs):
+        if self.trainer._skip_step:
+            _set_step_skipped(optimizer, True)
+
+    def on_step_end(self, args, state: TrainerState, control, optimizer=None, **kwargs):
+        trainer = self.trainer
+        if trainer._skip_step:
+            _set_step_skipped(optimizer, False)
+            trainer._skip_step = False
+        if trainer._save_requested or trainer._halt is not None:
+            control.should_save = True
+            trainer._save_requested = False
+        if trainer._halt is not None:
+            control.should_training_stop = True
+
+
+def _set_step_skipped(optimizer, skipped: bool) -> None:
+    """Trainer steps the LR scheduler unless ``accelerator.optimizer_step_was_skipped``, which reads the
+    overflow flag of each ``AcceleratedOptimizer`` (set by fp16's GradScaler). A window we skipped sets it
+    between ``optimizer.step()`` and that check (``on_optimizer_step``), and clears it after."""
+    if not hasattr(optimizer, "_is_overflow"):
+        raise RuntimeError(
+            "accelerate's AcceleratedOptimizer has no _is_overflow flag any more: AccumTrainer cannot keep the LR "
+            "scheduler still on a skipped inf/NaN update with this accelerate version"
         )
+    optimizer._is_overflow = skipped
+
+
+def _poison_gradients_(model) -> None:
+    """fp16: make sure the GradScaler sees the window as an overflow (an inf/NaN loss nearly always leaves
+    inf/NaN gradients already) so that it skips the step and the scheduler, as for any overflow."""
+    for parameter in model.parameters():
+        if parameter.grad is not None:
+            parameter.grad.fill_(float("nan"))
+            return
 
 
 class _ReleaseFp32Sums(TrainerCallback):
@@ -481,11 +650,17 @@ class _LogInterval:
         self.totals = WindowTotals()
         self.updates = 0
         self.skipped = 0
+        self.skipped_nonfinite = 0
 
     def add(self, window: WindowTotals) -> None:
         self.totals.add(window)
         self.updates += 1
         self.skipped += window.targets == 0
+
+    def add_nonfinite(self) -> None:
+        """A window skipped for inf/NaN: counted, its (inf/nan) loss kept out of the interval's mean."""
+        self.updates += 1
+        self.skipped_nonfinite += 1
 
     def as_logs(self) -> dict[str, float]:
         logs = {
@@ -497,6 +672,8 @@ class _LogInterval:
         }
         if self.skipped:
             logs["updates_without_targets"] = self.skipped
+        if self.skipped_nonfinite:
+            logs["updates_skipped_nonfinite"] = self.skipped_nonfinite
         return logs
 
 
@@ -504,24 +681,3 @@ def _labels(batch: dict[str, Any]) -> torch.Tensor:
     if "labels" not in batch:
         raise KeyError(f"AccumTrainer needs 'labels' in every batch (the collator gave {sorted(batch)})")
     return batch["labels"]
-
-
-def _plan_differences(saved: BatchPlan, current: BatchPlan) -> str:
-    labels = {
-        "micro_batch_size": "per-device micro-batch",
-        "accumulation_steps": "gradient_accumulation_steps",
-        "num_processes": "number of processes",
-    }
-    return "; ".join(
-        f"{label} {getattr(saved, key)} -> {getattr(current, key)}"
-        for key, label in labels.items()
-        if getattr(saved, key) != getattr(current, key)
-    )
-
-
-def _plan_dict(plan: BatchPlan) -> dict[str, int]:
-    return {
-        "micro_batch_size": plan.micro_batch_size,
-        "accumulation_steps": plan.accumulation_steps,
-        "num_processes": plan.num_processes,
-    }

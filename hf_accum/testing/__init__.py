@@ -2,8 +2,8 @@
 ``test_utils``): tiny models built from config, uneven random data, audited training runs, and a
 torchrun launcher. Nothing here is used by training itself.
 
-* :mod:`~hf_accum.testing.models` -- tiny Llamas (float64, dtype-keeping RMSNorm), a causal LM
-  whose ``forward`` takes no ``**kwargs``;
+* :mod:`~hf_accum.testing.models` -- tiny Llamas (float64, dtype-keeping RMSNorm; optionally with a LoRA
+  adapter), a causal LM whose ``forward`` takes no ``**kwargs``;
 * :mod:`~hf_accum.testing.data` -- random rows of uneven length (prompt masking, classification
   labels, long/short rows per rank);
 * :mod:`~hf_accum.testing.scenarios` -- a scenario (model, data, batch arithmetic) run through the
@@ -23,6 +23,7 @@ from hf_accum.testing.models import (
     keep_norm_dtype,
     tiny_causal_lm,
     tiny_config,
+    tiny_lora_causal_lm,
     tiny_sequence_classifier,
 )
 from hf_accum.testing.scenarios import (
@@ -58,6 +59,7 @@ __all__ = [
     "run_trainer",
     "tiny_causal_lm",
     "tiny_config",
+    "tiny_lora_causal_lm",
     "tiny_sequence_classifier",
     "training_args",
 ]

@@ -19,10 +19,7 @@ from typing import Sequence
 
 def run_torchrun(worker: str, out_path, nproc: int = 2, timeout: int = 300, extra_args: Sequence[str] = ()) -> dict:
     """Run ``worker OUT.json [extra_args]`` under torchrun; return the JSON it wrote (rank 0)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone",
-               worker, str(out_path), *extra_args]
-    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    completed = torchrun(worker, [str(out_path), *extra_args], nproc, timeout)
     assert completed.returncode == 0, completed.stderr[-4000:]
     with open(out_path) as handle:
         return json.load(handle)
@@ -58,3 +55,12 @@ def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("localhost", 0))
         return probe.getsockname()[1]
+
+
+def torchrun(worker: str, args: Sequence[str], nproc: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run ``worker *args`` under torchrun and return the finished process, whatever its exit code (for
+    workers that are killed or stop on purpose)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone",
+               worker, *args]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)

@@ -37,6 +37,16 @@ def tiny_causal_lm(seed: int = 0, dtype: torch.dtype = torch.float64, **override
     return keep_norm_dtype(LlamaForCausalLM(tiny_config(**overrides)).to(dtype))
 
 
+def tiny_lora_causal_lm(seed: int = 0, lora_dropout: float = 0.1, r: int = 4) -> torch.nn.Module:
+    """:func:`tiny_causal_lm` with a float64 LoRA adapter on the attention's q/v projections (only the adapter
+    trains). Its dropout draws random numbers in every forward: a resumed run matches only if the random
+    states were restored."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=lora_dropout, target_modules=["q_proj", "v_proj"])
+    return get_peft_model(tiny_causal_lm(seed=seed), config).to(torch.float64)
+
+
 def tiny_sequence_classifier(seed: int = 0, num_labels: int = 3, dtype=torch.float64):
     torch.manual_seed(seed)
     return keep_norm_dtype(LlamaForSequenceClassification(tiny_config(num_labels=num_labels)).to(dtype))

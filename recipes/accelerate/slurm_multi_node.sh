@@ -4,12 +4,23 @@
 # global batch = micro x accumulation x (nodes x GPUs per node), from the recipe config; with llama3_8b_lora.yaml
 #   effective batch 64 = 4 per device x 1 accumulation x 16 processes (2 nodes x 8)
 # which the script prints (hf-accum plan) before starting anything, and stops if it does not divide.
+#
+# Preemption and time limits: 120 s before the time limit (or when the job is preempted with a
+# signal) SLURM sends SIGUSR1 to this script; it forwards the signal to the training processes, which
+# finish the update in progress, write checkpoint-<update> into training.output_dir, and exit with code 75
+# (hf_accum.control.EXIT_PREEMPTED). The script then requeues the job; the requeued job runs the same
+# command, and training.resume_from_checkpoint=true continues from the latest complete checkpoint.
+# 120 s must cover one update plus one checkpoint write: raise it for full fine-tuning (the optimizer
+# state of an 8B model is ~100 GB).
 #SBATCH --job-name=hf_accum_llama3_lora
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=8
 #SBATCH --cpus-per-task=32
 #SBATCH --time=12:00:00
+#SBATCH --signal=B:USR1@120
+#SBATCH --requeue
+#SBATCH --open-mode=append
 #SBATCH --output=%x-%j.out
 set -euo pipefail
 
@@ -21,12 +32,39 @@ CONFIG=${CONFIG:-recipes/configs/llama3_8b_lora.yaml}
 # The batch arithmetic of this job, from the config and the overrides the recipe will get.
 hf-accum plan --config "$CONFIG" --nodes "$SLURM_NNODES" --gpus-per-node "$GPUS_PER_NODE" "$@"
 
-# srun starts one task per node; each runs accelerate launch with its own node rank.
-srun bash -c "accelerate launch \
+PREEMPTED=0
+on_usr1() {
+    echo "SIGUSR1 (time limit or preemption): asking the training processes to checkpoint and stop"
+    PREEMPTED=1
+    # Signals the processes of the job's steps (by default not this batch script): the launchers ignore
+    # SIGUSR1 (below), the training processes catch it.
+    scancel --signal=USR1 "$SLURM_JOB_ID"
+}
+trap on_usr1 USR1
+
+# srun starts one task per node; each runs accelerate launch with its own node rank. `trap '' USR1` makes
+# accelerate launch (and torchrun's agent inside it) ignore SIGUSR1 -- by default it would kill them --
+# while hf_accum installs its own handler in each training process.
+srun bash -c "trap '' USR1; exec accelerate launch \
     --config_file recipes/accelerate/multi_node.yaml \
     --num_machines $SLURM_NNODES \
     --num_processes $((SLURM_NNODES * GPUS_PER_NODE)) \
     --machine_rank \$SLURM_NODEID \
     --main_process_ip $MASTER_ADDR \
     --main_process_port $MASTER_PORT \
-    recipes/finetune_llama.py --config $CONFIG $*"
+    recipes/finetune_llama.py --config $CONFIG training.resume_from_checkpoint=true $*" &
+SRUN_PID=$!
+
+# `wait` returns early when the trap runs; keep waiting until srun itself has finished.
+STATUS=0
+while true; do
+    wait "$SRUN_PID" && STATUS=0 || STATUS=$?
+    kill -0 "$SRUN_PID" 2>/dev/null || break
+done
+
+if [ "$PREEMPTED" = 1 ]; then
+    echo "requeueing job $SLURM_JOB_ID (srun exited with $STATUS)"
+    scontrol requeue "$SLURM_JOB_ID"
+    exit 0
+fi
+exit "$STATUS"

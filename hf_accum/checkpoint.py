@@ -1,0 +1,596 @@
+"""Checkpoints for exact resumption: what they hold, how they are written, how the latest complete one is found.
+
+Shared by both engines:
+
+* **Atomic writes** (:func:`staged_checkpoint`, on :func:`atomic_directory`; :func:`atomic_file` for single
+  files): every rank writes into a hidden sibling directory
+  ``.staging-checkpoint-<update>/checkpoint-<update>``; when all ranks are done (barrier) the main process
+  writes the batch plan (:data:`PLAN_FILE`, the completion marker), flushes to disk and renames the directory
+  into place. A kill in the middle leaves only the staging directory (ignored, and removed by the next
+  save); the previous checkpoints stay complete. Old checkpoints are deleted (``save_total_limit``) only
+  after the new one is in place.
+* **Finding** (:func:`latest_complete_checkpoint`): the ``checkpoint-<n>`` with the largest ``n`` that holds
+  the marker; incomplete ones are skipped.
+* **The batch plan** (:func:`check_resume_plan`): a checkpoint trained with another micro-batch,
+  accumulation or world size is refused, naming the difference -- the effective batch and the data
+  position would silently change.
+
+And, for :func:`hf_accum.loop.train` (AccumTrainer uses Trainer's own checkpoint contents),
+:class:`LoopCheckpointer`: the model in safetensors (only the adapter for PEFT models), optimizer, LR
+scheduler, GradScaler, the update counter and log, the data position (epoch and micro-batches consumed in
+it), and every random state of every rank -- including the state the epoch's shuffle was drawn from, so
+the resumed run sees the rest of the epoch in the same order. Pickles are read only with
+``torch.load(weights_only=True)``; everything written here is loadable that way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from hf_accum.schedule import BatchPlan
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_PREFIX = "checkpoint"  # transformers' PREFIX_CHECKPOINT_DIR: Trainer's checkpoint-<step> naming
+PLAN_FILE = "hf_accum_plan.json"
+"""The batch plan; written last, so its presence marks a complete checkpoint."""
+LOOP_STATE_FILE = "hf_accum_loop_state.json"
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "scheduler.pt"
+SCALER_FILE = "scaler.pt"
+STAGING_PREFIX = ".staging-"
+_CHECKPOINT_NAME = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
+
+
+# -- names and finding ---------------------------------------------------------------------------------
+
+
+def checkpoint_path(output_dir: str, update: int) -> str:
+    return os.path.join(output_dir, f"{CHECKPOINT_PREFIX}-{update}")
+
+
+def checkpoint_update(path: str) -> int | None:
+    """The update number of a ``checkpoint-<n>`` directory name (None for other names)."""
+    match = _CHECKPOINT_NAME.match(os.path.basename(os.path.normpath(path)))
+    return int(match.group(1)) if match else None
+
+
+def is_complete_checkpoint(path: str) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, PLAN_FILE))
+
+
+def complete_checkpoints(output_dir: str) -> list[str]:
+    """Complete ``checkpoint-<n>`` directories of ``output_dir``, oldest update first."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        update = checkpoint_update(name)
+        path = os.path.join(output_dir, name)
+        if update is not None and is_complete_checkpoint(path):
+            found.append((update, path))
+    return [path for _, path in sorted(found)]
+
+
+def latest_complete_checkpoint(output_dir: str) -> str | None:
+    """The checkpoint to resume from: the complete ``checkpoint-<n>`` with the largest ``n``, or None.
+
+    A directory without :data:`PLAN_FILE` (its write was killed, or another tool wrote it) is skipped.
+    """
+    checkpoints = complete_checkpoints(output_dir)
+    return checkpoints[-1] if checkpoints else None
+
+
+def resolve_resume_checkpoint(resume_from_checkpoint: str | bool | None, output_dir: str | None) -> str | None:
+    """``True`` -> the latest complete checkpoint of ``output_dir`` (it must exist); a path -> that path
+    (it must be a complete checkpoint); ``None``/``False`` -> None (a fresh start)."""
+    if resume_from_checkpoint is None or resume_from_checkpoint is False:
+        return None
+    if resume_from_checkpoint is True:
+        if not output_dir:
+            raise ValueError("resume_from_checkpoint=True needs an output directory to look for checkpoints in")
+        latest = latest_complete_checkpoint(output_dir)
+        if latest is None:
+            raise ValueError(  # a ValueError, like Trainer's for the same case
+                f"resume_from_checkpoint=True: no complete {CHECKPOINT_PREFIX}-<n> in {output_dir!r} (a complete "
+                f"one holds {PLAN_FILE}); to resume when there is one and start fresh otherwise, pass "
+                "resume_from_checkpoint=latest_complete_checkpoint(output_dir)"
+            )
+        return latest
+    path = os.fspath(resume_from_checkpoint)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"resume_from_checkpoint={path!r}: no such checkpoint directory")
+    if not is_complete_checkpoint(path):
+        raise ValueError(
+            f"resume_from_checkpoint={path!r} is incomplete (no {PLAN_FILE}: its write was interrupted); "
+            f"resume from latest_complete_checkpoint({os.path.dirname(os.path.normpath(path))!r}) instead"
+        )
+    return path
+
+
+# -- the batch plan ------------------------------------------------------------------------------------
+
+
+class ResumeMismatchError(ValueError):
+    """The checkpoint was trained with other batch arithmetic than this run."""
+
+
+def save_batch_plan(folder: str, plan: BatchPlan) -> None:
+    with open(os.path.join(folder, PLAN_FILE), "w") as handle:
+        json.dump(
+            {
+                "micro_batch_size": plan.micro_batch_size,
+                "accumulation_steps": plan.accumulation_steps,
+                "num_processes": plan.num_processes,
+            },
+            handle,
+        )
+
+
+def load_batch_plan(folder: str) -> BatchPlan | None:
+    path = os.path.join(folder, PLAN_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as handle:
+        return BatchPlan(**json.load(handle))
+
+
+def plan_differences(saved: BatchPlan, current: BatchPlan) -> str:
+    labels = {
+        "micro_batch_size": "per-device micro-batch",
+        "accumulation_steps": "gradient_accumulation_steps",
+        "num_processes": "number of processes",
+    }
+    return "; ".join(
+        f"{label} {getattr(saved, key)} -> {getattr(current, key)}"
+        for key, label in labels.items()
+        if getattr(saved, key) != getattr(current, key)
+    )
+
+
+def check_resume_plan(checkpoint: str, current: BatchPlan, same_global_batch_ok: bool = False) -> BatchPlan | None:
+    """Refuse to resume with other batch arithmetic: the data position is counted in micro-batches of the
+    saved plan, and the effective batch would silently change. ``same_global_batch_ok``: accept another
+    (micro-batch, accumulation) split of the same global batch on the same number of processes
+    (``auto_find_batch_size`` re-derives it). Returns the saved plan (None when the checkpoint has none)."""
+    saved = load_batch_plan(checkpoint)
+    if saved is None or saved == current:
+        return saved
+    if (
+        same_global_batch_ok
+        and saved.global_batch_size == current.global_batch_size
+        and saved.num_processes == current.num_processes
+    ):
+        return saved
+    raise ResumeMismatchError(
+        f"cannot resume from {checkpoint}: it was trained with {saved.describe()}, this run has "
+        f"{current.describe()} ({plan_differences(saved, current)}). Resuming would change the effective "
+        "batch and misplace the data position; resume with the checkpoint's settings"
+    )
+
+
+# -- atomic writing ------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def atomic_directory(
+    final: str,
+    *,
+    commits: bool = True,
+    barrier: Callable[[], None] = lambda: None,
+    seal: Callable[[str], None] | None = None,
+) -> Iterator[str]:
+    """Write the directory ``final`` atomically: yields ``<parent>/.staging-<name>/<name>`` to write into,
+    then renames it to ``final`` (replacing an existing one) when the block succeeds. On an exception the
+    staging directory is removed and ``final`` is untouched; after a kill only the hidden staging directory
+    remains (removed by the next write).
+
+    Several processes: every rank enters with the same ``final``; ``commits`` is True on the process that
+    renames (the main process, or each node's main process when every node has its own disk), which runs
+    ``seal(staged)`` (e.g. writing a completion marker) after the ``barrier()`` that follows everyone's
+    writes. On exit every rank has passed a barrier after the rename.
+    """
+    parent, name = os.path.split(os.path.normpath(final))
+    staging = os.path.join(parent, f"{STAGING_PREFIX}{name}")
+    staged = os.path.join(staging, name)
+    if commits:
+        shutil.rmtree(staging, ignore_errors=True)  # left over from a write that was killed
+        os.makedirs(staged)
+    barrier()
+    try:
+        yield staged
+        barrier()  # every rank's files are written
+        if commits:
+            if seal is not None:
+                seal(staged)
+            _fsync_tree(staged)
+            _move_into_place(staged, final)
+            shutil.rmtree(staging, ignore_errors=True)
+    except BaseException:
+        if commits:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    barrier()  # nobody reads or rotates before the directory is in place
+
+
+@contextlib.contextmanager
+def atomic_file(path: str) -> Iterator[str]:
+    """Yields a temporary path next to ``path``; it replaces ``path`` only when the block succeeds (a kill or
+    an error leaves ``path`` as it was)."""
+    folder, name = os.path.split(os.path.abspath(path))
+    temporary = os.path.join(folder, f"{STAGING_PREFIX}{name}.{os.getpid()}")
+    try:
+        yield temporary
+        with open(temporary, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temporary)
+        raise
+
+
+@contextlib.contextmanager
+def staged_checkpoint(
+    output_dir: str,
+    update: int,
+    *,
+    commits: bool,
+    barrier: Callable[[], None],
+    seal: Callable[[str], None],
+) -> Iterator[str]:
+    """:func:`atomic_directory` for ``output_dir/checkpoint-<update>``; ``seal`` writes the completion marker
+    (:data:`PLAN_FILE`). Also removes staging directories that killed writes left in ``output_dir``."""
+    with atomic_directory(checkpoint_path(output_dir, update), commits=commits, barrier=barrier, seal=seal) as staged:
+        yield staged
+    if commits:
+        _remove_stale_staging(output_dir)
+
+
+def _move_into_place(staged: str, final: str) -> None:
+    """``os.replace`` cannot replace a non-empty directory: move an existing one aside first (a resumed run
+    that writes the same update again), then delete it once the new one is in place."""
+    aside = None
+    if os.path.exists(final):
+        aside = os.path.join(os.path.dirname(final), f"{STAGING_PREFIX}replaced-{os.path.basename(final)}")
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+    os.replace(staged, final)
+    _fsync_directory(os.path.dirname(final))
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def _remove_stale_staging(output_dir: str) -> None:
+    for name in os.listdir(output_dir):
+        if name.startswith(STAGING_PREFIX):
+            shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+
+
+def _fsync_tree(root: str) -> None:
+    """Flush every file to disk before the rename, so that a node failure cannot leave a renamed (complete-
+    looking) checkpoint with missing data."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(folder, name), "rb") as handle:
+                os.fsync(handle.fileno())
+        _fsync_directory(folder)
+
+
+def _fsync_directory(folder: str) -> None:
+    try:
+        descriptor = os.open(folder, os.O_RDONLY)
+    except OSError:  # not supported on this platform / filesystem
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)
+
+
+def rotate_checkpoints(output_dir: str, save_total_limit: int | None) -> None:
+    """Keep the ``save_total_limit`` newest complete checkpoints (the newest always survives)."""
+    if not save_total_limit or save_total_limit < 1:
+        return
+    for path in complete_checkpoints(output_dir)[:-save_total_limit]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def check_output_dir_writable(output_dir: str, label: str = "output_dir") -> None:
+    """Create ``output_dir`` and a probe file in it, before training: a checkpoint must not fail hours later."""
+    probe = os.path.join(output_dir, f"{STAGING_PREFIX}write-probe-{os.getpid()}")
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        with open(probe, "w") as handle:
+            handle.write("probe")
+        os.remove(probe)
+    except OSError as error:
+        raise ValueError(f"{label}={output_dir!r} is not a writable directory ({error.strerror or error})") from None
+
+
+# -- random states ------------------------------------------------------------------------------------
+
+
+def data_generators(dataloader: Any) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects a (prepared) dataloader draws its order from: its own, Accelerate's
+    synchronized one, its samplers' and its dataset's; each once, in a fixed order."""
+    found: list[torch.Generator] = []
+    seen: set[int] = set()
+
+    def visit(obj: Any, depth: int) -> None:
+        if obj is None or depth > 4:
+            return
+        if isinstance(obj, torch.Generator):
+            if id(obj) not in seen:
+                seen.add(id(obj))
+                found.append(obj)
+            return
+        for name in ("generator", "synchronized_generator", "batch_sampler", "sampler", "dataset"):
+            child = getattr(obj, name, None)
+            if child is not None and child is not obj and not isinstance(child, (str, int, float)):
+                visit(child, depth + 1)
+
+    visit(dataloader, 0)
+    return found
+
+
+def capture_random_states(generators: Iterable[torch.Generator] = ()) -> dict[str, Any]:
+    """Python, numpy, torch (CPU and every visible CUDA device) and the given generators' states, in a form
+    ``torch.load(weights_only=True)`` reads back (numpy's key array becomes a tensor)."""
+    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "position": int(position),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
+        "torch": torch.get_rng_state(),
+        "generators": [generator.get_state() for generator in generators],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_random_states(state: dict[str, Any], generators: Iterable[torch.Generator] | None = ()) -> None:
+    """Restore what :func:`capture_random_states` captured; ``generators=None`` leaves the data generators
+    alone (only the global random states are restored)."""
+    random.setstate(state["python"])
+    numpy_state = state["numpy"]
+    np.random.set_state(
+        (
+            numpy_state["kind"],
+            numpy_state["keys"].numpy().astype(np.uint32),
+            numpy_state["position"],
+            numpy_state["has_gauss"],
+            numpy_state["cached_gaussian"],
+        )
+    )
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if generators is None:
+        return
+    generators = list(generators)
+    if len(generators) != len(state["generators"]):
+        raise ValueError(
+            f"the dataloader draws its order from {len(generators)} random generators, the checkpoint saved "
+            f"{len(state['generators'])}: resume with the same dataloader setup (shuffle, sampler, generator)"
+        )
+    for generator, saved in zip(generators, state["generators"]):
+        generator.set_state(saved)
+
+
+# -- the loop's checkpoints ----------------------------------------------------------------------------
+
+
+@dataclass
+class LoopState:
+    """The JSON part of a loop checkpoint."""
+
+    update: int
+    """Updates done (applied or skipped): the next update is ``update + 1``."""
+    epoch: int
+    """The epoch the next micro-batch comes from."""
+    micro_batches_in_epoch: int
+    """Micro-batches of that epoch already consumed on each process (skipped on resume)."""
+    planned_updates: int
+    micro_batches_per_epoch: int | None = None
+    """Per process (None for a stream): another number means other data, and the position would be wrong."""
+    window_magnitude: float | None = None
+    """fp16 only: the loss magnitude hint carried from window to window (hf_accum.loop._WindowState)."""
+    consecutive_nonfinite: int = 0
+    log_history: list[dict] = field(default_factory=list)
+    """Every update's log so far (``UpdateLog`` fields), so a resumed run reports the whole run."""
+
+
+@dataclass
+class _Resumed:
+    state: LoopState
+    random_states: dict[str, Any]
+
+
+class LoopCheckpointer:
+    """Writes and reads :func:`hf_accum.loop.train`'s checkpoints and replays the data position.
+
+    ``model``, ``optimizer`` and ``dataloader`` are the objects ``accelerator.prepare`` returned; the LR
+    scheduler is the loop's own (not prepared). ``output_dir`` must be one directory shared by all processes.
+    """
+
+    def __init__(
+        self, output_dir: str, accelerator: Any, model: torch.nn.Module, optimizer: Any, scheduler: Any,
+        dataloader: Any, plan: BatchPlan, save_total_limit: int | None = None,
+    ) -> None:
+        self.output_dir = output_dir
+        self.accelerator = accelerator
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.plan = plan
+        self.save_total_limit = save_total_limit
+        self.generators = data_generators(dataloader)
+        self._epoch_start_states: dict[str, Any] | None = None
+        self._pending: _Resumed | None = None
+
+    # -- saving ------------------------------------------------------------------------------------
+    def save(self, state: LoopState) -> str:
+        """Write ``checkpoint-<state.update>`` (every rank calls this at the same update). Returns its path."""
+        accelerator = self.accelerator
+        is_main = accelerator.is_main_process
+        random_states = {"now": capture_random_states(self.generators), "epoch_start": self._epoch_start_states}
+        with staged_checkpoint(
+            self.output_dir, state.update, commits=is_main, barrier=accelerator.wait_for_everyone,
+            seal=lambda folder: save_batch_plan(folder, self.plan),
+        ) as folder:
+            torch.save(random_states, os.path.join(folder, _rng_file(accelerator.process_index)))
+            if is_main:
+                _save_model(accelerator.unwrap_model(self.model), folder)
+                torch.save(self.optimizer.state_dict(), os.path.join(folder, OPTIMIZER_FILE))
+                torch.save(self.scheduler.state_dict(), os.path.join(folder, SCHEDULER_FILE))
+                if accelerator.scaler is not None:
+                    torch.save(accelerator.scaler.state_dict(), os.path.join(folder, SCALER_FILE))
+                with open(os.path.join(folder, LOOP_STATE_FILE), "w") as handle:
+                    json.dump(asdict(state), handle)
+        if is_main:
+            rotate_checkpoints(self.output_dir, self.save_total_limit)
+        accelerator.wait_for_everyone()
+        return checkpoint_path(self.output_dir, state.update)
+
+    # -- resuming ----------------------------------------------------------------------------------
+    def resume(self, checkpoint: str, micro_batches_per_epoch: int | None) -> LoopState:
+        """Load ``checkpoint`` into the model, optimizer, scheduler and scaler (every rank); the data position
+        and random states are applied by :meth:`epoch_batches`. Refuses another batch plan first."""
+        check_resume_plan(checkpoint, self.plan)
+        with open(os.path.join(checkpoint, LOOP_STATE_FILE)) as handle:
+            state = LoopState(**json.load(handle))
+        if state.micro_batches_per_epoch != micro_batches_per_epoch:
+            raise ResumeMismatchError(
+                f"cannot resume from {checkpoint}: it was trained on {state.micro_batches_per_epoch} micro-batches "
+                f"per epoch and process, this run has {micro_batches_per_epoch} (other data?); the data position "
+                "would be wrong. Resume with the checkpoint's data"
+            )
+        rng_path = os.path.join(checkpoint, _rng_file(self.accelerator.process_index))
+        random_states = _load(rng_path)
+        _load_model(self.accelerator.unwrap_model(self.model), checkpoint)
+        self.optimizer.load_state_dict(_load(os.path.join(checkpoint, OPTIMIZER_FILE)))
+        self.scheduler.load_state_dict(_load(os.path.join(checkpoint, SCHEDULER_FILE)))
+        if self.accelerator.scaler is not None:
+            self.accelerator.scaler.load_state_dict(_load(os.path.join(checkpoint, SCALER_FILE)))
+        if micro_batches_per_epoch is not None and state.micro_batches_in_epoch >= micro_batches_per_epoch:
+            state.epoch, state.micro_batches_in_epoch = state.epoch + 1, 0  # saved at an epoch's very end
+        self._pending = _Resumed(state, random_states)
+        return state
+
+    def epoch_batches(self, dataloader: Any, epoch: int) -> tuple[Iterable, int]:
+        """The micro-batches of ``epoch`` to train on and how many of the epoch precede them: the whole
+        dataloader and 0, or -- in the epoch a resume lands in -- the ones not consumed yet, in the order the
+        interrupted run would have seen them, and the number consumed.
+
+        Call after ``dataloader.set_epoch(epoch)`` and right before iterating (the epoch's order is drawn
+        from the random states at that moment, which this records for the epoch's checkpoints).
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.state.epoch == epoch and pending.state.micro_batches_in_epoch > 0:
+            self._epoch_start_states = pending.random_states["epoch_start"]
+            return self._rest_of_epoch(dataloader, pending), pending.state.micro_batches_in_epoch
+        if pending is not None:  # the checkpoint sits at this epoch's start
+            restore_random_states(pending.random_states["now"], self.generators)
+        self._epoch_start_states = capture_random_states(self.generators)
+        return dataloader, 0
+
+    def _rest_of_epoch(self, dataloader: Any, pending: _Resumed) -> Iterator:
+        """The epoch's order is re-drawn from the states saved at its start; Accelerate's
+        ``skip_first_batches`` then skips the consumed micro-batches by index (without loading them).
+
+        Fetching the first remaining batch starts the sampler, and -- fetching one batch ahead -- may already
+        reach the sampler's end, where it draws again; the interrupted run made that draw after the
+        checkpoint. So the data generators keep the state this replay gives them (the same draws from the
+        same start), and only the global states (dropout, ...) of the checkpoint's moment are restored, after
+        that fetch and before any forward pass. (A collator that draws from the global states would see its
+        draws of the first prefetched batch overwritten; the collators of this package draw none.)"""
+        from accelerate import skip_first_batches
+
+        restore_random_states(pending.random_states["epoch_start"], self.generators)
+        iterator = iter(skip_first_batches(dataloader, pending.state.micro_batches_in_epoch))
+        first = next(iterator, _END)
+        restore_random_states(pending.random_states["now"], generators=None)
+        if first is _END:
+            return
+        yield first
+        yield from iterator
+
+
+_END = object()
+
+
+def _rng_file(process_index: int) -> str:
+    return f"rng_state_{process_index}.pth"
+
+
+def _load(path: str) -> Any:
+    """Read a pickle written by this module: tensors and plain containers only."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"checkpoint file {path} is missing (a checkpoint of another run layout?)") from None
+
+
+def _is_peft_model(model: torch.nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:  # peft is a dependency; without it no model is a PeftModel
+        return False
+    return isinstance(model, PeftModel)
+
+
+def _save_model(model: torch.nn.Module, folder: str) -> None:
+    """PEFT: the adapter only (``adapter_model.safetensors``, ``adapter_config.json``), which is all that
+    trains; otherwise every weight in ``model.safetensors`` (tied weights stored once)."""
+    if _is_peft_model(model):
+        model.save_pretrained(folder, safe_serialization=True)
+        return
+    from safetensors.torch import save_model
+
+    save_model(model, os.path.join(folder, MODEL_FILE))
+
+
+def _load_model(model: torch.nn.Module, folder: str) -> None:
+    if _is_peft_model(model):
+        from peft import load_peft_weights, set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(model, load_peft_weights(folder, device="cpu"))
+        unexpected = getattr(result, "unexpected_keys", [])
+        if unexpected:
+            raise ValueError(f"checkpoint {folder} holds adapter weights this model lacks: {unexpected[:5]}")
+        return
+    from safetensors.torch import load_model
+
+    path = os.path.join(folder, MODEL_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint {folder} has no {MODEL_FILE} (saved from a PEFT model?)")
+    try:
+        missing, unexpected = load_model(model, path, strict=False)
+    except RuntimeError as error:  # shape mismatches
+        raise ValueError(f"checkpoint {folder} does not fit this model: {str(error).splitlines()[0]}") from None
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {folder} does not fit this model: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}"
+        )
