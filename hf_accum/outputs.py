@@ -26,13 +26,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 from hf_accum import config as config_module
+from hf_accum.control import EXIT_INTERRUPTED
 
 METRICS_NAME = "metrics.json"
 PLOT_NAME = "training_curves.png"
 ADAPTER_DIR = "adapter"
 MODEL_DIR = "model"
 EXIT_BAD_INPUT = 2
-EXIT_INTERRUPTED = 130  # the shell's code for SIGINT
+EXIT_NONFINITE = 3  # too many inf/NaN updates in a row (a checkpoint was written)
 
 
 def is_main_process() -> bool:
@@ -144,16 +145,6 @@ def write_atomically(path: str, text: str) -> None:
     os.replace(temporary, path)
 
 
-def save_directory_atomically(path: str, write: Callable[[str], None]) -> None:
-    """``write(temporary_dir)``, then rename it to ``path`` (replacing an older one)."""
-    temporary = f"{path}.tmp-{os.getpid()}"
-    shutil.rmtree(temporary, ignore_errors=True)
-    write(temporary)
-    if os.path.isdir(path):
-        shutil.rmtree(path)
-    os.replace(temporary, path)
-
-
 # ----------------------------------------------------------------------------------------------
 # During and after the run
 # ----------------------------------------------------------------------------------------------
@@ -192,17 +183,21 @@ class RunRecord:
 
 def save_outputs(record: RunRecord, model, tokenizer) -> str:
     """Adapter (or model) + tokenizer, the loss/LR plot, then ``metrics.json`` (the run is finished)."""
+    from hf_accum.distributed import save_pretrained
+
     config = record.config
     out = config.training["output_dir"]
-    if not is_main_process():
-        return out
+    main = is_main_process()
     target = os.path.join(out, ADAPTER_DIR if config.lora is not None else MODEL_DIR)
-
-    def write_weights(directory: str) -> None:
-        model.save_pretrained(directory, safe_serialization=True)
-        tokenizer.save_pretrained(directory)
-
-    save_directory_atomically(target, write_weights)
+    temporary = f"{target}.tmp"
+    # Every rank: under ZeRO-3 the sharded parameters are gathered (a collective); the main process writes.
+    save_pretrained(model, temporary, main)
+    if not main:
+        return out
+    tokenizer.save_pretrained(temporary)
+    if os.path.isdir(target):
+        shutil.rmtree(target)
+    os.replace(temporary, target)  # the finished weights appear whole, or not at all
     if record.updates:
         plot_curves(record.updates, os.path.join(out, PLOT_NAME), title=run_title(config))
     write_atomically(os.path.join(out, METRICS_NAME), json.dumps(record.metrics(), indent=2, default=str))
@@ -276,14 +271,24 @@ def percent(result: dict[str, Any] | None) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def run_cli(run: Callable[[Sequence[str]], Any], argv: Sequence[str] | None = None, bad_input=()) -> int:
-    """Run ``run(argv)``. Errors of the kinds in ``bad_input`` (configuration, data, model) print one
-    ``error:`` line and return 2; Ctrl-C prints one line and returns 130."""
+def run_cli(run: Callable[[Sequence[str]], Any], argv: Sequence[str] | None = None, bad_input=(), stopped=()) -> int:
+    """Run ``run(argv)`` and turn its ends into one line and an exit code:
+
+    * bad input (``bad_input``: configuration, data, model, launch errors): ``error: ...``, exit 2;
+    * a stop (``stopped``): a preemption signal (``hf_accum.control.TrainingStopped``: its checkpoint
+      is written, exit 75; Ctrl-C exit 130) or too many inf/NaN updates in a row (exit 3);
+    * a second Ctrl-C while stopping: exit 130.
+
+    Under ``accelerate launch`` the launcher reports any non-zero code as 1 (and adds its own traceback).
+    """
     try:
         run(sys.argv[1:] if argv is None else argv)
     except tuple(bad_input) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except tuple(stopped) as exc:
+        print(f"stopped: {exc}", file=sys.stderr)
+        return exc.code if isinstance(exc, SystemExit) else EXIT_NONFINITE
     except KeyboardInterrupt:
         print("interrupted (Ctrl-C): stopped; final outputs were not written", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -23,10 +23,14 @@ from accelerate import Accelerator  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from hf_accum import AccumTrainer, LoopConfig, train  # noqa: E402
+from hf_accum import distributed  # noqa: E402
 from hf_accum.batching import PackingCollator, PaddingCollator  # noqa: E402
+from hf_accum.checkpoint import ResumeMismatchError, check_resume_plan, resolve_resume_checkpoint  # noqa: E402
+from hf_accum.control import NonFiniteLossError, TrainingStopped  # noqa: E402
 from hf_accum.config import ConfigError, load_recipe_config  # noqa: E402
 from hf_accum.data import DataError, exact_match, load_tokenizer_and_data  # noqa: E402
 from hf_accum.modeling import ModelError, build_model, trainable_summary  # noqa: E402
+from hf_accum.schedule import BatchPlan  # noqa: E402
 from hf_accum.outputs import (  # noqa: E402
     RunRecord, barrier, check_output_dir, claim_output_dir, describe_trainable, percent, quiet_third_party_warnings,
     run_cli, save_outputs, say,
@@ -40,13 +44,19 @@ from hf_accum.outputs import (  # noqa: E402
 # ----------------------------------------------------------------------------------------------
 
 
-def train_with_loop(model, tokenizer, data, collator, args, record, resume):
-    """hf_accum.train on Accelerate: accumulate() with a summed loss and one W/N rescale per update."""
+def train_with_loop(model, tokenizer, data, collator, args, record, resume, launch):
+    """hf_accum.train on Accelerate: accumulate() with a summed loss and one W/N rescale per update
+    (under DeepSpeed: the window counted first, the loss scaled before backward)."""
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
-    accelerator = Accelerator(
-        gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision=precision, cpu=args.use_cpu,
-        log_with=args.report_to or None, project_dir=args.output_dir,  # training.report_to: tensorboard, wandb...
-    )
+    if launch.backend == "deepspeed":  # Accelerate on CPU would drop DeepSpeed with cpu=True: built for it
+        accelerator = distributed.loop_accelerator(
+            launch, args.gradient_accumulation_steps, args.max_grad_norm, precision, args.use_cpu
+        )
+    else:
+        accelerator = Accelerator(
+            gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision=precision,
+            cpu=args.use_cpu, log_with=args.report_to or None, project_dir=args.output_dir,  # report_to: trackers
+        )
     shuffle = torch.Generator().manual_seed(args.data_seed if args.data_seed is not None else args.seed)
     loader = DataLoader(
         data.train.examples, batch_size=args.per_device_train_batch_size, shuffle=True, generator=shuffle,
@@ -59,6 +69,7 @@ def train_with_loop(model, tokenizer, data, collator, args, record, resume):
         [p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
         betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, weight_decay=args.weight_decay,
     )
+    distributed.check_offload_optimizer(optimizer, launch)
     # Not the scheduler: the loop builds it over the planned number of *updates*.
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     accelerator.init_trackers(args.run_name or "hf_accum", config=record.config.to_flat_dict())
@@ -67,15 +78,17 @@ def train_with_loop(model, tokenizer, data, collator, args, record, resume):
         record.record_update(update)  # metrics.json keeps every update; a line every logging_steps
         accelerator.log(update.tracked(), step=update.step)  # every update to the trackers
 
+    # Checkpoints every save_steps updates into output_dir (and on SIGTERM/SIGUSR1); resume exactly.
     result = train(
         model, optimizer, loader, accelerator, LoopConfig.from_training_arguments(args), on_update=on_update,
-        eval_dataloader=eval_loader,
+        eval_dataloader=eval_loader, resume_from_checkpoint=resume,
     )
     accelerator.end_training()
+    record.updates = result.as_dicts()  # a resumed run's result holds the updates before the checkpoint too
     return accelerator.unwrap_model(model), result.batch_plan
 
 
-def train_with_trainer(model, tokenizer, data, collator, args, record, resume):
+def train_with_trainer(model, tokenizer, data, collator, args, record, resume, launch):
     """hf_accum.AccumTrainer: the standard Trainer API (its report_to, eval_strategy, save_strategy...),
     exact normalization inside."""
     trainer = AccumTrainer(
@@ -83,7 +96,8 @@ def train_with_trainer(model, tokenizer, data, collator, args, record, resume):
         eval_dataset=data.held_out.examples if data.held_out else None,
         on_update=record.keep_update,  # metrics.json keeps every update; Trainer prints every logging_steps
     )
-    trainer.train(resume_from_checkpoint=resume or None)
+    distributed.check_engine(trainer.accelerator, launch)  # what was asked is what runs (DeepSpeed, processes)
+    trainer.train(resume_from_checkpoint=resume)
     barrier()
     return trainer.model, trainer.batch_plan
 
@@ -102,9 +116,11 @@ ENGINES = {
 }
 
 
-def evaluate(model, tokenizer, data, config, args):
-    """Held-out exact match of the greedy answer (main process only; the others wait at a barrier)."""
-    if not data.eval_rows or args.process_index != 0:
+def evaluate(model, tokenizer, data, config, args, launch):
+    """Held-out exact match of the greedy answer (main process only; the others wait at a barrier).
+    Not under ZeRO-3: there every forward gathers parameters from all ranks."""
+    zero3 = (launch.deepspeed_config or {}).get("zero_optimization", {}).get("stage") == 3
+    if not data.eval_rows or args.process_index != 0 or zero3:
         return None
     return exact_match(
         model, tokenizer, data.eval_rows, config.data.eval_max_new_tokens, batch_size=args.per_device_eval_batch_size,
@@ -121,14 +137,25 @@ def data_facts(data) -> dict:
 def main(argv):
     # 1. Config: built-in defaults < YAML < command line; typed and validated, nothing loaded yet.
     config = load_recipe_config(argv, engines=ENGINES)
+    launch = distributed.check_launch(config.training)  # no silent fallback (FSDP on CPU, fewer processes...)
     resume = config.training.get("resume_from_checkpoint")
     if check_output_dir(config, resume=bool(resume)) == "fresh" and resume is True:
         say("note: training.resume_from_checkpoint=true but no checkpoint exists yet: starting from scratch")
         resume = None
+    try:
+        resume = resolve_resume_checkpoint(resume, config.training["output_dir"])
+    except ValueError as error:  # an incomplete checkpoint, or none where one was named
+        raise ConfigError(f"training.resume_from_checkpoint: {error}") from None
     # Activation checkpointing is set up on the model below (before PEFT wraps it): not by Trainer again.
+    # The loop engine builds its own DeepSpeed Accelerator (train_with_loop): TrainingArguments must not.
     args = config.training_arguments(activation_checkpointing=False, gradient_checkpointing=None,
-                                     resume_from_checkpoint=None)
+                                     resume_from_checkpoint=None,
+                                     deepspeed=config.training.get("deepspeed") if config.engine == "trainer" else None)
     train_engine, honoured = ENGINES[config.engine]
+    if resume:  # another micro-batch, accumulation or world size would misplace the data position
+        check_resume_plan(resume, BatchPlan(args.per_device_train_batch_size, args.gradient_accumulation_steps,
+                                            args.world_size), same_global_batch_ok=args.auto_find_batch_size)
+        say(f"resuming from {resume}")
     record = RunRecord(config, started=START)
     say("resolved config:\n" + config.to_yaml())
     for note in config.notes:
@@ -154,13 +181,13 @@ def main(argv):
     say(describe_trainable(record.facts["trainable"]))
 
     # 4. Held-out metric, training with exact accumulation, the metric again.
-    before = evaluate(model, tokenizer, data, config, args)
+    before = evaluate(model, tokenizer, data, config, args, launch)
     say(f"held-out exact match before training: {percent(before)}")
     claim_output_dir(config)  # from here on, the directory is this run's (a re-run may resume it)
     train_start = time.time()
-    model, plan = train_engine(model, tokenizer, data, collator, args, record, resume)
+    model, plan = train_engine(model, tokenizer, data, collator, args, record, resume, launch)
     train_seconds = time.time() - train_start
-    after = evaluate(model, tokenizer, data, config, args)
+    after = evaluate(model, tokenizer, data, config, args, launch)
 
     # 5. Outputs: adapter (or model) + tokenizer, loss/LR plot, metrics.json (written last: finished).
     record.facts.update(
@@ -178,4 +205,5 @@ def main(argv):
 
 if __name__ == "__main__":
     quiet_third_party_warnings()
-    raise SystemExit(run_cli(main, bad_input=(ConfigError, DataError, ModelError)))
+    bad_input = (ConfigError, DataError, ModelError, distributed.LaunchError, ResumeMismatchError)
+    raise SystemExit(run_cli(main, bad_input=bad_input, stopped=(TrainingStopped, NonFiniteLossError)))

@@ -368,3 +368,34 @@ def test_tensorboard_gets_every_update_and_the_held_out_loss(engine, loss_tag, t
     eval_points = dict(scalars["eval/loss"])
     for step, value in evaluated.items():
         assert eval_points[step] == pytest.approx(value, rel=1e-6)
+
+
+def test_sigterm_then_the_same_command_with_resume_reproduces_the_uninterrupted_run(tmp_path):
+    """The recipe (loop engine) stopped by SIGTERM after a checkpoint exits 75 with checkpoint-N written;
+    the same command plus training.resume_from_checkpoint=true finishes the run, and every update's loss
+    and LR equal those of a run that was never interrupted."""
+    import signal
+    import time
+
+    from hf_accum.control import EXIT_PREEMPTED
+
+    overrides = ["training.max_steps=6", "training.save_steps=2", "data.num_eval_examples=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    reference = tmp_path / "uninterrupted"
+    run_script(PYTHON, reference, *overrides)
+    out = tmp_path / "interrupted"
+    command = [*PYTHON, SCRIPT, *SMALL, f"training.output_dir={out}", *overrides]
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while not (out / "checkpoint-2").is_dir() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=240)
+    assert process.returncode == EXIT_PREEMPTED, stderr[-3000:]
+    assert "stopped:" in stderr and not (out / run_outputs.METRICS_NAME).exists()
+    run_script(PYTHON, out, *overrides, "training.resume_from_checkpoint=true")
+    resumed, expected = read_metrics(out)["updates"], read_metrics(reference)["updates"]
+    assert [u["step"] for u in resumed] == list(range(1, 7))
+    for ours, theirs in zip(resumed, expected):
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-9, abs=0)
+        assert ours["learning_rate"] == theirs["learning_rate"]
