@@ -126,7 +126,9 @@ def test_slurm_script_builds_one_launcher_per_node(tmp_path):
         assert option(argv, "--main_process_ip") == "gpu07"  # the first host of the allocation
         assert option(argv, "--main_process_port") == "29500"
         script = argv.index("recipes/finetune_llama.py")
-        assert argv[script + 1:] == ["--config", "recipes/configs/llama3_8b_lora.yaml", "training.max_steps=100"]
+        # A requeued job continues from its latest complete checkpoint (a first start has none: it starts fresh).
+        assert argv[script + 1:] == ["--config", "recipes/configs/llama3_8b_lora.yaml",
+                                     "training.resume_from_checkpoint=true", "training.max_steps=100"]
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@
 set -euo pipefail
 
 GPUS_PER_NODE=8
-MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)  # sed reads all: no SIGPIPE under pipefail
 MASTER_PORT=29500
 CONFIG=${CONFIG:-recipes/configs/llama3_8b_lora.yaml}
 
