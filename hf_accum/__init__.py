@@ -13,6 +13,7 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 from hf_accum.accumulation import WindowTally, WindowTotals, exact_mean_factor  # noqa: E402
 from hf_accum.batching import PackingCollator, PaddingCollator  # noqa: E402
+from hf_accum.fused_loss import linear_cross_entropy_sum  # noqa: E402
 from hf_accum.loss import count_targets, infer_loss_kind, token_loss_sum  # noqa: E402
 from hf_accum.loop import LoopConfig, TrainResult, UpdateLog, train  # noqa: E402
 from hf_accum.schedule import BatchPlan, create_update_scheduler, plan_global_batch, planned_updates  # noqa: E402
@@ -32,6 +33,7 @@ __all__ = [
     "create_update_scheduler",
     "exact_mean_factor",
     "infer_loss_kind",
+    "linear_cross_entropy_sum",
     "plan_global_batch",
     "planned_updates",
     "token_loss_sum",
