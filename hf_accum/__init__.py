@@ -38,6 +38,7 @@ from hf_accum.control import (  # noqa: E402
     TrainingControl,
     TrainingStopped,
 )
+from hf_accum.fused_loss import linear_cross_entropy_sum  # noqa: E402
 from hf_accum.loss import count_targets, infer_loss_kind, token_loss_sum  # noqa: E402
 from hf_accum.loop import LoopConfig, TrainResult, UpdateLog, train  # noqa: E402
 from hf_accum.schedule import BatchPlan, create_update_scheduler, plan_global_batch, planned_updates  # noqa: E402
@@ -63,6 +64,7 @@ __all__ = [
     "exact_mean_factor",
     "infer_loss_kind",
     "latest_complete_checkpoint",
+    "linear_cross_entropy_sum",
     "plan_global_batch",
     "planned_updates",
     "token_loss_sum",

@@ -213,7 +213,7 @@ class _GradientSums:
         if self.hidden is not None:
             self.hidden.index_copy_(0, rows, torch.mm(base, self.weight).to(self.hidden.dtype))
         if grad_weight is not None:
-            grad_weight.add_(torch.mm(base.t(), h.to(self.weight.dtype)))
+            _add_product_(grad_weight, base.t(), h.to(self.weight.dtype))
         if grad_bias is not None:
             grad_bias.add_(grad_logits.sum(0))
         if self.lora_a is None:
@@ -223,15 +223,23 @@ class _GradientSums:
         if self.hidden is not None:
             self.hidden.index_add_(0, rows, torch.mm(grad_low_rank_input, self.lora_a).to(self.hidden.dtype))
         if grad_b is not None:
-            grad_b.add_(torch.mm(low.t(), low_rank_input) * lora_scale)
+            _add_product_(grad_b, low.t(), low_rank_input * lora_scale)
         if grad_a is not None:
-            grad_a.add_(torch.mm(grad_low_rank_input.t(), h.to(self.lora_a.dtype)))
+            _add_product_(grad_a, grad_low_rank_input.t(), h.to(self.lora_a.dtype))
 
     def hidden_grad(self, grad_total: torch.Tensor) -> torch.Tensor | None:
         return _scaled(self.hidden, grad_total, self.dtypes[0])
 
     def head_grads(self, grad_total: torch.Tensor) -> list[torch.Tensor | None]:
         return [_scaled(g, grad_total, dtype) for g, dtype in zip(self.head, self.dtypes[1:])]
+
+
+def _add_product_(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``total += a @ b``; in place (no temporary the size of ``total``) when the dtypes allow it."""
+    if total.dtype == a.dtype == b.dtype and not torch.is_autocast_enabled(total.device.type):
+        total.addmm_(a, b)
+    else:  # bf16 / autocast matmul, summed into the fp32 total
+        total.add_(torch.mm(a, b))
 
 
 def _scaled(grad: torch.Tensor | None, grad_total: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor | None:
