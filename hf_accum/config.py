@@ -50,7 +50,7 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import yaml
 

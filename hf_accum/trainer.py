@@ -45,7 +45,7 @@ from typing import Any, Callable
 import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import TrainerState
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, has_length, rotate_checkpoints
+from transformers.trainer_utils import has_length, rotate_checkpoints
 
 from hf_accum.accumulation import (
     Fp32GradientAccumulator,
