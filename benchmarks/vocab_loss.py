@@ -23,6 +23,7 @@ median and range of the per-pair ratios ours / stock.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -202,11 +203,7 @@ def _pairs_to_run(args) -> dict[str, tuple[str, str]]:
 
 
 def _liger_installed() -> bool:
-    try:
-        import liger_kernel  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("liger_kernel") is not None
 
 
 def compare(args) -> list[dict]:

@@ -409,8 +409,8 @@ class FusedCausalLMLoss:
             self.reason = str(reason)
             logger.warning("fused linear cross-entropy off, logits path for this run: %s", reason)
             return
-        vocab = self.head_module.weight.shape[0] if hasattr(self.head_module, "weight") else "?"
-        logger.info("fused linear cross-entropy on (vocabulary %s, at most %d MiB of logits per chunk)",
+        vocab = resolve_head(self.head_module).weight.shape[0]
+        logger.info("fused linear cross-entropy on (vocabulary %d, at most %d MiB of logits per chunk)",
                     vocab, self.chunk_bytes // 2**20)
 
 

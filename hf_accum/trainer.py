@@ -158,8 +158,8 @@ class AccumTrainer(Trainer):
         self._micro_batch_loss = self._build_micro_batch_loss(loss_kind, fused_loss)
         self._fp32_grad_accumulation = fp32_grad_accumulation
         self._fp32_sums: Fp32GradientAccumulator | None = None
-        self.add_callback(_ReleaseFp32Sums(self))
-        # We compute the loss from logits, so the model never sees labels or num_items_in_batch:
+        self.add_callback(_Fp32SumsForTraining(self))
+        # We compute the loss ourselves, so the model never sees labels or num_items_in_batch:
         # this also stops Trainer's own (rank-local when average_tokens_across_devices=False) count.
         self.model_accepts_loss_kwargs = False
         # The effective batch the user asked for; auto_find_batch_size must keep it.
@@ -233,6 +233,8 @@ class AccumTrainer(Trainer):
         Override to change the loss. Return a SUM over targets (never a mean) and the same
         target count as :func:`hf_accum.loss.count_targets`; AccumTrainer divides by the
         window's global count once. ``inputs`` are the forward's inputs (labels removed).
+        Causal LMs that keep this default are trained with the fused loss instead (same sum, no
+        logits); overriding it gives the override real ``outputs.logits`` on every micro-batch.
         """
         return token_loss_sum(
             outputs.logits,
@@ -301,8 +303,6 @@ class AccumTrainer(Trainer):
         return Fp32GradientAccumulator(params)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        if self._fp32_sums is None and self._fp32_grad_accumulation:
-            self._fp32_sums = self._fp32_gradient_sums()
         loss = super().training_step(model, inputs, num_items_in_batch)
         # _run_epoch sets sync_gradients on the window's last micro-batch, before training_step.
         if num_items_in_batch is not None and self.accelerator.sync_gradients:
@@ -631,11 +631,16 @@ def _poison_gradients_(model) -> None:
             return
 
 
-class _ReleaseFp32Sums(TrainerCallback):
-    """Remove the fp32 accumulation hooks when training ends (the model may be used without the trainer)."""
+class _Fp32SumsForTraining(TrainerCallback):
+    """The fp32 accumulation hooks live from the start to the end of training (the model may be used
+    without the trainer afterwards)."""
 
     def __init__(self, trainer: AccumTrainer):
         self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.trainer._fp32_grad_accumulation and self.trainer._fp32_sums is None:
+            self.trainer._fp32_sums = self.trainer._fp32_gradient_sums()
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.trainer._fp32_sums is not None:

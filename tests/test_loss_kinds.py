@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 
 import pytest
-import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
