@@ -17,7 +17,8 @@ Shared by both engines:
 
 And, for :func:`hf_accum.loop.train` (AccumTrainer uses Trainer's own checkpoint contents),
 :class:`LoopCheckpointer`: the model in safetensors (only the adapter for PEFT models), optimizer, LR
-scheduler, GradScaler, the update counter and log, the data position (epoch and micro-batches consumed in
+scheduler, GradScaler (under DeepSpeed: weights and optimizer state as DeepSpeed's own per-rank files,
+``engine.save_checkpoint``), the update counter and log, the data position (epoch and micro-batches consumed in
 it), and every random state of every rank -- including the state the epoch's shuffle was drawn from, so
 the resumed run sees the rest of the epoch in the same order. Pickles are read only with
 ``torch.load(weights_only=True)``; everything written here is loadable that way.
@@ -46,10 +47,14 @@ CHECKPOINT_PREFIX = "checkpoint"  # transformers' PREFIX_CHECKPOINT_DIR: Trainer
 PLAN_FILE = "hf_accum_plan.json"
 """The batch plan; written last, so its presence marks a complete checkpoint."""
 LOOP_STATE_FILE = "hf_accum_loop_state.json"
+UPDATES_FILE = "hf_accum_updates.json"
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 SCALER_FILE = "scaler.pt"
+DEEPSPEED_TAG = "deepspeed"
+"""Under DeepSpeed the weights and optimizer state are DeepSpeed's own files (``engine.save_checkpoint``),
+in this subdirectory: under ZeRO each rank holds a shard nobody else has."""
 STAGING_PREFIX = ".staging-"
 _CHECKPOINT_NAME = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
 
@@ -145,6 +150,22 @@ def load_batch_plan(folder: str) -> BatchPlan | None:
         return None
     with open(path) as handle:
         return BatchPlan(**json.load(handle))
+
+
+def save_update_history(folder: str, updates: list[dict]) -> None:
+    """Every update's log so far (AccumTrainer's checkpoints; the loop's are in its state file), so a
+    resumed run reports the whole run, not only its resumed part."""
+    with open(os.path.join(folder, UPDATES_FILE), "w") as handle:
+        json.dump(updates, handle)
+
+
+def load_update_history(folder: str) -> list[dict]:
+    """The updates :func:`save_update_history` wrote; [] for a checkpoint without them (another writer)."""
+    path = os.path.join(folder, UPDATES_FILE)
+    if not os.path.isfile(path):
+        return []
+    with open(path) as handle:
+        return json.load(handle)
 
 
 def plan_differences(saved: BatchPlan, current: BatchPlan) -> str:
@@ -460,9 +481,13 @@ class LoopCheckpointer:
             seal=lambda folder: save_batch_plan(folder, self.plan),
         ) as folder:
             torch.save(random_states, os.path.join(folder, _rng_file(accelerator.process_index)))
+            engine = _deepspeed_engine(accelerator)
+            if engine is not None:  # collective: every rank writes its shards of weights and optimizer state
+                engine.save_checkpoint(folder, tag=DEEPSPEED_TAG, save_latest=False)
             if is_main:
-                _save_model(accelerator.unwrap_model(self.model), folder)
-                torch.save(self.optimizer.state_dict(), os.path.join(folder, OPTIMIZER_FILE))
+                if engine is None:
+                    _save_model(accelerator.unwrap_model(self.model), folder)
+                    torch.save(self.optimizer.state_dict(), os.path.join(folder, OPTIMIZER_FILE))
                 torch.save(self.scheduler.state_dict(), os.path.join(folder, SCHEDULER_FILE))
                 if accelerator.scaler is not None:
                     torch.save(accelerator.scaler.state_dict(), os.path.join(folder, SCALER_FILE))
@@ -488,8 +513,17 @@ class LoopCheckpointer:
             )
         rng_path = os.path.join(checkpoint, _rng_file(self.accelerator.process_index))
         random_states = _load(rng_path)
-        _load_model(self.accelerator.unwrap_model(self.model), checkpoint)
-        self.optimizer.load_state_dict(_load(os.path.join(checkpoint, OPTIMIZER_FILE)))
+        engine = _deepspeed_engine(self.accelerator)
+        if engine is not None:
+            _load_deepspeed_state(engine, checkpoint)
+        elif os.path.isdir(os.path.join(checkpoint, DEEPSPEED_TAG)):
+            raise ResumeMismatchError(
+                f"cannot resume from {checkpoint} without DeepSpeed: its weights and optimizer state are DeepSpeed's "
+                "(sharded per rank) -- resume with the DeepSpeed config and launcher that wrote it"
+            )
+        else:
+            _load_model(self.accelerator.unwrap_model(self.model), checkpoint)
+            self.optimizer.load_state_dict(_load(os.path.join(checkpoint, OPTIMIZER_FILE)))
         self.scheduler.load_state_dict(_load(os.path.join(checkpoint, SCHEDULER_FILE)))
         if self.accelerator.scaler is not None:
             self.accelerator.scaler.load_state_dict(_load(os.path.join(checkpoint, SCALER_FILE)))
@@ -538,6 +572,28 @@ class LoopCheckpointer:
 
 
 _END = object()
+
+
+def _deepspeed_engine(accelerator: Any):
+    """The DeepSpeed engine of a DeepSpeed Accelerator (after ``prepare``), else None."""
+    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    return wrapped.engine if wrapped is not None else None
+
+
+def _load_deepspeed_state(engine: Any, checkpoint: str) -> None:
+    """Weights and optimizer state from DeepSpeed's own files (each rank reads its ZeRO shards); the LR
+    scheduler is the loop's, saved beside them (the engine has none)."""
+    folder = os.path.join(checkpoint, DEEPSPEED_TAG)
+    if not os.path.isdir(folder):
+        raise ResumeMismatchError(
+            f"cannot resume from {checkpoint} under DeepSpeed: it holds no {DEEPSPEED_TAG}/ (DeepSpeed's state "
+            "files); it was written without DeepSpeed -- resume it with the launcher and config that wrote it"
+        )
+    path, _ = engine.load_checkpoint(
+        checkpoint, tag=DEEPSPEED_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+    )
+    if path is None:
+        raise FileNotFoundError(f"DeepSpeed found no checkpoint to load in {folder}")
 
 
 def _rng_file(process_index: int) -> str:

@@ -202,6 +202,9 @@ class Section:
             raise ConfigError(f"{name} must be a mapping of {self.cls().__name__} fields, got {raw!r}")
         types_ = self.types()
         for key in raw:
+            if key not in types_ and key in TOP_LEVEL:  # e.g. training.overwrite_output_dir (a 4.x field)
+                raise ConfigError(f"unknown key '{name}.{key}': {key} is a top-level key, not part of {name}: "
+                                  f"write {key}=... on the command line, or {key}: at the top of the YAML")
             if key not in types_:
                 raise _unknown_key(f"{name}.", key, list(types_))
         checked = {key: coerce(value, types_[key], f"{name}.{key}") for key, value in raw.items()}

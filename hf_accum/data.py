@@ -868,16 +868,21 @@ def exact_match(
     max_new_tokens: int = 16,
     batch_size: int = 32,
     progress: Callable[[Iterable], Iterable] = lambda x: x,
+    synced_gpus: bool = False,
 ) -> dict[str, Any]:
     """Greedy-decode each conversation's prompt; score 1 when the answer matches the last assistant
-    message exactly (whitespace-normalised). Returns the overall score and the score per ``task``."""
+    message exactly (whitespace-normalised). Returns the overall score and the score per ``task``.
+
+    ``synced_gpus``: every rank calls this with the same examples and keeps running forwards until
+    all ranks are done (``generate(synced_gpus=True)``), as a ZeRO-3-partitioned model needs: each
+    forward gathers parameters from all ranks."""
     was_training = model.training
     model.eval()
     hits: list[tuple[str, bool]] = []
     samples: list[dict[str, str]] = []
     for start in progress(range(0, len(examples), batch_size)):
         chunk = examples[start : start + batch_size]
-        for example, text in zip(chunk, _generate(model, tokenizer, chunk, max_new_tokens)):
+        for example, text in zip(chunk, _generate(model, tokenizer, chunk, max_new_tokens, synced_gpus)):
             expected = example.messages[-1]["content"]
             ok = normalize_answer(text) == normalize_answer(_as_decoded(tokenizer, expected))
             hits.append((example.task, ok))
@@ -895,7 +900,7 @@ def exact_match(
     }
 
 
-def _generate(model, tokenizer, examples: Sequence[Example], max_new_tokens: int) -> list[str]:
+def _generate(model, tokenizer, examples: Sequence[Example], max_new_tokens: int, synced_gpus: bool = False) -> list[str]:
     """Batched greedy decoding with left padding (so every prompt ends where generation starts)."""
     prompts = [prompt_ids(tokenizer, example.messages[:-1]) for example in examples]
     width = max(len(p) for p in prompts)
@@ -910,6 +915,7 @@ def _generate(model, tokenizer, examples: Sequence[Example], max_new_tokens: int
         do_sample=False,
         pad_token_id=pad,
         eos_token_id=tokenizer.eos_token_id,
+        synced_gpus=synced_gpus,  # explicit: left None, generate syncs whenever a ZeRO-3 config is alive
     )
     return tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
 

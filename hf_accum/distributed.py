@@ -322,6 +322,27 @@ def loop_accelerator(
     return accelerator
 
 
+def init_deepspeed_comm(args) -> None:
+    """DeepSpeed's communication layer over the process group ``args`` (TrainingArguments) sets up.
+
+    Call it before building the model for the trainer engine under DeepSpeed. With a ZeRO-3 config
+    alive, transformers builds the model inside ``deepspeed.zero.Init`` (partitioned as it is made,
+    so no rank ever holds all of it), and zero.Init reads the world size from DeepSpeed's comm: left
+    uninitialized it counts 1 process and refuses the batch arithmetic ("32 != 8 * 2 * 1"). On CPU
+    ``TrainingArguments(use_cpu=True)`` starts a plain gloo group; DeepSpeed then wraps that group.
+    """
+    import deepspeed
+
+    args.device  # noqa: B018 -- TrainingArguments creates the process group on first use
+    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
+    deepspeed.init_distributed(dist_backend=backend)
+
+
+def is_partitioned(model: torch.nn.Module) -> bool:
+    """True when ZeRO-3 holds the model's parameters in shards (each forward gathers them)."""
+    return any(hasattr(parameter, "ds_id") for parameter in model.parameters())
+
+
 def check_offload_optimizer(optimizer: torch.optim.Optimizer, launch: Launch) -> None:
     """ZeRO-Offload steps on the CPU with DeepSpeed's own optimizers: Accelerate swaps a torch optimizer
     for ``DeepSpeedCPUAdam`` (``DeepSpeedCPUAdagrad`` for Adagrad) keeping only its lr and weight decay

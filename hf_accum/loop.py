@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from itertools import count
 from typing import Any, Callable, Iterator, Mapping
@@ -525,7 +526,12 @@ def _deepspeed_epoch_updates(
         totals = _deepspeed_window(model, batches, n_window, engine, accelerator, micro_batch_loss, window)
         skipped = accelerator.optimizer_step_was_skipped  # fp16 overflow: the engine skipped the step
         if not skipped:
-            scheduler.step()
+            with warnings.catch_warnings():
+                # The engine stepped its own copy of the optimizer, not the object the scheduler
+                # wraps, so torch believes the scheduler runs first. It does not: the LR at update n
+                # is the big batch's (tested), so the "skipping the first value" warning is false here.
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
+                scheduler.step()
         grad_norm = engine.get_global_grad_norm()
         grad_norm = float(grad_norm) if grad_norm is not None else None
         yield step, totals, grad_norm, "inf/nan gradients (fp16 loss scale lowered)" if skipped else "", lr

@@ -218,8 +218,19 @@ def model_skeleton(name_or_path: str, tokenizer, config_overrides=None, trust_re
         config = recipe_tiny_config(tokenizer, config_overrides)
     else:
         config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-    with init_empty_weights():
+    with init_empty_weights(), _without_zero3_init():
         return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def _without_zero3_init():
+    """Under ZeRO-3 (a live HfDeepSpeedConfig) ``from_config`` partitions the new model across the
+    ranks with ``deepspeed.zero.Init``: a collective, pointless for a weightless skeleton. transformers
+    skips zero.Init inside its own ``set_zero3_state`` context (meant for nested inits)."""
+    import contextlib
+
+    from transformers import modeling_utils
+
+    return getattr(modeling_utils, "set_zero3_state", contextlib.nullcontext)()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from dataclasses import asdict
 from typing import Any, Callable
 
 import torch
@@ -62,8 +63,10 @@ from hf_accum.checkpoint import (
     check_resume_plan,
     checkpoint_path,
     is_complete_checkpoint,
+    load_update_history,
     resolve_resume_checkpoint,
     save_batch_plan,
+    save_update_history,
     staged_checkpoint,
 )
 from hf_accum.control import (
@@ -173,8 +176,11 @@ class AccumTrainer(Trainer):
         self._eval_tally = WindowTally(device=self.args.device)  # the exact eval_loss
         # Every update of this train() call, as the loop logs them (hf_accum.UpdateLog), whatever logging_steps is.
         self.updates: list[UpdateLog] = []
+        """Every update of the run (a resumed run's include those before its checkpoint)."""
+        self._resume_checkpoint: str | None = None
         self._on_update = on_update
         self._closed_window: WindowTotals | None = None
+        self._closing_update_args: tuple[Any, Any] = (None, None)  # grad_norm, learning_rate of that update
         self._eval_loss_of_update: float | None = None
         self.run_control = TrainingControl()  # request_checkpoint() / request_stop(), from callbacks or threads
         self._stop_on_signals = stop_on_signals
@@ -400,7 +406,9 @@ class AccumTrainer(Trainer):
         self._tally.reset()
         self._interval = _LogInterval()
         self._run_totals = WindowTotals()
-        self.updates = []
+        # A resumed run starts from the checkpoint's updates, so `updates` holds the whole run.
+        resumed = load_update_history(self._resume_checkpoint) if self._resume_checkpoint else []
+        self.updates = [UpdateLog(**update) for update in resumed]
         if self._fp32_sums is not None:
             self._fp32_sums.clear()
         self._keep_effective_batch()
@@ -468,26 +476,32 @@ class AccumTrainer(Trainer):
         # Trainer calls this after every update (and once more at the end of an epoch, with no new window);
         # the update is recorded after it, so that an evaluation it ran is part of the record.
         self._eval_loss_of_update = None
+        self._closing_update_args = (grad_norm, learning_rate)
         super()._maybe_log_save_evaluate(
             tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, learning_rate=learning_rate
         )
-        self._record_update(grad_norm, learning_rate)
+        update = self._closing_update()
+        self._closed_window = None
+        if update is not None:
+            self.updates.append(update)
+            if self._on_update is not None:
+                self._on_update(update)
 
-    def _record_update(self, grad_norm, learning_rate) -> None:
-        totals, self._closed_window = self._closed_window, None
+    def _closing_update(self) -> UpdateLog | None:
+        """The log of the update Trainer is closing (None at an epoch end without a new window); a
+        checkpoint written meanwhile includes it."""
+        totals = self._closed_window
         if totals is None:
-            return
+            return None
+        grad_norm, learning_rate = self._closing_update_args
         applied = totals.targets > 0
-        update = UpdateLog(
+        return UpdateLog(
             step=self.state.global_step, epoch=float(self.state.epoch or 0.0), loss=totals.mean_loss,
             learning_rate=float(learning_rate if learning_rate is not None else self._get_learning_rate()),
             grad_norm=float(grad_norm) if grad_norm is not None and applied else None, targets=totals.targets,
             sequences=totals.sequences, padding_fraction=totals.padding_fraction, micro_batches=totals.micro_batches,
             applied=applied, skip_reason="" if applied else "no targets in window", eval_loss=self._eval_loss_of_update,
         )
-        self.updates.append(update)
-        if self._on_update is not None:
-            self._on_update(update)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Training logs carry the exact per-target loss of the logged updates and their shape."""
@@ -529,6 +543,9 @@ class AccumTrainer(Trainer):
             self.state.best_model_checkpoint = os.path.join(final_dir, os.path.basename(best))
             if os.path.isfile(os.path.join(staged, TRAINER_STATE_NAME)):
                 self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
+        closing = self._closing_update()  # Trainer saves before this update is recorded
+        history = self.updates + ([closing] if closing is not None else [])
+        save_update_history(staged, [asdict(update) for update in history])
         save_batch_plan(staged, self.batch_plan)
 
     def train(self, resume_from_checkpoint=None, *args: Any, **kwargs: Any):
@@ -540,6 +557,7 @@ class AccumTrainer(Trainer):
             checkpoint = resolve_resume_checkpoint(True, self.args.output_dir)
         if isinstance(checkpoint, str):
             self._check_resume_plan(checkpoint)
+        self._resume_checkpoint = checkpoint if isinstance(checkpoint, str) else None
         self._halt, self._skip_step, self._save_requested = None, False, False
         self._nonfinite.consecutive = 0
         self.run_control.reset()

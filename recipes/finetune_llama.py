@@ -15,6 +15,7 @@ helpers it calls (config, data, modeling, outputs) stay in the hf_accum package.
 """
 
 import time
+from dataclasses import asdict
 
 START = time.time()  # wall time counts the imports too
 
@@ -83,7 +84,8 @@ def train_with_loop(model, tokenizer, data, collator, args, record, resume, laun
         model, optimizer, loader, accelerator, LoopConfig.from_training_arguments(args), on_update=on_update,
         eval_dataloader=eval_loader, resume_from_checkpoint=resume,
     )
-    accelerator.end_training()
+    for tracker in accelerator.trackers:  # not end_training(): it destroys the process group, and the
+        tracker.finish()                  # ZeRO-3 save and the final barriers below still need it
     record.updates = result.as_dicts()  # a resumed run's result holds the updates before the checkpoint too
     return accelerator.unwrap_model(model), result.batch_plan
 
@@ -94,10 +96,10 @@ def train_with_trainer(model, tokenizer, data, collator, args, record, resume, l
     trainer = AccumTrainer(
         model=model, args=args, train_dataset=data.train.examples, data_collator=collator, processing_class=tokenizer,
         eval_dataset=data.held_out.examples if data.held_out else None,
-        on_update=record.keep_update,  # metrics.json keeps every update; Trainer prints every logging_steps
     )
     distributed.check_engine(trainer.accelerator, launch)  # what was asked is what runs (DeepSpeed, processes)
     trainer.train(resume_from_checkpoint=resume)
+    record.updates = [asdict(update) for update in trainer.updates]  # a resumed run's include the earlier ones
     barrier()
     return trainer.model, trainer.batch_plan
 
@@ -107,7 +109,7 @@ LOOP_READS = LoopConfig.training_argument_names() | {
     "output_dir", "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate", "weight_decay",
     "adam_beta1", "adam_beta2", "adam_epsilon", "seed", "data_seed", "bf16", "fp16", "use_cpu",
     "dataloader_num_workers", "logging_steps", "per_device_eval_batch_size", "report_to", "run_name",
-    "activation_checkpointing", "gradient_checkpointing",
+    "activation_checkpointing", "gradient_checkpointing", "deepspeed",
 }
 # engine name -> (train function, the TrainingArguments fields it honours; None: all of them).
 ENGINES = {
@@ -116,15 +118,22 @@ ENGINES = {
 }
 
 
-def evaluate(model, tokenizer, data, config, args, launch):
-    """Held-out exact match of the greedy answer (main process only; the others wait at a barrier).
-    Not under ZeRO-3: there every forward gathers parameters from all ranks."""
-    zero3 = (launch.deepspeed_config or {}).get("zero_optimization", {}).get("stage") == 3
-    if not data.eval_rows or args.process_index != 0 or zero3:
+def evaluate(model, tokenizer, data, config, args):
+    """Held-out exact match of the greedy answer, returned on the main process (None elsewhere).
+
+    A whole model is scored by the main process alone. A ZeRO-3-partitioned one gathers its
+    parameters in every forward, so every rank generates the same answers in step (synced_gpus);
+    before training, a model partitioned at load (trainer engine) has no DeepSpeed hooks yet to
+    gather with, and is not scored."""
+    partitioned = distributed.is_partitioned(model)
+    hooked = partitioned and hasattr(model, "ds_id")  # DeepSpeed numbers the modules it hooks
+    if not data.eval_rows or (partitioned and not hooked) or (not partitioned and args.process_index != 0):
         return None
-    return exact_match(
+    score = exact_match(
         model, tokenizer, data.eval_rows, config.data.eval_max_new_tokens, batch_size=args.per_device_eval_batch_size,
+        synced_gpus=partitioned,
     )
+    return score if args.process_index == 0 else None
 
 
 def data_facts(data) -> dict:
@@ -176,18 +185,20 @@ def main(argv):
     collator = PackingCollator() if config.data.packing else PaddingCollator(tokenizer.pad_token_id)
 
     # 3. Model: LoRA targets checked on a weightless skeleton, then weights, LoRA/QLoRA, checkpointing.
+    if args.deepspeed:  # the trainer engine under ZeRO-3 partitions the model as it is built
+        distributed.init_deepspeed_comm(args)
     model = build_model(config, tokenizer, seed=args.seed)
     record.facts["trainable"] = trainable_summary(model)
     say(describe_trainable(record.facts["trainable"]))
 
     # 4. Held-out metric, training with exact accumulation, the metric again.
-    before = evaluate(model, tokenizer, data, config, args, launch)
+    before = evaluate(model, tokenizer, data, config, args)
     say(f"held-out exact match before training: {percent(before)}")
     claim_output_dir(config)  # from here on, the directory is this run's (a re-run may resume it)
     train_start = time.time()
     model, plan = train_engine(model, tokenizer, data, collator, args, record, resume, launch)
     train_seconds = time.time() - train_start
-    after = evaluate(model, tokenizer, data, config, args, launch)
+    after = evaluate(model, tokenizer, data, config, args)
 
     # 5. Outputs: adapter (or model) + tokenizer, loss/LR plot, metrics.json (written last: finished).
     record.facts.update(

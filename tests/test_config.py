@@ -141,6 +141,14 @@ def test_unknown_key_lists_valid_keys_and_closest_match(override, closest):
     assert repr(next(iter(override))) in message or next(iter(override)).split(".")[0] in message
 
 
+@pytest.mark.parametrize("key", ["training.overwrite_output_dir", "training.global_batch_size", "data.engine"])
+def test_top_level_key_inside_a_section_says_where_it_belongs(key):
+    with pytest.raises(recipe_config.ConfigError) as info:
+        recipe_config.load_config(None, {key: "1"})
+    top = key.split(".")[1]
+    assert f"{top} is a top-level key" in str(info.value) and f"{top}=..." in str(info.value)
+
+
 @pytest.mark.parametrize(
     "override, fragment",
     [

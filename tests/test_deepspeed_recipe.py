@@ -1,0 +1,116 @@
+"""The recipe script itself under DeepSpeed ZeRO-3, 2 CPU processes (torchrun, gloo), both engines:
+
+* its adapter equals the adapter of the same command without DeepSpeed (DDP), fp32, 10 updates, max
+  abs diff <= 1e-4, and every update's loss and LR equal the DDP run's;
+* the held-out exact match is scored after training although every rank holds only a shard;
+* a ZeRO-3 run cut after its checkpoint at update 5 (what a kill right after it leaves: no metrics,
+  no adapter, no later checkpoint) and resumed with ``training.resume_from_checkpoint=true`` ends with
+  the uninterrupted run's updates and adapter; its checkpoints hold DeepSpeed's own state files.
+
+The library-level exactness under ZeRO-2/3 (weight deltas of SGD against the big batch) is
+tests/test_deepspeed.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+
+import pytest
+import yaml
+from test_recipe import TORCHRUN_2, read_metrics, run_script
+
+from hf_accum import outputs as run_outputs
+from hf_accum.config import RESOLVED_CONFIG_NAME
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="pip install 'hf_accum[deepspeed]'"),
+]
+
+ZERO3 = "training.deepspeed=recipes/deepspeed/zero3.json"
+TEN_UPDATES = ["training.max_steps=10", "training.save_steps=5", "data.num_train_examples=400"]
+
+
+def load_adapter(out) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(out, run_outputs.ADAPTER_DIR, "adapter_model.safetensors"))
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[key].double() - b[key].double()).abs().max()) for key in a)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """engine -> {"ddp": dir, "zero3": dir}, made on first use (each run ~25 s)."""
+    made: dict[str, dict[str, str]] = {}
+
+    def get(engine: str) -> dict[str, str]:
+        if engine not in made:
+            root = tmp_path_factory.mktemp(engine)
+            made[engine] = {"ddp": root / "ddp", "zero3": root / "zero3"}
+            run_script(TORCHRUN_2, made[engine]["ddp"], f"engine={engine}", *TEN_UPDATES, timeout=600)
+            run_script(TORCHRUN_2, made[engine]["zero3"], f"engine={engine}", *TEN_UPDATES, ZERO3, timeout=600)
+        return made[engine]
+
+    return get
+
+
+@pytest.mark.parametrize("engine", ["loop", "trainer"])
+def test_zero3_recipe_saves_the_adapter_of_the_ddp_run(runs, engine):
+    ddp, zero3 = runs(engine)["ddp"], runs(engine)["zero3"]
+    reference = load_adapter(ddp)
+    assert max_abs_diff(load_adapter(zero3), reference) <= 1e-4
+    # The comparison can fail: training moved the adapter 10x beyond the tolerance (LoRA B starts at 0).
+    assert max(float(reference[key].abs().max()) for key in reference if "lora_B" in key) > 1e-3
+    ours, theirs = read_metrics(zero3), read_metrics(ddp)
+    assert ours["world_size"] == theirs["world_size"] == 2
+    assert [u["step"] for u in ours["updates"]] == list(range(1, 11))
+    for mine, other in zip(ours["updates"], theirs["updates"]):
+        assert mine["loss"] == pytest.approx(other["loss"], rel=1e-5)
+        assert mine["learning_rate"] == pytest.approx(other["learning_rate"], rel=1e-12, abs=1e-15)
+        assert mine["targets"] == other["targets"]
+
+
+@pytest.mark.parametrize("engine", ["loop", "trainer"])
+def test_zero3_recipe_scores_the_held_out_set_after_training(runs, engine):
+    metrics = read_metrics(runs(engine)["zero3"])
+    assert metrics["eval_after"] is not None and metrics["eval_after"]["examples"] == 8
+
+
+def cut_after_checkpoint(finished, cut, update: int) -> None:
+    """``cut``: ``finished`` as a kill right after ``checkpoint-<update>`` would have left it."""
+    shutil.copytree(finished, cut)
+    for name in os.listdir(cut):
+        later = name.startswith("checkpoint-") and int(name.split("-")[1]) > update
+        if later or name in (run_outputs.METRICS_NAME, run_outputs.ADAPTER_DIR, run_outputs.PLOT_NAME):
+            path = os.path.join(cut, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    config_path = os.path.join(cut, RESOLVED_CONFIG_NAME)
+    with open(config_path) as handle:
+        resolved = yaml.safe_load(handle)
+    resolved["training"]["output_dir"] = str(cut)  # the same command, in its own directory
+    with open(config_path, "w") as handle:
+        yaml.safe_dump(resolved, handle)
+
+
+@pytest.mark.parametrize("engine", ["loop", "trainer"])
+def test_zero3_recipe_resumes_exactly_from_deepspeed_state_files(runs, engine, tmp_path):
+    finished = runs(engine)["zero3"]
+    checkpoint = os.path.join(finished, "checkpoint-5")
+    deepspeed_files = [name for _, _, names in os.walk(checkpoint) for name in names if "optim_states" in name]
+    assert len(deepspeed_files) == 2  # one ZeRO shard of the optimizer state per rank
+    cut = tmp_path / "cut"
+    cut_after_checkpoint(finished, cut, 5)
+    proc = run_script(TORCHRUN_2, cut, f"engine={engine}", *TEN_UPDATES, ZERO3, "training.resume_from_checkpoint=true",
+                      timeout=600)
+    assert "checkpoint-5" in proc.stdout + proc.stderr
+    resumed, uninterrupted = read_metrics(cut)["updates"], read_metrics(finished)["updates"]
+    assert [u["step"] for u in resumed] == list(range(1, 11))  # the updates before the checkpoint included
+    for mine, other in zip(resumed, uninterrupted):
+        assert mine["loss"] == pytest.approx(other["loss"], rel=1e-9, abs=0)
+        assert mine["learning_rate"] == other["learning_rate"]
+    assert max_abs_diff(load_adapter(cut), load_adapter(finished)) <= 1e-6
