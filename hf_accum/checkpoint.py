@@ -152,6 +152,31 @@ def load_batch_plan(folder: str) -> BatchPlan | None:
         return BatchPlan(**json.load(handle))
 
 
+def written_by_deepspeed(checkpoint: str) -> bool:
+    """The checkpoint holds DeepSpeed's own state files: the loop's ``deepspeed/``, Trainer's ``global_step<N>/``."""
+    return any(
+        (name == DEEPSPEED_TAG or name.startswith("global_step")) and os.path.isdir(os.path.join(checkpoint, name))
+        for name in os.listdir(checkpoint)
+    )
+
+
+def check_resume_engine(checkpoint: str, deepspeed: bool) -> None:
+    """Refuse a checkpoint written with(out) DeepSpeed when resuming without (with) it. Under ZeRO the
+    weights and optimizer state are per-rank shards in DeepSpeed's files; the other way round DeepSpeed
+    finds nothing to load. Either way training would go on from the wrong state, or fail deep inside."""
+    written = written_by_deepspeed(checkpoint)
+    if written and not deepspeed:
+        raise ResumeMismatchError(
+            f"cannot resume from {checkpoint} without DeepSpeed: its weights and optimizer state are DeepSpeed's "
+            "(sharded per rank) -- resume with the DeepSpeed config (training.deepspeed) and launcher that wrote it"
+        )
+    if deepspeed and not written:
+        raise ResumeMismatchError(
+            f"cannot resume from {checkpoint} under DeepSpeed: it was written without DeepSpeed (no DeepSpeed state "
+            "files in it) -- resume it without training.deepspeed, as it was written"
+        )
+
+
 def save_update_history(folder: str, updates: list[dict]) -> None:
     """Every update's log so far (AccumTrainer's checkpoints; the loop's are in its state file), so a
     resumed run reports the whole run, not only its resumed part."""
@@ -514,13 +539,9 @@ class LoopCheckpointer:
         rng_path = os.path.join(checkpoint, _rng_file(self.accelerator.process_index))
         random_states = _load(rng_path)
         engine = _deepspeed_engine(self.accelerator)
+        check_resume_engine(checkpoint, deepspeed=engine is not None)
         if engine is not None:
             _load_deepspeed_state(engine, checkpoint)
-        elif os.path.isdir(os.path.join(checkpoint, DEEPSPEED_TAG)):
-            raise ResumeMismatchError(
-                f"cannot resume from {checkpoint} without DeepSpeed: its weights and optimizer state are DeepSpeed's "
-                "(sharded per rank) -- resume with the DeepSpeed config and launcher that wrote it"
-            )
         else:
             _load_model(self.accelerator.unwrap_model(self.model), checkpoint)
             self.optimizer.load_state_dict(_load(os.path.join(checkpoint, OPTIMIZER_FILE)))
@@ -583,17 +604,11 @@ def _deepspeed_engine(accelerator: Any):
 def _load_deepspeed_state(engine: Any, checkpoint: str) -> None:
     """Weights and optimizer state from DeepSpeed's own files (each rank reads its ZeRO shards); the LR
     scheduler is the loop's, saved beside them (the engine has none)."""
-    folder = os.path.join(checkpoint, DEEPSPEED_TAG)
-    if not os.path.isdir(folder):
-        raise ResumeMismatchError(
-            f"cannot resume from {checkpoint} under DeepSpeed: it holds no {DEEPSPEED_TAG}/ (DeepSpeed's state "
-            "files); it was written without DeepSpeed -- resume it with the launcher and config that wrote it"
-        )
     path, _ = engine.load_checkpoint(
         checkpoint, tag=DEEPSPEED_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
     )
     if path is None:
-        raise FileNotFoundError(f"DeepSpeed found no checkpoint to load in {folder}")
+        raise FileNotFoundError(f"DeepSpeed found no checkpoint to load in {os.path.join(checkpoint, DEEPSPEED_TAG)}")
 
 
 def _rng_file(process_index: int) -> str:

@@ -12,11 +12,13 @@ The recipe therefore calls, in this order:
 2. engine ``loop``: :func:`loop_accelerator` builds the ``Accelerator`` (under DeepSpeed with the
    config's ``"auto"`` values filled from the recipe, and around two Accelerate traps on CPU);
    :func:`check_offload_optimizer` before ``prepare`` (ZeRO-Offload swaps the optimizer);
-   engine ``trainer`` passes ``training.deepspeed`` to ``TrainingArguments`` unchanged;
+   engine ``trainer`` passes ``training.deepspeed`` to ``TrainingArguments`` unchanged and calls
+   :func:`init_deepspeed_comm` before building the model (ZeRO-3 partitions it as it loads);
 3. :func:`check_engine` -- once the ``Accelerator`` (``trainer.accelerator`` for the Trainer)
    exists: the distributed type and process count it really got (``loop_accelerator`` calls it);
 4. :func:`save_pretrained` -- on EVERY rank: ZeRO-3 keeps a shard of each parameter per rank, so
    the full tensors are gathered (a collective) before the main process writes them.
+   (:func:`is_partitioned` tells the recipe when its held-out scoring must run on every rank.)
 
 The DeepSpeed JSON files in ``recipes/deepspeed/`` leave the batch keys ``"auto"``: the recipe
 states the batch arithmetic once and Trainer/Accelerate fill them in. :func:`load_deepspeed_config`

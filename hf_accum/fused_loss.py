@@ -407,11 +407,17 @@ class FusedCausalLMLoss:
             self.head_module = probe_fusable_head(model, inputs)
         except NotFusable as reason:
             self.reason = str(reason)
-            logger.warning("fused linear cross-entropy off, logits path for this run: %s", reason)
+            if _is_main_process():  # every rank decides alike: say it once
+                logger.warning("fused linear cross-entropy off, logits path for this run: %s", reason)
             return
         vocab = resolve_head(self.head_module).weight.shape[0]
-        logger.info("fused linear cross-entropy on (vocabulary %d, at most %d MiB of logits per chunk)",
-                    vocab, self.chunk_bytes // 2**20)
+        if _is_main_process():
+            logger.info("fused linear cross-entropy on (vocabulary %d, at most %d MiB of logits per chunk)",
+                        vocab, self.chunk_bytes // 2**20)
+
+
+def _is_main_process() -> bool:
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized()) or torch.distributed.get_rank() == 0
 
 
 def probe_fusable_head(model: nn.Module, inputs: dict[str, Any]) -> nn.Module:

@@ -60,6 +60,7 @@ from hf_accum.accumulation import (
 )
 from hf_accum.checkpoint import (
     PLAN_FILE,
+    check_resume_engine,
     check_resume_plan,
     checkpoint_path,
     is_complete_checkpoint,
@@ -269,6 +270,8 @@ class AccumTrainer(Trainer):
         """Training: ``loss_sum * W / N`` (N = the window's targets on all ranks). Evaluation
         (``num_items_in_batch`` None): the plain per-target mean of this batch."""
         labels = _labels(inputs)
+        if num_items_in_batch is None:  # evaluation
+            labels = self._without_repeated_eval_rows(labels)
         forward_inputs = {key: value for key, value in inputs.items() if key != "labels"}
         # No labels to the model: no model-side loss. Fused for causal LMs while training (outputs.logits
         # then holds the loss), else the forward's logits through loss_sum_and_count.
@@ -280,6 +283,30 @@ class AccumTrainer(Trainer):
             self._tally.add(loss_sum, n_targets, inputs)
             loss = loss_sum * self._backward_scale(self._window_scale(num_items_in_batch))
         return (loss, outputs) if return_outputs else loss
+
+    def _without_repeated_eval_rows(self, labels: torch.Tensor) -> torch.Tensor:
+        """``labels`` with the rows Accelerate repeated to even out the ranks masked (-100).
+
+        A sharded evaluation set that does not fill ``batch x ranks`` gets its last step filled with
+        examples from its start (``even_batches``), so every rank runs as many batches. Stock
+        ``gather_for_metrics`` cuts them off the gathered tensors: the real rows of that step are the
+        first ``remainder`` of the rank-major concatenation. The exact eval_loss sums targets rank by
+        rank, so it leaves them out the same way here, or they would count twice."""
+        state = self.accelerator.gradient_state
+        world, rows = self.accelerator.num_processes, labels.shape[0]
+        if world < 2 or not state.end_of_dataloader or state.remainder is None or state.remainder <= 0:
+            return labels
+        from accelerate.data_loader import DataLoaderShard
+
+        loader = state.active_dataloader
+        if not isinstance(loader, DataLoaderShard) or getattr(loader, "total_batch_size", None) != rows * world:
+            return labels  # not the even_batches layout (packed rows, a dispatched iterable): left as it is
+        real = min(rows, max(0, state.remainder - self.accelerator.process_index * rows))
+        if real == rows:
+            return labels
+        labels = labels.clone()
+        labels[real:] = -100
+        return labels
 
     def _window_scale(self, window_targets: int | torch.Tensor) -> float:
         """``W / N`` from the core; 0 for a window without targets (its gradients are dropped later,
@@ -335,8 +362,7 @@ class AccumTrainer(Trainer):
         if self._fp32_sums is not None:
             self._write_fp32_sums(model, totals.targets)
         if totals.targets == 0:
-            # No mean exists; zero gradients would still let AdamW decay and move weights by momentum.
-            drop_gradients_(model.parameters())
+            self._skip_window_without_targets(model)
             logger.warning(
                 "update %d: no prediction targets in the window; no gradient applied%s", self.state.global_step + 1,
                 # The engine steps inside backward, before this point: it applied a zero gradient.
@@ -346,6 +372,17 @@ class AccumTrainer(Trainer):
         self._interval.add(totals)
         self._run_totals.add(totals)
         self._closed_window = totals
+
+    def _skip_window_without_targets(self, model) -> None:
+        """No mean exists, and zero gradients would still let AdamW decay and move weights by momentum:
+        no optimizer step and, as in the loop, no LR scheduler step (the update is logged as skipped).
+        Under fp16 the GradScaler insists on seeing gradients: it gets the window as an overflow, skips
+        the step and the scheduler itself (and halves its scale, as after any overflow)."""
+        if self.accelerator.scaler is not None:
+            _poison_gradients_(model)
+        else:
+            drop_gradients_(model.parameters())
+            self._skip_step = True
 
     def _write_fp32_sums(self, model, targets: int) -> None:
         """The window's fp32 gradient sums -> ``.grad``, times what ``_backward_scale`` left of ``W / N``."""
@@ -597,6 +634,7 @@ class AccumTrainer(Trainer):
     def _check_resume_plan(self, checkpoint: str) -> None:
         """Refuse to resume with other batch arithmetic: Trainer maps ``global_step`` to a data position
         with the *current* K and micro-batch, and the effective batch would silently change."""
+        check_resume_engine(checkpoint, deepspeed=self.is_deepspeed_enabled)
         micro_batch, accumulation = self._requested_batch
         current = BatchPlan(micro_batch // max(1, self.args.n_gpu), accumulation, self.accelerator.num_processes)
         # auto_find_batch_size re-derives (micro-batch, K) for the same effective batch.
@@ -642,11 +680,15 @@ def _set_step_skipped(optimizer, skipped: bool) -> None:
 
 def _poison_gradients_(model) -> None:
     """fp16: make sure the GradScaler sees the window as an overflow (an inf/NaN loss nearly always leaves
-    inf/NaN gradients already) so that it skips the step and the scheduler, as for any overflow."""
-    for parameter in model.parameters():
+    inf/NaN gradients already) so that it skips the step and the scheduler, as for any overflow. With no
+    gradient at all it would refuse to step ("No inf checks were recorded"): one NaN gradient is made."""
+    trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    for parameter in trainable:
         if parameter.grad is not None:
             parameter.grad.fill_(float("nan"))
             return
+    if trainable:
+        trainable[0].grad = torch.full_like(trainable[0], float("nan"))
 
 
 class _Fp32SumsForTraining(TrainerCallback):

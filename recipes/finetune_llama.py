@@ -26,7 +26,9 @@ from torch.utils.data import DataLoader  # noqa: E402
 from hf_accum import AccumTrainer, LoopConfig, train  # noqa: E402
 from hf_accum import distributed  # noqa: E402
 from hf_accum.batching import PackingCollator, PaddingCollator  # noqa: E402
-from hf_accum.checkpoint import ResumeMismatchError, check_resume_plan, resolve_resume_checkpoint  # noqa: E402
+from hf_accum.checkpoint import (  # noqa: E402
+    ResumeMismatchError, check_resume_engine, check_resume_plan, resolve_resume_checkpoint,
+)
 from hf_accum.control import NonFiniteLossError, TrainingStopped  # noqa: E402
 from hf_accum.config import ConfigError, load_recipe_config  # noqa: E402
 from hf_accum.data import DataError, exact_match, load_tokenizer_and_data  # noqa: E402
@@ -162,6 +164,7 @@ def main(argv):
                                      deepspeed=config.training.get("deepspeed") if config.engine == "trainer" else None)
     train_engine, honoured = ENGINES[config.engine]
     if resume:  # another micro-batch, accumulation or world size would misplace the data position
+        check_resume_engine(resume, deepspeed=launch.backend == "deepspeed")  # DeepSpeed's files, or ours
         check_resume_plan(resume, BatchPlan(args.per_device_train_batch_size, args.gradient_accumulation_steps,
                                             args.world_size), same_global_batch_ok=args.auto_find_batch_size)
         say(f"resuming from {resume}")
@@ -185,7 +188,7 @@ def main(argv):
     collator = PackingCollator() if config.data.packing else PaddingCollator(tokenizer.pad_token_id)
 
     # 3. Model: LoRA targets checked on a weightless skeleton, then weights, LoRA/QLoRA, checkpointing.
-    if args.deepspeed:  # the trainer engine under ZeRO-3 partitions the model as it is built
+    if launch.backend == "deepspeed" and config.engine == "trainer":  # ZeRO-3 partitions the model as it loads
         distributed.init_deepspeed_comm(args)
     model = build_model(config, tokenizer, seed=args.seed)
     record.facts["trainable"] = trainable_summary(model)
@@ -193,7 +196,9 @@ def main(argv):
 
     # 4. Held-out metric, training with exact accumulation, the metric again.
     before = evaluate(model, tokenizer, data, config, args)
-    say(f"held-out exact match before training: {percent(before)}")
+    why = " (ZeRO-3 partitioned the model as it loaded: scored after training)" if (
+        before is None and data.eval_rows and distributed.is_partitioned(model)) else ""
+    say(f"held-out exact match before training: {percent(before)}{why}")
     claim_output_dir(config)  # from here on, the directory is this run's (a re-run may resume it)
     train_start = time.time()
     model, plan = train_engine(model, tokenizer, data, collator, args, record, resume, launch)

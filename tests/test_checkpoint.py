@@ -15,11 +15,13 @@ from torch.utils.data import DataLoader
 from hf_accum import LoopConfig, train
 from hf_accum.batching import PaddingCollator
 from hf_accum.checkpoint import (
+    DEEPSPEED_TAG,
     PLAN_FILE,
     ResumeMismatchError,
     atomic_directory,
     atomic_file,
     capture_random_states,
+    check_resume_engine,
     check_output_dir_writable,
     complete_checkpoints,
     latest_complete_checkpoint,
@@ -219,6 +221,29 @@ def test_resuming_on_other_data_is_refused(tmp_path):
     tiny_loop(str(tmp_path), max_steps=2, save_strategy="steps", save_steps=2)
     with pytest.raises(ResumeMismatchError, match="trained on 6 micro-batches per epoch and process, this run has 7"):
         tiny_loop(str(tmp_path), resume_from_checkpoint=True, rows=14, max_steps=3)
+
+
+def test_a_deepspeed_checkpoint_resumed_without_deepspeed_is_refused(tmp_path):
+    """Its weights and optimizer state are DeepSpeed's per-rank shards: loading nothing and training on
+    from the initial weights would be silent. (The DeepSpeed side is tests/test_deepspeed_recipe.py.)"""
+    tiny_loop(str(tmp_path), max_steps=2, save_strategy="steps", save_steps=2)
+    checkpoint = tmp_path / "checkpoint-2"
+    os.makedirs(checkpoint / DEEPSPEED_TAG)  # what engine.save_checkpoint leaves, beside the loop's own files
+    with pytest.raises(ResumeMismatchError, match="without DeepSpeed: its weights and optimizer state are DeepSpeed's"):
+        tiny_loop(str(tmp_path), resume_from_checkpoint=True, max_steps=3)
+
+
+@pytest.mark.parametrize("deepspeed_folder", [DEEPSPEED_TAG, "global_step4", None])
+def test_resume_engine_check_names_the_mismatch(tmp_path, deepspeed_folder):
+    checkpoint = tmp_path / "checkpoint-4"
+    os.makedirs(checkpoint)
+    if deepspeed_folder:  # the loop's DeepSpeed files, or Trainer's
+        os.makedirs(checkpoint / deepspeed_folder)
+    written = deepspeed_folder is not None
+    check_resume_engine(str(checkpoint), deepspeed=written)  # resuming the way it was written: accepted
+    fragment = "without DeepSpeed: its weights" if written else "under DeepSpeed: it was written without DeepSpeed"
+    with pytest.raises(ResumeMismatchError, match=fragment):
+        check_resume_engine(str(checkpoint), deepspeed=not written)
 
 
 @pytest.mark.parametrize(

@@ -81,6 +81,26 @@ def test_zero3_recipe_scores_the_held_out_set_after_training(runs, engine):
     assert metrics["eval_after"] is not None and metrics["eval_after"]["examples"] == 8
 
 
+def test_trainer_zero3_partitions_a_model_from_disk_as_it_loads(runs, tmp_path):
+    """A model directory (not the built-in tiny one) under the trainer engine is loaded inside
+    deepspeed.zero.Init: no rank ever holds all of it. It cannot be scored before training (no
+    DeepSpeed hooks yet: the recipe says why), is scored after, and trains to the DDP run's adapter
+    (the directory holds the same tiny Llama and tokenizer)."""
+    from hf_accum.modeling import build_tiny_llama, load_tokenizer
+
+    model_dir = tmp_path / "model"
+    tokenizer = load_tokenizer("hf_accum:tiny-llama")
+    build_tiny_llama(tokenizer, seed=0).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    out = tmp_path / "out"
+    proc = run_script(TORCHRUN_2, out, "engine=trainer", f"model.name_or_path={model_dir}", *TEN_UPDATES, ZERO3,
+                      timeout=600)
+    assert "partitioned the model as it loaded" in proc.stdout
+    metrics = read_metrics(out)
+    assert metrics["eval_before"] is None and metrics["eval_after"]["examples"] == 8
+    assert max_abs_diff(load_adapter(out), load_adapter(runs("trainer")["ddp"])) <= 1e-4
+
+
 def cut_after_checkpoint(finished, cut, update: int) -> None:
     """``cut``: ``finished`` as a kill right after ``checkpoint-<update>`` would have left it."""
     shutil.copytree(finished, cut)

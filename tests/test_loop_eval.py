@@ -3,25 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from hf_accum import LoopConfig, train
 from hf_accum.batching import PaddingCollator
-from hf_accum.testing import PAD, fresh_accelerator, random_rows, tiny_causal_lm
-
-
-def independent_mean_loss(model, examples) -> float:
-    """Every held-out target's cross-entropy, summed and divided once, one example at a time."""
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for example in examples:
-            ids = torch.tensor([example["input_ids"]])
-            labels = ids.clone()
-            labels[0, : example["prompt_length"]] = -100
-            logits = model(input_ids=ids, use_cache=False).logits[0, :-1]
-            total += float(F.cross_entropy(logits, labels[0, 1:], ignore_index=-100, reduction="sum"))
-            count += int(labels[0, 1:].ne(-100).sum())
-    return total / count
+from hf_accum.testing import PAD, fresh_accelerator, independent_mean_loss, random_rows, tiny_causal_lm
 
 
 def test_held_out_loss_is_the_exact_per_token_mean_at_the_asked_updates():

@@ -230,6 +230,9 @@ def test_window_without_targets_applies_nothing(tmp_path, caplog):
     assert run.max_error < EXACT
     assert run.update_logs[1].get("updates_without_targets") == 1
     assert math.isnan(run.update_logs[1]["loss"])
+    # As in the loop: the skipped update consumes no LR schedule step (2 updates, 1 scheduler step).
+    assert [u.applied for u in run.trainer.updates] == [True, False]
+    assert run.trainer.lr_scheduler.last_epoch == 1
 
 
 def test_compute_loss_func_is_refused(tmp_path):

@@ -59,6 +59,19 @@ def test_ddp_lr_matches_big_batch_and_steps_once_per_update(report):
         assert report[name]["scheduler_steps"] == 6
 
 
+@pytest.mark.parametrize("name", ["accum_avg_true", "accum_avg_false"])
+def test_eval_loss_over_ranks_counts_each_held_out_row_once(report, name):
+    """10 held-out rows, batches of 3 on 2 ranks: Accelerate repeats 2 rows in the last step so both
+    ranks run 2 batches. eval_loss is still the per-target mean of the 10 rows (computed row by row)."""
+    run = report[name]
+    assert run["eval_loss"] == pytest.approx(run["independent_eval_loss"], rel=1e-12)
+
+
+def test_stock_eval_loss_over_ranks_is_not_the_per_target_mean(report):
+    run = report["stock_avg_true"]  # negative control: per-batch means, the repeated rows included
+    assert abs(run["eval_loss"] - run["independent_eval_loss"]) > 1e-6 * run["independent_eval_loss"]
+
+
 def test_resume_on_another_world_size_is_refused(report, tmp_path):
     """A checkpoint trained on 2 processes, resumed on 1 with the same micro-batch and accumulation:
     the effective batch would halve, so AccumTrainer refuses and names the difference."""

@@ -45,3 +45,26 @@ def test_fp32_accumulation_hooks_are_removed_after_training(tmp_path):
     loss = model(input_ids=torch.tensor([[3, 4, 5]])).logits.float().sum()
     loss.backward()  # no hook steals the gradient any more
     assert model.lm_head.weight.grad is not None
+
+
+def test_fp16_window_without_gradients_is_skipped_by_the_grad_scaler():
+    """Under fp16 a window with no targets (or an inf/NaN one) goes to the GradScaler as an overflow; with
+    every gradient None it would raise "No inf checks were recorded". One NaN gradient is made: the
+    scaler skips the step (weights and AdamW state untouched) and the optimizer step counts as skipped."""
+    from hf_accum.trainer import _poison_gradients_
+
+    model = tiny_causal_lm(seed=0, dtype=torch.float32)
+    model.model.embed_tokens.weight.requires_grad_(False)  # the first trainable parameter is not the first one
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(torch.tensor(0.0))  # the window's (target-less) losses went through the scaler
+    assert all(p.grad is None for p in model.parameters())
+    _poison_gradients_(model)
+    scaler.unscale_(optimizer)
+    scaler.step(optimizer)  # raised "No inf checks were recorded for this optimizer" without the NaN gradient
+    scaler.update()
+    assert scaler.get_scale() == 512.0  # treated as an overflow
+    assert not optimizer.state  # AdamW never stepped
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+    assert model.model.embed_tokens.weight.grad is None

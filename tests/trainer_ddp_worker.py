@@ -16,9 +16,10 @@ from transformers import Trainer
 
 from hf_accum import AccumTrainer
 from hf_accum.batching import PaddingCollator
-from hf_accum.testing import PAD, random_rows, run_trainer, Scenario, tiny_causal_lm
+from hf_accum.testing import PAD, Scenario, independent_mean_loss, random_rows, run_trainer, tiny_causal_lm
 
 MICRO_BATCH, ACCUMULATION, EXAMPLES, EPOCHS = 2, 3, 28, 2
+EVAL_BATCH, EVAL_ROWS = 3, random_rows(10, seed=14, prompt_masking=True)
 
 
 def scenario() -> Scenario:
@@ -46,8 +47,10 @@ def main(report_path: str) -> None:
         saving = {"save_strategy": "steps", "save_steps": 2} if name == "accum_avg_true" else {}
         run = run_trainer(
             scenario(), os.path.join(out_dir, name), trainer_cls, average_tokens_across_devices=average,
-            ddp_find_unused_parameters=False, **saving,
+            ddp_find_unused_parameters=False, per_device_eval_batch_size=EVAL_BATCH, **saving,
         )
+        # 10 held-out rows in batches of 3 on 2 ranks: the last step repeats 2 rows (even_batches).
+        eval_loss = run.trainer.evaluate(eval_dataset=EVAL_ROWS)["eval_loss"]
         report[name] = {
             "errors": run.errors,
             "learning_rates": run.lrs,
@@ -56,6 +59,9 @@ def main(report_path: str) -> None:
             "logged_tokens": [log.get("tokens_per_update") for log in run.update_logs],
             "args_world_size": run.trainer.args.world_size,
             "plan": run.trainer.batch_plan.describe() if isinstance(run.trainer, AccumTrainer) else None,
+            "eval_loss": eval_loss,
+            "independent_eval_loss": independent_mean_loss(run.trainer.accelerator.unwrap_model(run.trainer.model),
+                                                           EVAL_ROWS),
         }
     report["world_size"] = dist.get_world_size()
     report["two_process_checkpoint"] = os.path.join(out_dir, "accum_avg_true", "checkpoint-2")

@@ -15,7 +15,7 @@ torchrun launcher. Nothing here is used by training itself.
   reach (DeepSpeed ZeRO): each SGD update against the independently computed big-batch update.
 """
 
-from hf_accum.testing.data import ClassificationCollator, random_rows
+from hf_accum.testing.data import ClassificationCollator, independent_mean_loss, random_rows
 from hf_accum.testing.models import (
     PAD,
     VOCAB,
@@ -48,6 +48,7 @@ __all__ = [
     "NoKwargsForCausalLM",
     "Scenario",
     "big_batch_learning_rates",
+    "independent_mean_loss",
     "fresh_accelerator",
     "keep_norm_dtype",
     "loop_config",

@@ -1,4 +1,5 @@
-"""Random rows of strongly uneven length: the data that breaks naive accumulation."""
+"""Random rows of strongly uneven length: the data that breaks naive accumulation; and the per-target
+mean loss over such rows, computed independently (one row at a time) as the reference for eval losses."""
 
 from __future__ import annotations
 
@@ -72,3 +73,20 @@ class ClassificationCollator:
         else:
             labels = classes
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def independent_mean_loss(model, examples) -> float:
+    """Every target's cross-entropy over ``examples`` (rows of :func:`random_rows`), summed and divided
+    once, one example at a time: no batching, padding or sharding to get wrong."""
+    import torch.nn.functional as F
+
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for example in examples:
+            ids = torch.tensor([example["input_ids"]])
+            labels = ids.clone()
+            labels[0, : example["prompt_length"]] = -100
+            logits = model(input_ids=ids, use_cache=False).logits[0, :-1]
+            total += float(F.cross_entropy(logits, labels[0, 1:], ignore_index=-100, reduction="sum"))
+            count += int(labels[0, 1:].ne(-100).sum())
+    return total / count
