@@ -35,8 +35,8 @@ from hf_accum.data import DataError, exact_match, load_tokenizer_and_data  # noq
 from hf_accum.modeling import ModelError, build_model, trainable_summary  # noqa: E402
 from hf_accum.schedule import BatchPlan  # noqa: E402
 from hf_accum.outputs import (  # noqa: E402
-    RunRecord, barrier, check_output_dir, claim_output_dir, describe_trainable, percent, quiet_third_party_warnings,
-    run_cli, save_outputs, say,
+    RunRecord, barrier, check_output_dir, claim_output_dir, describe_trainable, leave_process_group, percent,
+    quiet_third_party_warnings, run_cli, save_outputs, say,
 )
 
 
@@ -215,7 +215,7 @@ def main(argv):
     say(f"{len(record.updates)} updates in {train_seconds:.0f}s; wall time {record.wall_seconds:.0f}s "
         f"(from process start)")
     say(f"held-out exact match: before {percent(before)} -> after {percent(after)}  (outputs in {out})")
-    barrier()
+    leave_process_group()
     return record.metrics()
 
 

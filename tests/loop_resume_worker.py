@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 from hf_accum import LoopConfig, train
 from hf_accum.batching import PaddingCollator
+from hf_accum.outputs import leave_process_group
 from hf_accum.testing import PAD, fresh_accelerator, random_rows, tiny_lora_causal_lm
 from interruptions import (
     KillAtMicroBatch,
@@ -74,3 +75,4 @@ def run(args, micro_batch: int = MICRO_BATCH, accumulation: int | None = None, w
 
 if __name__ == "__main__":
     run(parse_args(sys.argv[1:]))
+    leave_process_group()

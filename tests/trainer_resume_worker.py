@@ -18,6 +18,7 @@ from transformers import TrainerCallback
 
 from hf_accum import AccumTrainer
 from hf_accum.batching import PaddingCollator
+from hf_accum.outputs import leave_process_group
 from hf_accum.testing import PAD, Scenario, random_rows, tiny_lora_causal_lm, training_args
 from interruptions import (
     KillAtMicroBatch,
@@ -83,3 +84,4 @@ def run(args, **plan) -> AccumTrainer:
 
 if __name__ == "__main__":
     run(parse_args(sys.argv[1:]))
+    leave_process_group()
