@@ -5,7 +5,8 @@ A run that asks for FSDP or DeepSpeed and silently gets something else (plain DD
 is found out on the cluster, by an out-of-memory error or by an effective batch W times too small.
 The recipe therefore calls, in this order:
 
-1. :func:`check_launch` -- before loading any model: from the training section
+1. :func:`check_launch` -- before loading any model (then :func:`start_process_group` sets up the
+   process group before anything else can, and checks it spans every process): from the training section
    (``TrainingArguments`` fields: ``deepspeed``, ``fsdp``, ``use_cpu``, the batch arithmetic) and
    the launcher's environment, returns the :class:`Launch` that will run, or raises
    :class:`LaunchError` naming what was asked, what would run instead, and a command that works;
@@ -322,6 +323,26 @@ def loop_accelerator(
         accelerator = Accelerator(deepspeed_plugin=plugin, **kwargs)
     check_engine(accelerator, launch)
     return accelerator
+
+
+def start_process_group(args, launch: Launch) -> None:
+    """Set up the process group as ``TrainingArguments`` does (gloo with ``use_cpu``), before any model
+    loads, and check that it spans every process the launcher started.
+
+    Accelerate keeps one shared state per process, made by whoever asks first. A quantized load
+    (``from_pretrained(device_map=...)``) asks with default arguments, which on a machine without GPU
+    yields ONE process whatever torchrun started -- every rank would then train alone, silently.
+    """
+    from accelerate import PartialState
+
+    args.device  # noqa: B018 -- TrainingArguments creates the process group on first use
+    processes = PartialState().num_processes
+    if processes != launch.world_size:
+        hint = ("this machine has no GPU, and without training.use_cpu=true Accelerate counts one process: add it"
+                if not gpu_like_device_available() else "check the launcher's environment (WORLD_SIZE, RANK)")
+        raise LaunchError(
+            f"the launcher started {launch.world_size} processes but the process group holds {processes}; {hint}"
+        )
 
 
 def init_deepspeed_comm(args) -> None:

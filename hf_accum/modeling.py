@@ -185,9 +185,19 @@ def load_model(
             return model.to(torch_dtype) if torch_dtype != "auto" else model
         # bitsandbytes quantizes while loading weights; round-trip the tiny model through disk.
         with tempfile.TemporaryDirectory(prefix="hf_accum_tiny_") as tmp:
-            model.save_pretrained(tmp)
+            _save_for_reload(model, tmp)
             return _from_pretrained(tmp, torch_dtype, quantization, attn_implementation, False, device_map)
     return _from_pretrained(name_or_path, torch_dtype, quantization, attn_implementation, trust_remote_code, device_map)
+
+
+def _save_for_reload(model, directory: str) -> None:
+    """``config.json`` + ``model.safetensors`` in this process's own directory. Not ``save_pretrained``:
+    once torch.distributed is initialized, transformers writes from rank 0 only, whatever
+    ``is_main_process`` says, and every other rank would reload from an empty directory."""
+    from safetensors.torch import save_model
+
+    model.config.save_pretrained(directory)
+    save_model(model, os.path.join(directory, "model.safetensors"))
 
 
 def _from_pretrained(path, torch_dtype, quantization, attn_implementation, trust_remote_code, device_map):

@@ -60,6 +60,7 @@ def train_with_loop(model, tokenizer, data, collator, args, record, resume, laun
             gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision=precision,
             cpu=args.use_cpu, log_with=args.report_to or None, project_dir=args.output_dir,  # report_to: trackers
         )
+        distributed.check_engine(accelerator, launch)  # every process the launcher started, no fewer
     shuffle = torch.Generator().manual_seed(args.data_seed if args.data_seed is not None else args.seed)
     loader = DataLoader(
         data.train.examples, batch_size=args.per_device_train_batch_size, shuffle=True, generator=shuffle,
@@ -162,6 +163,7 @@ def main(argv):
     args = config.training_arguments(activation_checkpointing=False, gradient_checkpointing=None,
                                      resume_from_checkpoint=None,
                                      deepspeed=config.training.get("deepspeed") if config.engine == "trainer" else None)
+    distributed.start_process_group(args, launch)  # before a quantized load sets it up as one process
     train_engine, honoured = ENGINES[config.engine]
     if resume:  # another micro-batch, accumulation or world size would misplace the data position
         check_resume_engine(resume, deepspeed=launch.backend == "deepspeed")  # DeepSpeed's files, or ours

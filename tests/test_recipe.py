@@ -161,6 +161,41 @@ def test_qlora_runs_on_cpu_with_the_tiny_model(tmp_path):
     assert len(metrics["updates"]) == 2 and metrics["accumulation_steps"] == 4
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["loop", "trainer"])
+def test_qlora_on_two_cpu_processes_trains_one_run_not_two(engine, tmp_path):
+    """A quantized load (device_map) used to set up Accelerate's shared state first, as ONE process on a
+    machine without GPU: each rank then trained alone on a global batch half the size, silently."""
+    pytest.importorskip("bitsandbytes")
+    out = tmp_path / f"qlora2_{engine}"
+    run_script(
+        TORCHRUN_2, out, "--config", "recipes/configs/llama3_8b_qlora.yaml", "model.name_or_path=hf_accum:tiny-llama",
+        "model.dtype=float32", "training.bf16=false", "quantization.bnb_4bit_compute_dtype=float32",
+        "data.dataset=hf_accum:synthetic-tasks", "data.eval_split=test", "data.max_length=128", "training.max_steps=2",
+        "global_batch_size=16", "training.use_cpu=true", f"engine={engine}", timeout=600,
+    )
+    metrics = read_metrics(out)
+    assert metrics["trainable"]["quantized_linear_layers"] > 0
+    assert metrics["world_size"] == 2 and metrics["accumulation_steps"] == 4
+    assert all(update["sequences"] == 16 for update in metrics["updates"])  # 2 per device x 4 x 2 ranks
+
+
+@pytest.mark.slow
+def test_two_processes_without_use_cpu_on_a_cpu_machine_stop_before_loading(tmp_path):
+    from hf_accum.distributed import gpu_like_device_available
+
+    if gpu_like_device_available():
+        pytest.skip("a GPU is present: Accelerate counts the processes without use_cpu")
+    out = tmp_path / "no_use_cpu"
+    cmd = [*TORCHRUN_2, SCRIPT, *SMALL, f"training.output_dir={out}", "training.use_cpu=false"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "the launcher started 2 processes but the process group holds 1" in proc.stderr
+    assert "training.use_cpu=true" in proc.stderr
+    assert not os.path.exists(out)
+
+
 # -- bad input: exit code 2, a clear message, nothing written ----------------------------------
 
 
