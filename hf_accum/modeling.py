@@ -206,10 +206,17 @@ def _from_pretrained(path, torch_dtype, quantization, attn_implementation, trust
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
     if quantization is not None:
         kwargs["quantization_config"] = quantization
-        kwargs["device_map"] = device_map if device_map is not None else _local_device_map()
+        if device_map is not None or not _zero3_enabled():  # ZeRO-3 places the weights itself
+            kwargs["device_map"] = device_map if device_map is not None else _local_device_map()
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+
+
+def _zero3_enabled() -> bool:
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    return is_deepspeed_zero3_enabled()
 
 
 def _local_device_map():
