@@ -154,7 +154,7 @@ def load_batch_plan(folder: str) -> BatchPlan | None:
 
 def written_by_deepspeed(checkpoint: str) -> bool:
     """The checkpoint holds DeepSpeed's own state files: the loop's ``deepspeed/``, Trainer's ``global_step<N>/``."""
-    return any(
+    return os.path.isdir(checkpoint) and any(
         (name == DEEPSPEED_TAG or name.startswith("global_step")) and os.path.isdir(os.path.join(checkpoint, name))
         for name in os.listdir(checkpoint)
     )
@@ -172,8 +172,8 @@ def check_resume_engine(checkpoint: str, deepspeed: bool) -> None:
         )
     if deepspeed and not written:
         raise ResumeMismatchError(
-            f"cannot resume from {checkpoint} under DeepSpeed: it was written without DeepSpeed (no DeepSpeed state "
-            "files in it) -- resume it without training.deepspeed, as it was written"
+            f"cannot resume from {checkpoint} under DeepSpeed: it holds no DeepSpeed state files (written without "
+            "DeepSpeed, or by hf_accum before its DeepSpeed checkpoints) -- resume it without training.deepspeed"
         )
 
 

@@ -309,10 +309,19 @@ def apply_lora(model, lora_config, quantized: bool, gradient_checkpointing: bool
     return get_peft_model(model, lora_config)
 
 
+def _parameter_count(parameter: torch.nn.Parameter) -> int:
+    """Its number of weights, also where the tensor does not hold them all: a ZeRO-3 shard (``ds_numel``)
+    or bitsandbytes' packed 4-bit storage (two weights per byte of storage) -- PEFT's count."""
+    count = parameter.numel() or getattr(parameter, "ds_numel", 0)
+    if type(parameter).__name__ == "Params4bit":
+        count *= 2 * parameter.element_size()
+    return count
+
+
 def trainable_summary(model: torch.nn.Module) -> dict[str, Any]:
     """What is trained: counts and the (deduplicated) names of trainable parameter groups."""
-    trainable = [(n, p.numel()) for n, p in model.named_parameters() if p.requires_grad]
-    total = sum(p.numel() for p in model.parameters())
+    trainable = [(n, _parameter_count(p)) for n, p in model.named_parameters() if p.requires_grad]
+    total = sum(_parameter_count(p) for p in model.parameters())
     groups = sorted({re.sub(r"\.\d+\.", ".*.", n).rsplit(".", 1)[0] for n, _ in trainable})
     count = sum(c for _, c in trainable)
     quantized = sum(type(m).__name__ in ("Linear4bit", "Linear8bitLt") for m in model.modules())

@@ -16,6 +16,7 @@ This module owns what a recipe run leaves behind and what it prints:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -295,11 +296,22 @@ def run_cli(run: Callable[[Sequence[str]], Any], argv: Sequence[str] | None = No
         run(sys.argv[1:] if argv is None else argv)
     except tuple(bad_input) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return _after_an_early_end(EXIT_BAD_INPUT)
     except tuple(stopped) as exc:
         print(f"stopped: {exc}", file=sys.stderr)
-        return exc.code if isinstance(exc, SystemExit) else EXIT_NONFINITE
+        return _after_an_early_end(exc.code if isinstance(exc, SystemExit) else EXIT_NONFINITE)
     except KeyboardInterrupt:
         print("interrupted (Ctrl-C): stopped; final outputs were not written", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return _after_an_early_end(EXIT_INTERRUPTED)
     return 0
+
+
+def _after_an_early_end(code: int) -> int:
+    """Tear the process group down (no barrier: the other ranks may be gone or stuck) so the exit code is
+    ours, not an abort from the backend's threads at interpreter exit."""
+    import torch
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        with contextlib.suppress(Exception):
+            torch.distributed.destroy_process_group()
+    return code

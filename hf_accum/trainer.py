@@ -173,11 +173,11 @@ class AccumTrainer(Trainer):
         self._window_targets = 0
         self._tally = WindowTally(device=self.args.device)
         self._interval = _LogInterval()
-        self._run_totals = WindowTotals()  # every window of this train() call: the exact final train_loss
+        self._run_totals = WindowTotals()  # every window trained by this train() call: the exact final train_loss
         self._eval_tally = WindowTally(device=self.args.device)  # the exact eval_loss
-        # Every update of this train() call, as the loop logs them (hf_accum.UpdateLog), whatever logging_steps is.
+        # Every update of the run, as the loop logs them (hf_accum.UpdateLog), whatever logging_steps is; a
+        # resumed run's include those before its checkpoint (hf_accum_updates.json).
         self.updates: list[UpdateLog] = []
-        """Every update of the run (a resumed run's include those before its checkpoint)."""
         self._resume_checkpoint: str | None = None
         self._on_update = on_update
         self._closed_window: WindowTotals | None = None
@@ -186,7 +186,7 @@ class AccumTrainer(Trainer):
         self.run_control = TrainingControl()  # request_checkpoint() / request_stop(), from callbacks or threads
         self._stop_on_signals = stop_on_signals
         self._halt: str | None = None  # agreed by all ranks: a stop reason, or _NONFINITE_LIMIT
-        self._skip_step = False  # this update's window was inf/NaN: Trainer must not step the LR scheduler
+        self._skip_step = False  # this update's window was skipped (inf/NaN, no targets): no LR scheduler step
         self._save_requested = False
         self._staging_run_dir: str | None = None  # set while Trainer writes a checkpoint
         self.add_callback(_BoundaryActions(self))
@@ -366,7 +366,8 @@ class AccumTrainer(Trainer):
             logger.warning(
                 "update %d: no prediction targets in the window; no gradient applied%s", self.state.global_step + 1,
                 # The engine steps inside backward, before this point: it applied a zero gradient.
-                " (DeepSpeed stepped with a zero gradient: momentum and weight decay still moved the weights)"
+                " (DeepSpeed stepped with a zero gradient: momentum and weight decay still moved the weights, and "
+                "the LR schedule advanced one step)"
                 if self.is_deepspeed_enabled else "",
             )
         self._interval.add(totals)
@@ -531,13 +532,14 @@ class AccumTrainer(Trainer):
         if totals is None:
             return None
         grad_norm, learning_rate = self._closing_update_args
-        applied = totals.targets > 0
+        skip_reason = totals.nonfinite_reason if totals.nonfinite else "" if totals.targets else "no targets in window"
+        applied = not skip_reason
         return UpdateLog(
             step=self.state.global_step, epoch=float(self.state.epoch or 0.0), loss=totals.mean_loss,
             learning_rate=float(learning_rate if learning_rate is not None else self._get_learning_rate()),
             grad_norm=float(grad_norm) if grad_norm is not None and applied else None, targets=totals.targets,
             sequences=totals.sequences, padding_fraction=totals.padding_fraction, micro_batches=totals.micro_batches,
-            applied=applied, skip_reason="" if applied else "no targets in window", eval_loss=self._eval_loss_of_update,
+            applied=applied, skip_reason=skip_reason, nonfinite=totals.nonfinite, eval_loss=self._eval_loss_of_update,
         )
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

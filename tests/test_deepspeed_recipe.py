@@ -13,6 +13,7 @@ tests/test_deepspeed.py."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 
@@ -98,6 +99,8 @@ def test_trainer_zero3_partitions_a_model_from_disk_as_it_loads(runs, tmp_path):
     assert "partitioned the model as it loaded" in proc.stdout
     metrics = read_metrics(out)
     assert metrics["eval_before"] is None and metrics["eval_after"]["examples"] == 8
+    # Parameters counted whole although each rank holds a shard (ds_numel), as in the DDP run.
+    assert metrics["trainable"] == read_metrics(runs("trainer")["ddp"])["trainable"]
     assert max_abs_diff(load_adapter(out), load_adapter(runs("trainer")["ddp"])) <= 1e-4
 
 
@@ -146,13 +149,38 @@ QLORA_ON_CPU = [
 
 @pytest.mark.parametrize("engine", ["loop", "trainer"])
 def test_qlora_under_zero3_trains_the_adapter_of_the_ddp_run(engine, tmp_path):
-    """QLoRA (nf4 base, LoRA adapters) under ZeRO-3: the 4-bit base loads without a device_map (ZeRO-3
-    places the weights; transformers refuses both), and the adapter equals the DDP run's."""
+    """QLoRA (nf4 base, LoRA adapters) under ZeRO-3 trains the adapter of the DDP run. (The trainer engine
+    loads the 4-bit base without a device_map: transformers refuses one while a ZeRO-3 config is alive;
+    the loop engine loads it on every rank and DeepSpeed partitions it at prepare.)"""
     pytest.importorskip("bitsandbytes")
     ddp, zero3 = tmp_path / "ddp", tmp_path / "zero3"
     run_script(TORCHRUN_2, ddp, *QLORA_ON_CPU, f"engine={engine}", timeout=600)
     run_script(TORCHRUN_2, zero3, *QLORA_ON_CPU, f"engine={engine}", ZERO3, timeout=600)
     assert read_metrics(zero3)["trainable"]["quantized_linear_layers"] > 0
+    assert read_metrics(zero3)["trainable"] == read_metrics(ddp)["trainable"]  # 4-bit and sharded weights counted whole
     reference = load_adapter(ddp)
     moved = max(float(reference[key].abs().max()) for key in reference if "lora_B" in key)
     assert max_abs_diff(load_adapter(zero3), reference) <= moved / 100  # measured ~3e-8 of ~4e-4
+
+
+def test_loop_held_out_loss_under_zero3_with_uneven_shards(tmp_path):
+    """Held-out loss during training under ZeRO-3: 7 held-out rows in batches of 3 give rank 0 two
+    batches and rank 1 one. Every forward gathers parameters from all ranks, so rank 1 must run a
+    forward more (counting nothing) or both wait forever; the loss equals the DDP run's. The ZeRO-3
+    config releases every gathered parameter at once (as a model too big to keep them would): with
+    the ready file's generous limits the tiny model keeps them gathered and no rank would wait."""
+    with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "recipes", "deepspeed", "zero3.json")) as handle:
+        releasing = json.load(handle)
+    releasing["zero_optimization"].update(stage3_max_live_parameters=1, stage3_max_reuse_distance=0,
+                                          stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0)
+    config_path = tmp_path / "zero3_releasing.json"
+    config_path.write_text(json.dumps(releasing))
+    evaluating = ["training.max_steps=2", "training.eval_strategy=steps", "training.eval_steps=1",
+                  "data.num_eval_examples=7", "training.per_device_eval_batch_size=3", "engine=loop"]
+    ddp, zero3 = tmp_path / "ddp", tmp_path / "zero3"
+    run_script(TORCHRUN_2, ddp, *evaluating, timeout=300)
+    run_script(TORCHRUN_2, zero3, *evaluating, f"training.deepspeed={config_path}", timeout=300)
+    expected = [update["eval_loss"] for update in read_metrics(ddp)["updates"]]
+    measured = [update["eval_loss"] for update in read_metrics(zero3)["updates"]]
+    assert len(measured) == 2 and None not in measured
+    assert measured == pytest.approx(expected, rel=1e-5)
