@@ -241,7 +241,7 @@ def test_resume_engine_check_names_the_mismatch(tmp_path, deepspeed_folder):
         os.makedirs(checkpoint / deepspeed_folder)
     written = deepspeed_folder is not None
     check_resume_engine(str(checkpoint), deepspeed=written)  # resuming the way it was written: accepted
-    fragment = "without DeepSpeed: its weights" if written else "under DeepSpeed: it was written without DeepSpeed"
+    fragment = "without DeepSpeed: its weights" if written else "under DeepSpeed: it holds no DeepSpeed state files"
     with pytest.raises(ResumeMismatchError, match=fragment):
         check_resume_engine(str(checkpoint), deepspeed=not written)
 
