@@ -6,15 +6,16 @@ is found out on the cluster, by an out-of-memory error or by an effective batch 
 The recipe therefore calls, in this order:
 
 1. :func:`check_launch` -- before loading any model (then :func:`start_process_group` sets up the
-   process group before anything else can, and checks it spans every process): from the training section
+   process group, and DeepSpeed's comm on it, before anything else can, and checks it spans every
+   process): from the training section
    (``TrainingArguments`` fields: ``deepspeed``, ``fsdp``, ``use_cpu``, the batch arithmetic) and
    the launcher's environment, returns the :class:`Launch` that will run, or raises
    :class:`LaunchError` naming what was asked, what would run instead, and a command that works;
 2. engine ``loop``: :func:`loop_accelerator` builds the ``Accelerator`` (under DeepSpeed with the
    config's ``"auto"`` values filled from the recipe, and around two Accelerate traps on CPU);
    :func:`check_offload_optimizer` before ``prepare`` (ZeRO-Offload swaps the optimizer);
-   engine ``trainer`` passes ``training.deepspeed`` to ``TrainingArguments`` unchanged and calls
-   :func:`init_deepspeed_comm` before building the model (ZeRO-3 partitions it as it loads);
+   engine ``trainer`` passes ``training.deepspeed`` to ``TrainingArguments`` unchanged (under ZeRO-3
+   transformers then partitions the model as it loads);
 3. :func:`check_engine` -- once the ``Accelerator`` (``trainer.accelerator`` for the Trainer)
    exists: the distributed type and process count it really got (``loop_accelerator`` calls it);
 4. :func:`save_pretrained` -- on EVERY rank: ZeRO-3 keeps a shard of each parameter per rank, so
@@ -327,11 +328,15 @@ def loop_accelerator(
 
 def start_process_group(args, launch: Launch) -> None:
     """Set up the process group as ``TrainingArguments`` does (gloo with ``use_cpu``), before any model
-    loads, and check that it spans every process the launcher started.
+    loads; check that it spans every process the launcher started; under DeepSpeed, start DeepSpeed's
+    communication layer on it.
 
     Accelerate keeps one shared state per process, made by whoever asks first. A quantized load
     (``from_pretrained(device_map=...)``) asks with default arguments, which on a machine without GPU
     yields ONE process whatever torchrun started -- every rank would then train alone, silently.
+    And with a ZeRO-3 config alive (trainer engine) transformers builds the model inside
+    ``deepspeed.zero.Init``, which reads the world size from DeepSpeed's comm: left uninitialized it
+    counts 1 process and refuses the batch arithmetic ("32 != 8 * 2 * 1").
     """
     from accelerate import PartialState
 
@@ -343,22 +348,11 @@ def start_process_group(args, launch: Launch) -> None:
         raise LaunchError(
             f"the launcher started {launch.world_size} processes but the process group holds {processes}; {hint}"
         )
+    if launch.backend == DEEPSPEED:
+        import deepspeed
 
-
-def init_deepspeed_comm(args) -> None:
-    """DeepSpeed's communication layer over the process group ``args`` (TrainingArguments) sets up.
-
-    Call it before building the model for the trainer engine under DeepSpeed. With a ZeRO-3 config
-    alive, transformers builds the model inside ``deepspeed.zero.Init`` (partitioned as it is made,
-    so no rank ever holds all of it), and zero.Init reads the world size from DeepSpeed's comm: left
-    uninitialized it counts 1 process and refuses the batch arithmetic ("32 != 8 * 2 * 1"). On CPU
-    ``TrainingArguments(use_cpu=True)`` starts a plain gloo group; DeepSpeed then wraps that group.
-    """
-    import deepspeed
-
-    args.device  # noqa: B018 -- TrainingArguments creates the process group on first use
-    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
-    deepspeed.init_distributed(dist_backend=backend)
+        backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
+        deepspeed.init_distributed(dist_backend=backend)  # wraps the existing group
 
 
 def is_partitioned(model: torch.nn.Module) -> bool:

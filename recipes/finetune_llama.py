@@ -163,7 +163,7 @@ def main(argv):
     args = config.training_arguments(activation_checkpointing=False, gradient_checkpointing=None,
                                      resume_from_checkpoint=None,
                                      deepspeed=config.training.get("deepspeed") if config.engine == "trainer" else None)
-    distributed.start_process_group(args, launch)  # before a quantized load sets it up as one process
+    distributed.start_process_group(args, launch)  # before any model load (a quantized one, ZeRO-3's zero.Init)
     train_engine, honoured = ENGINES[config.engine]
     if resume:  # another micro-batch, accumulation or world size would misplace the data position
         check_resume_engine(resume, deepspeed=launch.backend == "deepspeed")  # DeepSpeed's files, or ours
@@ -190,8 +190,6 @@ def main(argv):
     collator = PackingCollator() if config.data.packing else PaddingCollator(tokenizer.pad_token_id)
 
     # 3. Model: LoRA targets checked on a weightless skeleton, then weights, LoRA/QLoRA, checkpointing.
-    if launch.backend == "deepspeed" and config.engine == "trainer":  # ZeRO-3 partitions the model as it loads
-        distributed.init_deepspeed_comm(args)
     model = build_model(config, tokenizer, seed=args.seed)
     record.facts["trainable"] = trainable_summary(model)
     say(describe_trainable(record.facts["trainable"]))
