@@ -60,6 +60,7 @@ from hf_accum.checkpoint import (
     check_output_dir_writable,
     resolve_resume_checkpoint,
 )
+from hf_accum.compat import keep_4bit_training_layout
 from hf_accum.control import (
     DEFAULT_MAX_CONSECUTIVE_NONFINITE,
     NonFiniteGuard,
@@ -69,7 +70,13 @@ from hf_accum.control import (
 )
 from hf_accum.distributed import is_partitioned, num_nodes
 from hf_accum.fused_loss import LossSumFn, MicroBatchLoss
-from hf_accum.loss import LossKind, count_targets, infer_loss_kind, model_problem_type, unwrap_model
+from hf_accum.loss import (
+    LossKind,
+    count_targets,
+    infer_loss_kind,
+    model_problem_type,
+    unwrap_model,
+)
 from hf_accum.schedule import (
     BatchPlan,
     create_update_scheduler,
@@ -263,6 +270,7 @@ def train(
     progress = tqdm(total=total_updates, desc="updates", disable=config.disable_tqdm or not accelerator.is_main_process)
     params = [p for p in model.parameters() if p.requires_grad]
     fp32_sums = _fp32_accumulator(params, accelerator, config)
+    keep_4bit_training_layout(model)  # held-out forwards must not repack 4-bit weights (hf_accum.compat)
     model.train()
     control = control or TrainingControl()
     window = _WindowState(

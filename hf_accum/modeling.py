@@ -24,6 +24,8 @@ from typing import Any, Iterable
 
 import torch
 
+from hf_accum.compat import keep_4bit_training_layout
+
 TINY_MODEL = "hf_accum:tiny-llama"
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 CHAT_TEMPLATE = (
@@ -210,7 +212,10 @@ def _from_pretrained(path, torch_dtype, quantization, attn_implementation, trust
             kwargs["device_map"] = device_map if device_map is not None else _local_device_map()
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
-    return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if quantization is not None:
+        keep_4bit_training_layout(model)  # the same 4-bit layout on every CPU (see hf_accum.compat)
+    return model
 
 
 def _zero3_enabled() -> bool:

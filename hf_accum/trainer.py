@@ -70,6 +70,7 @@ from hf_accum.checkpoint import (
     save_update_history,
     staged_checkpoint,
 )
+from hf_accum.compat import keep_4bit_training_layout
 from hf_accum.control import (
     DEFAULT_MAX_CONSECUTIVE_NONFINITE,
     NonFiniteGuard,
@@ -81,7 +82,14 @@ from hf_accum.control import (
 from hf_accum.distributed import num_nodes
 from hf_accum.fused_loss import MicroBatchLoss
 from hf_accum.loop import UpdateLog
-from hf_accum.loss import LossKind, count_targets, infer_loss_kind, model_problem_type, resolve_loss_kind, token_loss_sum
+from hf_accum.loss import (
+    LossKind,
+    count_targets,
+    infer_loss_kind,
+    model_problem_type,
+    resolve_loss_kind,
+    token_loss_sum,
+)
 from hf_accum.schedule import BatchPlan, planned_updates, repeated_examples_warning
 
 logger = logging.getLogger(__name__)
@@ -600,6 +608,7 @@ class AccumTrainer(Trainer):
         self._halt, self._skip_step, self._save_requested = None, False, False
         self._nonfinite.consecutive = 0
         self.run_control.reset()
+        keep_4bit_training_layout(self.model)  # evaluations must not repack 4-bit weights (hf_accum.compat)
         with StopSignals(self.run_control, self._stop_on_signals):
             output = super().train(checkpoint, *args, **kwargs)
         self._raise_if_halted()
