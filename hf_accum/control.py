@@ -25,13 +25,10 @@ import os
 import signal
 import threading
 
+from hf_accum.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED  # noqa: F401  (re-exported)
+
 logger = logging.getLogger(__name__)
 
-EXIT_PREEMPTED = 75
-"""Exit code after SIGTERM/SIGUSR1: the run stopped at an update boundary (checkpoint written); run it again
-with ``resume_from_checkpoint`` to continue."""
-EXIT_INTERRUPTED = 130
-"""Exit code after Ctrl-C (SIGINT), stopped the same way."""
 DEFAULT_MAX_CONSECUTIVE_NONFINITE = 5
 """Skipped inf/NaN updates in a row before the run stops: an isolated bad micro-batch is survivable, five
 consecutive updates mean the run has diverged."""

@@ -27,14 +27,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 from hf_accum import config as config_module
-from hf_accum.control import EXIT_INTERRUPTED
+from hf_accum.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NONFINITE
 
 METRICS_NAME = "metrics.json"
 PLOT_NAME = "training_curves.png"
 ADAPTER_DIR = "adapter"
 MODEL_DIR = "model"
-EXIT_BAD_INPUT = 2
-EXIT_NONFINITE = 3  # too many inf/NaN updates in a row (a checkpoint was written)
 
 
 def is_main_process() -> bool:

@@ -1,0 +1,28 @@
+"""The exit codes every hf_accum command and recipe ends with, and the one base class of bad-input errors.
+
+A command line catches :class:`InputError` (and only it) to print one ``error:`` line and exit with
+:data:`EXIT_BAD_INPUT`: every error a user can fix by changing a config value, a file or a command
+(config keys, data rows, model directories, launch settings, checkpoints that do not match the run)
+derives from it. Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+"""A check that ran and failed (``hf-accum check`` FAIL), or an unexpected error."""
+EXIT_BAD_INPUT = 2
+"""A config value, file, model directory or launch setting was refused before (or instead of) training."""
+EXIT_NONFINITE = 3
+"""Too many inf/NaN updates in a row: a checkpoint was written and the run stopped."""
+EXIT_PREEMPTED = 75
+"""SIGTERM/SIGUSR1 (preemption): the update finished and a checkpoint was written; ``EX_TEMPFAIL``: try again."""
+EXIT_INTERRUPTED = 130
+"""Ctrl-C (SIGINT): as a preemption, with the shell's code for Ctrl-C."""
+
+
+class InputError(ValueError):
+    """Something the user gave (a config value, file, directory, launch setting) cannot be used.
+
+    The message is one line naming the bad key or value, where it came from, and what is allowed.
+    """
