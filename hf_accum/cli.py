@@ -31,7 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     # The rest goes on: to the benchmarks' own parser (bench), or as the recipe's overrides
     # (section.key=value) to hf-accum plan --config.
-    if rest and args.command != "bench" and not getattr(args, "config", None):
+    if rest and args.command != "bench" and not getattr(args, "config", None) and not getattr(args, "auto", False):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.bench_args = args.overrides = rest
     try:
@@ -58,6 +58,12 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--base-batch-size", type=int, help="global batch the LR was tuned at")
     plan.add_argument("--lr-scaling", choices=["linear", "sqrt", "none"], default="sqrt",
                       help="LR rule when the global batch changes (sqrt is the usual choice for Adam)")
+    plan.add_argument("--auto", action="store_true", help="measure peak memory on this device and pick the largest "
+                      "micro-batch that fits --memory-budget (model, LoRA/QLoRA from --config; default: the tiny CPU job)")
+    plan.add_argument("--memory-budget", help="with --auto: bytes per process, e.g. 70GiB (default: free memory "
+                      "minus 10%%)")
+    plan.add_argument("--max-length", type=int, help="with --auto: tokens per row (default: the config's data.max_length)")
+    plan.add_argument("--model", help="with --auto: a model directory (overrides the config's model.name_or_path)")
     plan.set_defaults(run=_run_plan)
 
     check = commands.add_parser("check", help="verify accumulation == big batch on a model, update by update")
@@ -79,6 +85,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def _run_plan(args: argparse.Namespace) -> int:
     processes = _num_processes(args)
+    if args.auto:
+        from hf_accum.plan_auto import run_auto_plan  # model building: heavy imports only here
+
+        return run_auto_plan(args, processes)
+    if args.memory_budget or args.max_length or args.model:
+        raise ValueError("--memory-budget, --max-length and --model go with --auto")
     plan = _recipe_plan(args, processes) if args.config else _explicit_plan(args, processes)
     print(plan.describe())
     if args.learning_rate is not None:

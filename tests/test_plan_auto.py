@@ -1,0 +1,76 @@
+"""``hf-accum plan --auto``: the chosen micro-batch fits the budget as measured, the next larger one does not."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hf_accum.memory import (
+    MemoryBudgetError,
+    fit_line,
+    parse_bytes,
+    plan_micro_batch,
+    training_step_peak,
+)
+from hf_accum.testing.models import tiny_causal_lm
+
+
+def run_plan(*args):
+    return subprocess.run([sys.executable, "-m", "hf_accum.cli", "plan", *args], capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_a_budget_between_two_measured_sizes_picks_the_smaller():
+    model, cpu = tiny_causal_lm(seed=0, dtype=torch.float32), torch.device("cpu")
+    peaks = {m: training_step_peak(model, cpu, m, 64) for m in (2, 4, 8)}
+    assert peaks[2] < peaks[4] < peaks[8]  # a measurement that grows with the micro-batch
+    budget = (peaks[4] + peaks[8]) // 2
+    calls = []
+
+    def measure(m):
+        calls.append(m)
+        return training_step_peak(model, cpu, m, 64)
+
+    plan = plan_micro_batch(measure, per_process_batch=16, budget_bytes=budget)
+    assert plan.micro_batch == 4 and plan.accumulation_steps == 4
+    assert plan.measured[4] <= budget < plan.measured[8]  # the next larger divisor was measured, and is over
+    assert "<- chosen" in plan.table().splitlines()[3]
+
+
+def test_a_wrong_prediction_is_corrected_by_the_confirming_runs():
+    true_peaks = {1: 10, 2: 20, 4: 40, 8: 200, 16: 400}  # not a line: the fit predicts 8 fits
+    plan = plan_micro_batch(true_peaks.__getitem__, per_process_batch=16, budget_bytes=100, probes=(1, 2, 4))
+    assert plan.micro_batch == 4 and plan.measured[8] == 200
+    with pytest.raises(MemoryBudgetError, match="micro-batch 1 needs"):
+        plan_micro_batch(true_peaks.__getitem__, per_process_batch=16, budget_bytes=5)
+
+
+def test_budget_strings():
+    assert parse_bytes("70GiB") == 70 * 2**30 and parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes("512") == 512
+    for bad in ("70XB", "lots", "-1GiB", "0"):
+        with pytest.raises(MemoryBudgetError):
+            parse_bytes(bad)
+    assert fit_line({1: 10, 3: 30}) == pytest.approx((0.0, 10.0))
+
+
+@pytest.mark.slow
+def test_the_command_prints_the_table_and_the_chosen_plan():
+    done = run_plan("--auto", "--memory-budget", "1GiB", "--max-length", "32", "--global-batch-size", "8")
+    assert done.returncode == 0, done.stderr
+    assert "<- chosen" in done.stdout and "effective batch 8 = 8 per device x 1 accumulation" in done.stdout
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--memory-budget", "70XB"], "--memory-budget='70XB'"),
+    (["--memory-budget", "1KiB", "--max-length", "16"], "no micro-batch fits"),
+    (["--global-batch-size", "7", "--num-processes", "2"], "not a positive multiple of 2 processes"),
+])
+def test_bad_input_exits_2_with_one_line(args, fragment):
+    done = run_plan("--auto", *args)
+    assert done.returncode == 2 and fragment in done.stderr, done.stderr
+
+
+def test_auto_only_options_without_auto_are_refused():
+    done = run_plan("--global-batch-size", "8", "--micro-batch-size", "2", "--memory-budget", "1GiB")
+    assert done.returncode == 2 and "go with --auto" in done.stderr
