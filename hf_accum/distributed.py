@@ -412,9 +412,9 @@ def check_engine(accelerator: Any, launch: Launch) -> None:
 
 
 def gathered_state_dict(model: torch.nn.Module, keep: bool = True, trainable_only: bool = False) -> dict:
-    """The model's state dict at full size, as CPU copies, also where ZeRO-3 holds one shard per rank.
+    """The model's state dict at full size, as CPU copies, also where ZeRO-3 or FSDP2 hold one shard per rank.
 
-    Collective under ZeRO-3: every rank must call it, with the same ``trainable_only`` (one
+    Collective under ZeRO-3 and FSDP2: every rank must call it, with the same ``trainable_only`` (one
     all-gather per parameter, so only one parameter is whole at a time). ``keep=False`` (the
     ranks that do not write) joins the gathers and returns ``{}``. ``trainable_only`` keeps the
     parameters that train (a PEFT adapter) and skips the frozen base weights.
@@ -424,9 +424,12 @@ def gathered_state_dict(model: torch.nn.Module, keep: bool = True, trainable_onl
         state = {name: tensor for name, tensor in state.items() if getattr(tensor, "requires_grad", False)}
     full = {}
     for name, tensor in state.items():
+        if hasattr(tensor, "full_tensor"):  # an FSDP2 shard (DTensor): all-gathered, a collective
+            tensor = tensor.full_tensor()
         with _gathered(tensor):
             if keep:
-                full[name] = tensor.detach().to("cpu", copy=True)
+                # FSDP's activation-checkpoint wrapper renames modules; saved names are the model's own.
+                full[name.replace("_checkpoint_wrapped_module.", "")] = tensor.detach().to("cpu", copy=True)
     return full
 
 

@@ -1,0 +1,223 @@
+"""torchrun worker (2 CPU processes, gloo): the loop engine under FSDP2 (``fully_shard`` through Accelerate,
+:func:`hf_accum.fsdp.fsdp_accelerator`), all runs in one launch. Rank 0 writes a JSON report to ``argv[1]``.
+
+* exactness in float64 (full fine-tuning, LoRA, activation checkpointing): SGD (lr 6, no momentum) on a
+  linear schedule, uneven lengths, prompt masking, rank 0 holding ~10x the tokens of rank 1, short last
+  windows; every update's weight delta against the independently computed big-batch update
+  (:mod:`hf_accum.testing.deltas`); gradient reduce-scatters counted per update;
+* the naive loop (the model's mean loss per micro-batch, Accelerate's 1/K) under FSDP2: the negative control;
+* clipping: FSDP2 and DDP runs with an active ``max_grad_norm`` log the same global norms and end with the
+  same weights (a per-shard norm would differ);
+* bf16 compute with fp32 master weights and fp32 gradient reduction against DDP's bf16 autocast run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from accelerate.state import AcceleratorState, GradientState
+from torch.utils.data import DataLoader
+
+from hf_accum.batching import PaddingCollator
+from hf_accum.distributed import gathered_state_dict
+from hf_accum.fsdp import fsdp2_plugin, fsdp_accelerator
+from hf_accum.loop import LoopConfig, train
+from hf_accum.schedule import create_update_scheduler
+from hf_accum.testing import PAD, big_batch_learning_rates, naive_loop, random_rows, tiny_causal_lm
+from hf_accum.testing.deltas import DeltaRecorder, delta_errors
+
+MICRO_BATCH, ACCUMULATION, EXAMPLES, EPOCHS = 2, 3, 28, 2
+UPDATES = 6  # per epoch: windows of 3, 3 and 1 micro-batches per rank
+LR = 6.0
+LAYER = ["LlamaDecoderLayer"]
+
+
+def examples() -> list[dict]:
+    # Micro-batch j goes to rank j % 2: rows 4m, 4m+1 (40 tokens) to rank 0, rows 4m+2, 4m+3 (3-5 tokens) to rank 1.
+    return random_rows(EXAMPLES, seed=11, prompt_masking=True, long_rows=lambda i: (i // MICRO_BATCH) % 2 == 0)
+
+
+def reset_accelerate() -> None:
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def accelerator_for(engine: str, **plugin_options):
+    reset_accelerate()
+    if engine == "ddp":
+        from accelerate import Accelerator
+
+        mixed = plugin_options.pop("mixed_precision", "no")
+        return Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATION, mixed_precision=mixed)
+    return fsdp_accelerator(fsdp2_plugin(LAYER, **plugin_options), ACCUMULATION, cpu=True)
+
+
+def lora(model: torch.nn.Module) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    return get_peft_model(model, config).to(torch.float64)
+
+
+class ReduceScatterCounter:
+    """Counts gradient reduce-scatters (FSDP2 issues one per sharded unit per gradient sync, through
+    ``dist.reduce_scatter_single`` in torch 2.13)."""
+
+    NAME = "reduce_scatter_single"
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.per_update: list[int] = []
+        original = getattr(dist, self.NAME)
+
+        def counting(*args, **kwargs):
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        setattr(dist, self.NAME, counting)
+        self._original = original
+
+    def close_update(self) -> None:
+        self.per_update.append(self.calls)
+        self.calls = 0
+
+    def remove(self) -> None:
+        setattr(dist, self.NAME, self._original)
+
+
+def model_factory(kind: str):
+    def build():
+        model = tiny_causal_lm(seed=0, dtype=torch.float64)
+        return lora(model) if kind == "lora" else model
+
+    return build
+
+
+def exact_run(kind: str = "full", naive: bool = False, checkpointing: bool = False) -> dict:
+    """SGD deltas vs the big batch (float64)."""
+    accelerator = accelerator_for("fsdp", activation_checkpointing=checkpointing)
+    factory = model_factory(kind)
+    model = factory()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    recorder = DeltaRecorder(PaddingCollator(PAD))
+    recorder.watch(model)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR, momentum=0.0)
+    loader = DataLoader(examples(), batch_size=MICRO_BATCH, shuffle=False, collate_fn=recorder.collate)
+    prepared, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    counter = ReduceScatterCounter()
+
+    def on_update(_update=None):
+        counter.close_update()
+        recorder.record_update(prepared)
+
+    try:
+        if naive:
+            scheduler = create_update_scheduler(optimizer, len(loader) * EPOCHS, "linear")
+            _naive_with_records(prepared, optimizer, loader, accelerator, scheduler, on_update)
+            logged = []
+        else:
+            config = LoopConfig(num_train_epochs=EPOCHS, lr_scheduler_type="linear", max_grad_norm=0.0,
+                                disable_tqdm=True)
+            result = train(prepared, optimizer, loader, accelerator, config, on_update=on_update)
+            logged = [u.learning_rate for u in result.updates]
+    finally:
+        counter.remove()
+    expected = big_batch_learning_rates(LR, UPDATES, 0, "linear")
+    errors = delta_errors(factory, initial, recorder, expected, pad_token_id=PAD) if dist.get_rank() == 0 else []
+    sharded = [type(p).__name__ for p in prepared.parameters()]
+    units = sum(type(m).__name__.startswith("FSDP") for m in prepared.modules())
+    checkpointed = sum(type(m).__name__.endswith("CheckpointWrapper") for m in prepared.modules())
+    return {"errors": errors, "logged_lrs": logged, "expected_lrs": expected, "updates": len(recorder.weights),
+            "reduce_scatters": counter.per_update, "fsdp_units": units, "checkpointed_layers": checkpointed,
+            "distributed_type": accelerator.distributed_type.value,
+            "all_dtensor": all(name == "DTensor" for name in sharded)}
+
+
+def _naive_with_records(model, optimizer, loader, accelerator, scheduler, on_update) -> None:
+    model.train()
+    for _ in range(EPOCHS):
+        for batch in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(model(**batch, use_cache=False).loss)
+                if accelerator.sync_gradients:
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+                    on_update()
+
+
+def clipped_run(engine: str) -> dict:
+    """AdamW with an active clip: the logged (global) norms and the final weights."""
+    accelerator = accelerator_for(engine)
+    model = tiny_causal_lm(seed=0, dtype=torch.float64)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = DataLoader(examples(), batch_size=MICRO_BATCH, shuffle=False, collate_fn=PaddingCollator(PAD))
+    prepared, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    config = LoopConfig(num_train_epochs=EPOCHS, max_grad_norm=0.05, disable_tqdm=True)
+    result = train(prepared, optimizer, loader, accelerator, config)
+    weights = gathered_state_dict(prepared) if engine == "fsdp" else {
+        k: v.detach().cpu().clone() for k, v in accelerator.unwrap_model(prepared).state_dict().items()}
+    return {"grad_norms": [u.grad_norm for u in result.updates], "weights": weights}
+
+
+def bf16_run(engine: str) -> dict:
+    """fp32 master weights, bf16 compute: FSDP2's MixedPrecisionPolicy (fp32 reduce) vs DDP's bf16 autocast."""
+    accelerator = accelerator_for(engine, **({"param_dtype": torch.bfloat16} if engine == "fsdp"
+                                             else {"mixed_precision": "bf16"}))
+    model = tiny_causal_lm(seed=0, dtype=torch.float32)
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = DataLoader(examples(), batch_size=MICRO_BATCH, shuffle=False, collate_fn=PaddingCollator(PAD))
+    prepared, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    result = train(prepared, optimizer, loader, accelerator, LoopConfig(num_train_epochs=EPOCHS, disable_tqdm=True))
+    weights = gathered_state_dict(prepared) if engine == "fsdp" else {
+        k: v.detach().cpu().clone() for k, v in accelerator.unwrap_model(prepared).state_dict().items()}
+    grads_fp32 = all(p.dtype == torch.float32 for p in prepared.parameters())
+    return {"losses": [u.loss for u in result.updates], "weights": weights, "initial": initial,
+            "master_weights_fp32": grads_fp32}
+
+
+def weight_difference(a: dict, b: dict) -> float:
+    """max |a - b| / max |b| over every tensor both hold."""
+    return max(float((a[k].double() - b[k].double()).abs().max()) / max(float(b[k].double().abs().max()), 1e-30)
+               for k in b if k in a)
+
+
+def movement_difference(run: dict, reference: dict) -> float:
+    """|delta_run - delta_ref| / |delta_ref| over all weights: how far the bf16 runs' updates differ."""
+    diff = norm = 0.0
+    for name, start in reference["initial"].items():
+        expected = reference["weights"][name].double() - start.double()
+        diff += float((run["weights"][name].double() - start.double() - expected).pow(2).sum())
+        norm += float(expected.pow(2).sum())
+    return (diff / norm) ** 0.5
+
+
+def main(report_path: str) -> None:
+    dist.init_process_group("gloo")
+    report = {"world_size": dist.get_world_size()}
+    report["full"] = exact_run("full")
+    report["lora"] = exact_run("lora")
+    report["checkpointing"] = exact_run("full", checkpointing=True)
+    report["naive"] = exact_run("full", naive=True)
+    clip_ddp, clip_fsdp = clipped_run("ddp"), clipped_run("fsdp")
+    report["clip"] = {"ddp_norms": clip_ddp["grad_norms"], "fsdp_norms": clip_fsdp["grad_norms"],
+                      "weight_difference": weight_difference(clip_fsdp["weights"], clip_ddp["weights"])}
+    bf16_ddp, bf16_fsdp = bf16_run("ddp"), bf16_run("fsdp")
+    report["bf16"] = {"ddp_losses": bf16_ddp["losses"], "fsdp_losses": bf16_fsdp["losses"],
+                      "movement_difference": movement_difference(bf16_fsdp, bf16_ddp),
+                      "master_weights_fp32": bf16_fsdp["master_weights_fp32"]}
+    if dist.get_rank() == 0:
+        with open(report_path, "w") as handle:
+            json.dump(report, handle)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main(sys.argv[1])
