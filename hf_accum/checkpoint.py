@@ -289,6 +289,12 @@ def atomic_file(path: str) -> Iterator[str]:
         raise
 
 
+def write_text_atomically(path: str, text: str) -> None:
+    """Write a whole text file through :func:`atomic_file`: flushed to disk, then renamed over ``path``."""
+    with atomic_file(path) as temporary, open(temporary, "w") as handle:
+        handle.write(text)
+
+
 @contextlib.contextmanager
 def staged_checkpoint(
     output_dir: str,
