@@ -39,8 +39,8 @@ from hf_accum.control import (  # noqa: E402
     TrainingStopped,
 )
 from hf_accum.fused_loss import linear_cross_entropy_sum  # noqa: E402
-from hf_accum.loss import count_targets, infer_loss_kind, token_loss_sum  # noqa: E402
 from hf_accum.loop import LoopConfig, TrainResult, UpdateLog, train  # noqa: E402
+from hf_accum.loss import count_targets, infer_loss_kind, token_loss_sum  # noqa: E402
 from hf_accum.schedule import BatchPlan, create_update_scheduler, plan_global_batch, planned_updates  # noqa: E402
 
 __version__ = "0.1.0"

@@ -19,7 +19,7 @@ inf/NaN loss or gradient: every rank learns of it from the same all-reduce (:met
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -56,6 +56,14 @@ def drop_gradients_(parameters: Iterable[torch.nn.Parameter]) -> None:
         p.grad = None
 
 
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def low_precision_parameters(parameters: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    """The trainable bf16/fp16 weights: the ones whose micro-batch gradients need fp32 sums."""
+    return [p for p in parameters if p.requires_grad and p.dtype in LOW_PRECISION]
+
+
 class Fp32GradientAccumulator:
     """Accumulate the gradients of low-precision (bf16/fp16) weights in fp32 across a window.
 
@@ -68,9 +76,7 @@ class Fp32GradientAccumulator:
     """
 
     def __init__(self, parameters: Iterable[torch.nn.Parameter]):
-        self.parameters = [
-            p for p in parameters if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16)
-        ]
+        self.parameters = low_precision_parameters(parameters)
         self._sums: dict[int, torch.Tensor] = {}
         self._handles = [p.register_post_accumulate_grad_hook(self._stash) for p in self.parameters]
 
@@ -125,7 +131,7 @@ class WindowTotals:
     checkpoint_requests: int = 0
     """Ranks asked for a checkpoint by the boundary."""
 
-    def add(self, other: "WindowTotals") -> None:
+    def add(self, other: WindowTotals) -> None:
         """Fold another window in (totals over a logging interval of several updates)."""
         for name in self.__dataclass_fields__:
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -152,11 +158,43 @@ class WindowTotals:
         return "inf/nan gradients" if self.nonfinite_gradients else ""
 
 
+class DeviceSums:
+    """Per-rank float64 sums of named columns, kept on the device and summed over ranks in one all-reduce.
+
+    The one implementation of "add up numbers per micro-batch without a host sync, reduce once": the window
+    tally below and TRL's metric sums (:mod:`hf_accum.sft`) are both built on it. float64 keeps counts exact
+    to 2**53 and loss sums far beyond what one update holds.
+    """
+
+    def __init__(self, columns: Iterable[str], device: torch.device | str = "cpu") -> None:
+        self.columns = tuple(columns)
+        self.device = device
+        self._sums: torch.Tensor | None = None
+
+    def add(self, **values: Any) -> None:
+        """Add one row (missing columns add 0); values may be Python numbers or 0-d tensors on any device."""
+        row = torch.stack(
+            [torch.as_tensor(values.get(name, 0.0)).to(self.device, torch.float64).reshape(()) for name in self.columns]
+        )
+        self._sums = row if self._sums is None else self._sums + row
+
+    def reduce(self, accelerator: Any) -> dict[str, float]:
+        """This rank's sums, summed over all ranks, by column; the sums are cleared. A collective: every rank
+        must call it."""
+        sums = self._sums
+        if sums is None:
+            sums = torch.zeros(len(self.columns), dtype=torch.float64, device=self.device)
+        self._sums = None
+        return dict(zip(self.columns, global_sum(sums, accelerator).tolist()))
+
+    def reset(self) -> None:
+        self._sums = None
+
+
 # The columns of a window tally, summed over micro-batches and then over ranks in one all-reduce.
 _TALLY_COLUMNS = tuple(WindowTotals.__dataclass_fields__)
 
 
-@dataclass
 class WindowTally:
     """Running per-rank sums of the current window, reduced across ranks in one all-reduce.
 
@@ -165,13 +203,17 @@ class WindowTally:
     every rank must agree on (inf/NaN, stop and checkpoint requests): no extra collective.
     """
 
-    device: torch.device | str = "cpu"
-    _sums: torch.Tensor | None = field(default=None, repr=False)
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self._sums = DeviceSums(_TALLY_COLUMNS, device)
+
+    @property
+    def device(self) -> torch.device | str:
+        return self._sums.device
 
     def add(self, loss_sum: torch.Tensor, n_targets: torch.Tensor, batch: Mapping[str, Any]) -> None:
         sequences, real_tokens, total_tokens = batch_shape_counts(batch)
         loss = loss_sum.detach().to(torch.float64).reshape(())
-        self._add_row(
+        self._sums.add(
             loss_sum=loss,
             targets=n_targets,
             sequences=sequences,
@@ -186,32 +228,20 @@ class WindowTally:
         checkpoint_requested: bool = False,
     ) -> None:
         """Before :meth:`reduce` at the window's end: this rank's flags, so that every rank decides alike."""
-        self._add_row(
+        self._sums.add(
             nonfinite_gradients=torch.as_tensor(nonfinite_gradients, device=self.device).to(torch.float64),
             stop_requests=float(stop_requested),
             checkpoint_requests=float(checkpoint_requested),
         )
 
-    def _add_row(self, **values: Any) -> None:
-        row = torch.stack(
-            [
-                torch.as_tensor(values.get(name, 0.0)).to(self.device, torch.float64).reshape(())
-                for name in _TALLY_COLUMNS
-            ]
-        )
-        self._sums = row if self._sums is None else self._sums + row
-
     def reduce(self, accelerator: Any) -> WindowTotals:
-        """All ranks' totals of this window. Every rank must call it (it is a collective)."""
-        sums = self._sums
-        if sums is None:
-            sums = torch.zeros(len(_TALLY_COLUMNS), dtype=torch.float64, device=self.device)
-        values = dict(zip(_TALLY_COLUMNS, global_sum(sums, accelerator).tolist()))
+        """All ranks' totals of this window (the tally starts over). Every rank must call it (a collective)."""
+        values = self._sums.reduce(accelerator)
         loss_sum = values.pop("loss_sum")  # inf/nan when a micro-batch's loss was: the counts stay exact
         return WindowTotals(loss_sum=loss_sum, **{name: int(round(value)) for name, value in values.items()})
 
     def reset(self) -> None:
-        self._sums = None
+        self._sums.reset()
 
 
 def nonfinite_flag(tensors: Iterable[torch.Tensor | None], device: torch.device | str) -> torch.Tensor:

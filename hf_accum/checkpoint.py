@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 import torch
 
+from hf_accum.errors import InputError
 from hf_accum.schedule import BatchPlan
 
 logger = logging.getLogger(__name__)
@@ -128,7 +129,7 @@ def resolve_resume_checkpoint(resume_from_checkpoint: str | bool | None, output_
 # -- the batch plan ------------------------------------------------------------------------------------
 
 
-class ResumeMismatchError(ValueError):
+class ResumeMismatchError(InputError):
     """The checkpoint was trained with other batch arithmetic than this run."""
 
 
@@ -286,6 +287,12 @@ def atomic_file(path: str) -> Iterator[str]:
         with contextlib.suppress(FileNotFoundError):
             os.remove(temporary)
         raise
+
+
+def write_text_atomically(path: str, text: str) -> None:
+    """Write a whole text file through :func:`atomic_file`: flushed to disk, then renamed over ``path``."""
+    with atomic_file(path) as temporary, open(temporary, "w") as handle:
+        handle.write(text)
 
 
 @contextlib.contextmanager
@@ -461,7 +468,7 @@ class LoopState:
     micro_batches_per_epoch: int | None = None
     """Per process (None for a stream): another number means other data, and the position would be wrong."""
     window_magnitude: float | None = None
-    """fp16 only: the loss magnitude hint carried from window to window (hf_accum.loop._WindowState)."""
+    """fp16 only: the loss magnitude hint carried from window to window (hf_accum.loop.steppers.LossMagnitude)."""
     consecutive_nonfinite: int = 0
     log_history: list[dict] = field(default_factory=list)
     """Every update's log so far (``UpdateLog`` fields), so a resumed run reports the whole run."""

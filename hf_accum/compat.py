@@ -6,6 +6,8 @@ nowhere else. Each entry names the version it was checked against and what break
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 # --------------------------------------------------------------------------------------------------
@@ -48,8 +50,78 @@ def _is_linear4bit(module: torch.nn.Module) -> bool:
 
 
 # --------------------------------------------------------------------------------------------------
-# accelerate (checked: 1.15.0)
+# accelerate (checked: 1.15)
 # --------------------------------------------------------------------------------------------------
+
+
+def set_sync_gradients(accelerator: Any, sync: bool) -> None:
+    """Tell Accelerate (and through it the DeepSpeed engine) whether this micro-batch closes the window.
+
+    The loop's DeepSpeed stepper fetches a whole window before its forwards (it counts the targets first), so
+    ``accumulate()`` would see the dataloader's end while the last window's first micro-batch still runs;
+    ``Trainer._run_epoch`` sets the flag by hand for the same reason. ``GradientState._set_sync_gradients``
+    is private in accelerate 1.15."""
+    accelerator.gradient_state._set_sync_gradients(sync)
+
+
+def set_optimizer_step_skipped(optimizer: Any, skipped: bool) -> None:
+    """Make ``accelerator.optimizer_step_was_skipped`` say ``skipped`` for this ``AcceleratedOptimizer``.
+
+    Trainer steps the LR scheduler unless that property is True, and it reads each optimizer's private
+    ``_is_overflow`` flag (set by fp16's GradScaler, accelerate 1.15). AccumTrainer sets it for an update the
+    boundary skipped, between ``optimizer.step()`` and that check, and clears it after."""
+    if not hasattr(optimizer, "_is_overflow"):
+        raise RuntimeError(
+            "accelerate's AcceleratedOptimizer has no _is_overflow flag any more: AccumTrainer cannot keep the LR "
+            "scheduler still on a skipped inf/NaN update with this accelerate version"
+        )
+    optimizer._is_overflow = skipped
+
+
+# --------------------------------------------------------------------------------------------------
+# transformers (checked: 5.23)
+# --------------------------------------------------------------------------------------------------
+
+TRAINER_STATE_NAME = "trainer_state.json"
+"""``transformers.trainer.TRAINER_STATE_NAME``: the file a checkpoint's ``TrainerState`` is saved in."""
+
+TRAINER_PRIVATE_HOOKS = ("_maybe_log_save_evaluate", "_save_checkpoint", "_get_output_dir")
+"""Private ``Trainer`` methods AccumTrainer overrides (narrowly, calling ``super()``):
+``_maybe_log_save_evaluate`` (called once per update after the optimizer step: the update is recorded there),
+``_save_checkpoint`` and ``_get_output_dir`` (the checkpoint is written into a staging directory and renamed
+once complete). :func:`check_trainer_hooks` fails loudly if a transformers release renames them."""
+
+
+def check_trainer_hooks(trainer_class: type) -> None:
+    """Raise when ``Trainer`` lacks a private method AccumTrainer relies on (a silent no-op override otherwise)."""
+    missing = [name for name in TRAINER_PRIVATE_HOOKS if not callable(getattr(trainer_class, name, None))]
+    if missing:
+        raise RuntimeError(
+            f"transformers.Trainer has no {', '.join(missing)} any more (checked against transformers 5.23): "
+            "AccumTrainer cannot record updates and write atomic checkpoints with this version"
+        )
+
+
+def trainer_learning_rate(trainer: Any) -> float:
+    """The LR of the current step, ``Trainer._get_learning_rate()`` (transformers 5.23): the fallback when
+    ``_maybe_log_save_evaluate`` is not handed one."""
+    return float(trainer._get_learning_rate())
+
+
+def prepare_inputs(trainer: Any, batch: dict) -> dict:
+    """``Trainer._prepare_inputs``: a collated batch moved to the device as ``training_step`` sees it
+    (transformers 5.23)."""
+    return trainer._prepare_inputs(batch)
+
+
+def train_batch_size(trainer: Any) -> int:
+    """The per-device micro-batch ``Trainer`` builds its dataloader with: ``Trainer._train_batch_size``, which
+    ``auto_find_batch_size`` lowers after an out-of-memory error (transformers 5.23)."""
+    return trainer._train_batch_size
+
+
+def set_train_batch_size(trainer: Any, size: int) -> None:
+    trainer._train_batch_size = size
 
 
 def force_fsdp_distributed_type(accelerator, plugin) -> None:
@@ -73,3 +145,23 @@ def force_fsdp_distributed_type(accelerator, plugin) -> None:
     # Every later AcceleratorState() (prepare creates some) copies PartialState's shared fields over its own:
     # the GPU branch records FSDP there too (AcceleratorState.__init__'s last line), so must we.
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+
+# --------------------------------------------------------------------------------------------------
+# TRL (checked: 1.16)
+# --------------------------------------------------------------------------------------------------
+
+
+def trl_metrics(trainer: Any, mode: str) -> dict[str, list[float]]:
+    """``SFTTrainer._metrics[mode]``: the lists TRL's ``log`` averages into ``entropy``, ``mean_token_accuracy``,
+    ``num_tokens`` (TRL 1.16)."""
+    return trainer._metrics[mode]
+
+
+def trl_train_tokens(trainer: Any) -> int:
+    """``SFTTrainer._total_train_tokens``: TRL's running count of trained tokens (all ranks; TRL 1.16)."""
+    return trainer._total_train_tokens
+
+
+def add_trl_train_tokens(trainer: Any, tokens: int) -> None:
+    trainer._total_train_tokens += tokens

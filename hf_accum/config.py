@@ -239,7 +239,7 @@ class RecipeConfig:
     training: dict = _section(
         {}, hf_class="transformers:TrainingArguments",
         # true (the latest complete checkpoint in output_dir, Trainer's convention) or a path.
-        type_overrides={"resume_from_checkpoint": typing.Optional[typing.Union[bool, str]]},
+        type_overrides={"resume_from_checkpoint": bool | str | None},
     )
     """transformers.TrainingArguments fields."""
     sources: dict = field(default_factory=dict, repr=False, compare=False, metadata={"derived": True})
@@ -616,7 +616,8 @@ def _resolve_batch(config: RecipeConfig, world_size: int) -> None:
         plan = plan_global_batch(config.global_batch_size, micro, world_size)
     except ValueError as exc:
         raise ConfigError(f"{exc} [global_batch_size from {batch_source}]") from exc
-    if given is not None and given != plan.accumulation_steps and _layer_rank(steps_source) == _layer_rank(batch_source):
+    same_layer = _layer_rank(steps_source) == _layer_rank(batch_source)
+    if given is not None and given != plan.accumulation_steps and same_layer:
         raise ConfigError(
             f"global_batch_size={config.global_batch_size} with {micro} per device x {world_size} processes needs "
             f"gradient_accumulation_steps={plan.accumulation_steps}, but training.gradient_accumulation_steps={given}; "
@@ -625,7 +626,8 @@ def _resolve_batch(config: RecipeConfig, world_size: int) -> None:
     if given is not None and given != plan.accumulation_steps:
         config.notes.append(
             f"global_batch_size={config.global_batch_size} ({batch_source}) replaces "
-            f"training.gradient_accumulation_steps={given} ({steps_source}): {plan.accumulation_steps} accumulation steps"
+            f"training.gradient_accumulation_steps={given} ({steps_source}): "
+            f"{plan.accumulation_steps} accumulation steps"
         )
     t["gradient_accumulation_steps"] = plan.accumulation_steps
 

@@ -25,6 +25,7 @@ import os
 import signal
 import threading
 
+from hf_accum.distributed import is_main_process
 from hf_accum.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
@@ -142,7 +143,7 @@ class StopSignals:
         name = signal.Signals(number).name
         if name == "SIGINT" and self.control.stop_reason is not None:
             raise KeyboardInterrupt  # second Ctrl-C: abort now
-        if self.control.stop_reason is None and os.environ.get("RANK", "0") == "0":
+        if self.control.stop_reason is None and is_main_process():
             # os.write, not logging or print: safe wherever the main thread was interrupted.
             note = " (Ctrl-C again to abort now)" if name == "SIGINT" else ""
             os.write(2, f"{name}: finishing the current update, then checkpoint and stop{note}\n".encode())

@@ -228,6 +228,15 @@ _BATCH_KEYS = {
 }
 
 
+def is_main_process() -> bool:
+    """This process is global rank 0: the process group's rank once one exists, else the launcher's ``RANK``
+    (0 when not launched). The one test of "main process" for code that holds no Accelerator (signal
+    handlers, module-level notes); code with an Accelerator uses ``accelerator.is_main_process``."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank() == 0
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def load_deepspeed_config(source: str | Mapping[str, Any]) -> dict:
     """A DeepSpeed config (path to a JSON file, or a dict) checked for what hf_accum needs."""
     if isinstance(source, Mapping):
@@ -245,7 +254,8 @@ def load_deepspeed_config(source: str | Mapping[str, Any]) -> dict:
             raise LaunchError(f"{where}: not valid JSON ({error})") from None
     if not isinstance(config, dict):
         raise LaunchError(f"{where}: must be a JSON object, got {type(config).__name__}")
-    stage = config.get("zero_optimization", {}).get("stage") if isinstance(config.get("zero_optimization"), dict) else None
+    zero = config.get("zero_optimization")
+    stage = zero.get("stage") if isinstance(zero, dict) else None
     if stage not in (0, 1, 2, 3):
         raise LaunchError(f"{where}: zero_optimization.stage={stage!r}; allowed: 0, 1, 2, 3 (hf_accum ships 2 and 3)")
     if "scheduler" in config:

@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hf_accum.distributed import is_main_process
 from hf_accum.loss import (
     DEFAULT_CHUNK_BYTES,
     IGNORE_INDEX,
@@ -294,7 +295,9 @@ def resolve_head(module: nn.Module) -> LinearHead:
     for cls, resolver in _head_resolvers().items():
         if type(module) is cls:  # exact type: a subclass may override forward
             return resolver(module)
-    raise NotFusable(f"the output layer is a {type(module).__name__}, not nn.Linear or a PEFT LoRA/modules_to_save wrapper")
+    raise NotFusable(
+        f"the output layer is a {type(module).__name__}, not nn.Linear or a PEFT LoRA/modules_to_save wrapper"
+    )
 
 
 def _head_resolvers() -> dict[type, Callable[[nn.Module], LinearHead]]:
@@ -339,7 +342,8 @@ def _lora_linear(layer: nn.Module) -> LinearHead:
     if not isinstance(dropout, nn.Identity) and not (dropout.p == 0 or not dropout.training):
         raise NotFusable(f"LoRA dropout {dropout.p} on the output layer (the fused head computes dropout-free LoRA)")
     lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
-    if type(lora_a) is not nn.Linear or type(lora_b) is not nn.Linear or lora_a.bias is not None or lora_b.bias is not None:
+    plain = all(type(matrix) is nn.Linear and matrix.bias is None for matrix in (lora_a, lora_b))
+    if not plain:
         raise NotFusable("LoRA matrices of the output layer are not bias-free nn.Linear")
     for part in (lora_a, lora_b, dropout):
         _require_no_hooks(part)
@@ -407,17 +411,13 @@ class FusedCausalLMLoss:
             self.head_module = probe_fusable_head(model, inputs)
         except NotFusable as reason:
             self.reason = str(reason)
-            if _is_main_process():  # every rank decides alike: say it once
+            if is_main_process():  # every rank decides alike: say it once
                 logger.warning("fused linear cross-entropy off, logits path for this run: %s", reason)
             return
         vocab = resolve_head(self.head_module).weight.shape[0]
-        if _is_main_process():
+        if is_main_process():
             logger.info("fused linear cross-entropy on (vocabulary %d, at most %d MiB of logits per chunk)",
                         vocab, self.chunk_bytes // 2**20)
-
-
-def _is_main_process() -> bool:
-    return not (torch.distributed.is_available() and torch.distributed.is_initialized()) or torch.distributed.get_rank() == 0
 
 
 def probe_fusable_head(model: nn.Module, inputs: dict[str, Any]) -> nn.Module:
@@ -439,7 +439,9 @@ def probe_fusable_head(model: nn.Module, inputs: dict[str, Any]) -> nn.Module:
     (hidden, head_output), positions = seen["calls"][0], seen["positions"]
     if positions is None or tuple(hidden.shape[:-1]) != positions:
         raise NotFusable("the output layer does not see every position's hidden state")
-    _require_equal(expected.logits(hidden), head_output, "the output layer computes something other than its linear map")
+    _require_equal(
+        expected.logits(hidden), head_output, "the output layer computes something other than its linear map"
+    )
     returned = seen["logits"]
     if returned is None or returned.dtype.itemsize < head_output.dtype.itemsize:
         raise NotFusable("the model does not return its output layer's logits")

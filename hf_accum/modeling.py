@@ -375,7 +375,9 @@ def check_model_source(name_or_path: str) -> None:
     """
     if name_or_path == TINY_MODEL:
         return
-    looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1 or os.path.exists(name_or_path)
+    looks_local = (
+        name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1 or os.path.exists(name_or_path)
+    )
     if looks_local:
         path = os.path.expanduser(name_or_path)
         if not os.path.isdir(path):

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 from hf_accum import config as config_module
+from hf_accum.checkpoint import write_text_atomically
 from hf_accum.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NONFINITE
 
 METRICS_NAME = "metrics.json"
@@ -148,10 +149,7 @@ def claim_output_dir(config: config_module.RecipeConfig) -> None:
 
 
 def write_atomically(path: str, text: str) -> None:
-    temporary = f"{path}.tmp-{os.getpid()}"
-    with open(temporary, "w") as handle:
-        handle.write(text)
-    os.replace(temporary, path)
+    write_text_atomically(path, text)  # the library's one fsyncing atomic writer
 
 
 # ----------------------------------------------------------------------------------------------

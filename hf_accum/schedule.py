@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import get_scheduler
@@ -115,6 +116,17 @@ def repeated_examples_warning(num_examples: int, plan: BatchPlan, even_batches: 
         f"(even_batches=True) repeats {repeated} examples in the last micro-batches, so the last update of each "
         f"epoch counts them twice. Use a multiple of {per_round} examples to keep every update exactly the big batch."
     )
+
+
+def warn_repeated_examples(log: Any, dataset: Any, plan: BatchPlan, even_batches: bool = True) -> None:
+    """Log :func:`repeated_examples_warning` for a dataset with a length (both front-ends, main process)."""
+    try:
+        num_examples = len(dataset)
+    except TypeError:  # None, or a stream
+        return
+    message = repeated_examples_warning(num_examples, plan, even_batches)
+    if message:
+        log.warning(message)
 
 
 def plan_global_batch(

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from hf_accum.accumulation import batch_shape_counts, global_sum
+from hf_accum.accumulation import DeviceSums, batch_shape_counts
+from hf_accum.compat import add_trl_train_tokens, trl_metrics, trl_train_tokens
 from hf_accum.loss import IGNORE_INDEX, aligned_targets, compute_dtype, rows_per_chunk
 from hf_accum.trainer import AccumTrainer
 
@@ -96,7 +97,7 @@ class AccumSFTTrainer(AccumTrainer, SFTTrainer):
         # The window's last micro-batch (as in AccumTrainer): one all-reduce for the metrics.
         if num_items_in_batch is not None and self.accelerator.sync_gradients:
             window = self._stats["train"].reduce(self.accelerator)
-            self._total_train_tokens += int(window["tokens"])  # TRL's running count, all ranks
+            add_trl_train_tokens(self, int(window["tokens"]))  # TRL's running count, all ranks
         return loss
 
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
@@ -111,9 +112,10 @@ class AccumSFTTrainer(AccumTrainer, SFTTrainer):
         mode = "train" if self.model.training else "eval"
         metrics = self._stats[mode].take_means()
         if metrics:
-            self._metrics[mode].clear()
-            self._metrics[mode].update({name: [value] for name, value in metrics.items()})
-            self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+            trl_logged = trl_metrics(self, mode)
+            trl_logged.clear()
+            trl_logged.update({name: [value] for name, value in metrics.items()})
+            trl_logged["num_tokens"] = [trl_train_tokens(self)]
         super().log(logs, start_time)
 
 
@@ -143,27 +145,21 @@ def target_entropy_and_hits(
 
 
 class _TokenStats:
-    """Per-rank sums of TRL's metric inputs on the device, reduced over ranks in one all-reduce,
-    and the reduced totals since the last log line."""
+    """Per-rank sums of TRL's metric inputs (:class:`hf_accum.accumulation.DeviceSums`: on the device, one
+    all-reduce per update), and the reduced totals since the last log line."""
 
     def __init__(self, device: torch.device | str) -> None:
-        self.device = device
-        self._pending: torch.Tensor | None = None
+        self._pending = DeviceSums(_STATS, device)
         self._totals = torch.zeros(len(_STATS), dtype=torch.float64)
 
     def add(self, targets, entropy_sum, top1_hits, tokens) -> None:
-        row = torch.stack([torch.as_tensor(v).to(self.device, torch.float64).reshape(())
-                           for v in (targets, entropy_sum, top1_hits, tokens)])
-        self._pending = row if self._pending is None else self._pending + row
+        self._pending.add(targets=targets, entropy_sum=entropy_sum, top1_hits=top1_hits, tokens=tokens)
 
     def reduce(self, accelerator: Any) -> dict[str, float]:
         """Fold this rank's pending sums, summed over all ranks, into the totals. A collective."""
-        pending = self._pending if self._pending is not None else torch.zeros(len(_STATS), dtype=torch.float64,
-                                                                             device=self.device)
-        reduced = global_sum(pending, accelerator).cpu()
-        self._pending = None
-        self._totals += reduced
-        return dict(zip(_STATS, reduced.tolist()))
+        reduced = self._pending.reduce(accelerator)
+        self._totals += torch.tensor([reduced[name] for name in _STATS], dtype=torch.float64)
+        return reduced
 
     def take_means(self) -> dict[str, float]:
         """TRL's per-target means over the totals (then cleared); empty when no target was seen."""
@@ -174,5 +170,5 @@ class _TokenStats:
         return {"entropy": entropy_sum / targets, "mean_token_accuracy": top1_hits / targets}
 
     def reset(self) -> None:
-        self._pending = None
+        self._pending.reset()
         self._totals.zero_()

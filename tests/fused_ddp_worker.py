@@ -18,12 +18,12 @@ import sys
 
 import torch
 import torch.distributed as dist
+from loop_ddp_worker import EXAMPLES, AllReduceCounter
 from peft import LoraConfig, get_peft_model
 
 from hf_accum import AccumTrainer
 from hf_accum.batching import PaddingCollator
 from hf_accum.testing import PAD, Scenario, run_exact, run_trainer, tiny_causal_lm
-from loop_ddp_worker import EXAMPLES, AllReduceCounter
 
 
 class FusedDecisions(logging.Handler):

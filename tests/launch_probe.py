@@ -11,5 +11,5 @@ try:
     launch = check_launch(json.loads(sys.argv[1]))
 except LaunchError as error:
     print(f"error: {error}", file=sys.stderr)
-    raise SystemExit(2)
+    raise SystemExit(2) from None
 print(json.dumps({"backend": launch.backend, "world_size": launch.world_size, "num_nodes": launch.num_nodes}))

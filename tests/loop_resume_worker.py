@@ -16,12 +16,6 @@ import os
 import sys
 
 import torch
-from torch.utils.data import DataLoader
-
-from hf_accum import LoopConfig, train
-from hf_accum.batching import PaddingCollator
-from hf_accum.outputs import leave_process_group
-from hf_accum.testing import PAD, fresh_accelerator, random_rows, tiny_lora_causal_lm
 from interruptions import (
     KillAtMicroBatch,
     Recorder,
@@ -32,6 +26,12 @@ from interruptions import (
     run_dir,
     trainable_weights,
 )
+from torch.utils.data import DataLoader
+
+from hf_accum import LoopConfig, train
+from hf_accum.batching import PaddingCollator
+from hf_accum.outputs import leave_process_group
+from hf_accum.testing import PAD, fresh_accelerator, random_rows, tiny_lora_causal_lm
 
 MICRO_BATCH = 2
 

@@ -90,7 +90,8 @@ def test_equals_torch_cross_entropy_in_float64(head_kind, smoothing):
     )
     for chunk_rows in (5, 1000):  # 6 chunks, and all targets in one
         loss, grads = _value_and_grads(
-            lambda: linear_cross_entropy_sum(h, head, targets, smoothing, chunk_bytes=chunk_rows * 29 * 8), h, head
+            lambda rows=chunk_rows: linear_cross_entropy_sum(h, head, targets, smoothing, chunk_bytes=rows * 29 * 8),
+            h, head,
         )
         assert loss.dtype == torch.float64
         torch.testing.assert_close(loss, reference, rtol=1e-13, atol=0)

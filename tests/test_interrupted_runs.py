@@ -26,6 +26,7 @@ import sys
 
 import pytest
 import torch
+from interruptions import assert_same_run, parse_args, read_records, run_dir, stitched
 
 from hf_accum.checkpoint import (
     ResumeMismatchError,
@@ -33,7 +34,6 @@ from hf_accum.checkpoint import (
     latest_complete_checkpoint,
 )
 from hf_accum.control import EXIT_PREEMPTED
-from interruptions import assert_same_run, parse_args, read_records, run_dir, stitched
 
 HERE = os.path.dirname(__file__)
 WORKERS = {engine: os.path.join(HERE, f"{engine}_resume_worker.py") for engine in ("loop", "trainer")}

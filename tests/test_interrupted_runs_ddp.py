@@ -21,10 +21,10 @@ import re
 
 import pytest
 import torch
+from interruptions import assert_same_run, parse_args, read_records, run_dir, stitched
 
 from hf_accum.checkpoint import ResumeMismatchError, latest_complete_checkpoint
 from hf_accum.testing.launch import torchrun
-from interruptions import assert_same_run, parse_args, read_records, run_dir, stitched
 
 HERE = os.path.dirname(__file__)
 WORKERS = {engine: os.path.join(HERE, f"{engine}_resume_worker.py") for engine in ("loop", "trainer")}

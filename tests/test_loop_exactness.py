@@ -8,7 +8,16 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from hf_accum.batching import PackingCollator, PaddingCollator
-from hf_accum.testing import PAD, ClassificationCollator, random_rows, run_exact, run_naive, Scenario, tiny_causal_lm, tiny_sequence_classifier
+from hf_accum.testing import (
+    PAD,
+    ClassificationCollator,
+    Scenario,
+    random_rows,
+    run_exact,
+    run_naive,
+    tiny_causal_lm,
+    tiny_sequence_classifier,
+)
 
 EXACT = 1e-10
 NAIVE_IS_WRONG = 1e-3
@@ -141,8 +150,8 @@ def test_stream_without_max_steps_is_refused():
 def test_sync_with_dataloader_false_is_refused():
     from accelerate.utils import GradientAccumulationPlugin
 
-    from hf_accum.testing import fresh_accelerator
     from hf_accum.loop import LoopConfig, train
+    from hf_accum.testing import fresh_accelerator
 
     accelerator = fresh_accelerator(
         1, gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=4, sync_with_dataloader=False)

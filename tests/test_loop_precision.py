@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_accum.batching import PaddingCollator
-from hf_accum.testing import PAD, random_rows, run_exact, run_naive, Scenario, tiny_causal_lm
+from hf_accum.testing import PAD, Scenario, random_rows, run_exact, run_naive, tiny_causal_lm
 
 K = 16
 
@@ -108,12 +108,12 @@ def test_fp16_summed_losses_keep_mean_magnitudes_so_no_window_is_skipped(monkeyp
     """A summed loss is ~N/K times a mean: under fp16 its activation gradients overflow at the default
     loss scale and the GradScaler throws the whole window away. The loop multiplies each micro-batch's
     sum by a per-window constant (divided out at the boundary) that keeps it mean-sized."""
-    import hf_accum.loop as loop
+    from hf_accum.loop.steppers import LossMagnitude
 
     assert _fp16_autocast_run() == [True, True]
     # Negative control: without the magnitude constant, the first window overflows and is skipped.
-    monkeypatch.setattr(loop._WindowState, "scaled", lambda self, loss_sum, n_targets, accelerator: loss_sum)
-    monkeypatch.setattr(loop._WindowState, "unscale_factor", lambda self: 1.0)
+    monkeypatch.setattr(LossMagnitude, "scaled", lambda self, loss_sum, n_targets, accelerator: loss_sum)
+    monkeypatch.setattr(LossMagnitude, "unscale_factor", lambda self: 1.0)
     assert _fp16_autocast_run()[0] is False
 
 

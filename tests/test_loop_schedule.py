@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from hf_accum.batching import PaddingCollator
 from hf_accum import testing
+from hf_accum.batching import PaddingCollator
 from hf_accum.testing import PAD, Scenario, random_rows, run_exact, run_naive, tiny_causal_lm
 
 N_EXAMPLES, MICRO, K, LR = 22, 2, 4, 1e-2

@@ -20,8 +20,17 @@ from transformers import Trainer
 
 from hf_accum import AccumTrainer
 from hf_accum.batching import PackingCollator, PaddingCollator
+from hf_accum.testing import (
+    PAD,
+    ClassificationCollator,
+    NoKwargsForCausalLM,
+    Scenario,
+    random_rows,
+    run_trainer,
+    tiny_causal_lm,
+    tiny_sequence_classifier,
+)
 from hf_accum.verify import BigBatchAuditor, _concatenate, _shift
-from hf_accum.testing import PAD, ClassificationCollator, NoKwargsForCausalLM, random_rows, run_trainer, Scenario, tiny_causal_lm, tiny_sequence_classifier
 
 EXACT = 1e-10
 BROKEN = 1e-3  # a negative control must miss by more than this where stock Trainer is wrong

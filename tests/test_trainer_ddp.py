@@ -8,10 +8,9 @@ import math
 import os
 
 import pytest
-
-from hf_accum.testing.launch import run_torchrun
 from trainer_ddp_worker import ACCUMULATION, EPOCHS, EXAMPLES, MICRO_BATCH, scenario
 
+from hf_accum.testing.launch import run_torchrun
 
 HERE = os.path.dirname(__file__)
 

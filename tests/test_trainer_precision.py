@@ -41,7 +41,7 @@ def test_fp32_accumulation_of_bf16_weights_beats_bf16_accumulation(tmp_path):
 def test_fp32_accumulation_hooks_are_removed_after_training(tmp_path):
     run = run_trainer(_scenario(0), str(tmp_path), AccumTrainer)
     model = run.trainer.model
-    assert run.trainer._fp32_sums is None
+    assert run.trainer._window.fp32_sums is None
     loss = model(input_ids=torch.tensor([[3, 4, 5]])).logits.float().sum()
     loss.backward()  # no hook steals the gradient any more
     assert model.lm_head.weight.grad is not None
@@ -51,7 +51,7 @@ def test_fp16_window_without_gradients_is_skipped_by_the_grad_scaler():
     """Under fp16 a window with no targets (or an inf/NaN one) goes to the GradScaler as an overflow; with
     every gradient None it would raise "No inf checks were recorded". One NaN gradient is made: the
     scaler skips the step (weights and AdamW state untouched) and the optimizer step counts as skipped."""
-    from hf_accum.trainer import _poison_gradients_
+    from hf_accum.trainer.window import poison_gradients_ as _poison_gradients_
 
     model = tiny_causal_lm(seed=0, dtype=torch.float32)
     model.model.embed_tokens.weight.requires_grad_(False)  # the first trainable parameter is not the first one

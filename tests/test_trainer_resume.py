@@ -13,8 +13,8 @@ from transformers import Trainer
 
 from hf_accum import AccumTrainer
 from hf_accum.batching import PaddingCollator
+from hf_accum.testing import PAD, Scenario, random_rows, run_trainer, tiny_causal_lm
 from hf_accum.verify import BigBatchAuditor
-from hf_accum.testing import PAD, random_rows, run_trainer, Scenario, tiny_causal_lm
 
 # 11 micro-batches per epoch, K=4: windows of 4, 4, 3; 2 epochs = 6 updates; shuffled each epoch.
 SCENARIO = Scenario(

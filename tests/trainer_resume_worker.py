@@ -14,12 +14,6 @@ import os
 import sys
 
 import torch
-from transformers import TrainerCallback
-
-from hf_accum import AccumTrainer
-from hf_accum.batching import PaddingCollator
-from hf_accum.outputs import leave_process_group
-from hf_accum.testing import PAD, Scenario, random_rows, tiny_lora_causal_lm, training_args
 from interruptions import (
     KillAtMicroBatch,
     Recorder,
@@ -31,6 +25,12 @@ from interruptions import (
     trainable_weights,
 )
 from loop_resume_worker import MICRO_BATCH, layout
+from transformers import TrainerCallback
+
+from hf_accum import AccumTrainer
+from hf_accum.batching import PaddingCollator
+from hf_accum.outputs import leave_process_group
+from hf_accum.testing import PAD, Scenario, random_rows, tiny_lora_causal_lm, training_args
 
 
 class _Record(TrainerCallback):

@@ -73,7 +73,9 @@ def _model_factory(model: str):
     if model == "tiny":
         return tiny_causal_lm, VOCAB, PAD
     if not os.path.isdir(model):
-        raise ValueError(f"--model {model!r}: not 'tiny' and not a directory (nothing is downloaded; pass a local model)")
+        raise ValueError(
+            f"--model {model!r}: not 'tiny' and not a directory (nothing is downloaded; pass a local model)"
+        )
 
     def local():
         from transformers import AutoModelForCausalLM
@@ -81,7 +83,9 @@ def _model_factory(model: str):
         try:
             loaded = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float64, local_files_only=True)
         except OSError as error:
-            raise ValueError(f"--model {model!r}: not 'tiny' and not a loadable local model directory ({error})")
+            raise ValueError(
+                f"--model {model!r}: not 'tiny' and not a loadable local model directory ({error})"
+            ) from error
         return keep_norm_dtype(loaded)
 
     probe = local()

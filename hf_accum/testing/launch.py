@@ -25,7 +25,9 @@ def run_torchrun(worker: str, out_path, nproc: int = 2, timeout: int = 300, extr
         return json.load(handle)
 
 
-def run_torchrun_nodes(worker: str, out_path, nodes: int = 2, timeout: int = 300, extra_args: Sequence[str] = ()) -> dict:
+def run_torchrun_nodes(
+    worker: str, out_path, nodes: int = 2, timeout: int = 300, extra_args: Sequence[str] = ()
+) -> dict:
     """Run ``worker OUT.json`` as ``nodes`` torchrun "nodes" of 1 process each on this host (c10d rendezvous
     on a free local port), as a multi-node job starts; return the JSON the global rank 0 wrote."""
     env = dict(os.environ, OMP_NUM_THREADS="1")

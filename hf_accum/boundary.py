@@ -1,0 +1,217 @@
+"""The update boundary: what every front-end does, once per optimizer update, between the window's last
+backward and the optimizer step. One implementation for the Accelerate loop (DDP and DeepSpeed steppers),
+:class:`hf_accum.AccumTrainer` and :class:`hf_accum.AccumSFTTrainer`.
+
+At the boundary (:meth:`UpdateBoundary.close`), on every rank, in lockstep:
+
+1. mark this rank's flags in the window tally: an inf/NaN gradient, a pending stop or checkpoint request
+   (:mod:`hf_accum.control`);
+2. reduce the window's sums over ranks -- the ONE all-reduce of the update (loss, targets, sequences,
+   padding, flags: :class:`hf_accum.accumulation.WindowTally`);
+3. check that the loss counted the targets the normalization was computed from
+   (:func:`hf_accum.loss.count_targets`);
+4. decide (:func:`decide`, the only place a skip reason is chosen): apply or skip the update (no targets,
+   inf/NaN), write a checkpoint (a request, a stop, the inf/NaN limit), halt (:class:`Halt`);
+5. warn once, on the main process, about a skipped update.
+
+After the step the front-end turns the decision into an :class:`~hf_accum.records.UpdateLog`
+(:meth:`UpdateBoundary.record`). Every rank takes the same decision because it comes from all-reduced sums.
+
+Before the window, front-ends that must know ``N`` ahead of backward (DeepSpeed, Trainer) count it with
+:func:`count_window_targets` (one all-reduce too). The scaling itself stays in
+:func:`hf_accum.accumulation.exact_mean_factor`.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass, replace
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from hf_accum.accumulation import (
+    Fp32GradientAccumulator,
+    WindowTally,
+    WindowTotals,
+    drop_gradients_,
+    global_sum,
+    nonfinite_flag,
+)
+from hf_accum.control import NonFiniteGuard, NonFiniteLossError, TrainingControl, TrainingStopped
+from hf_accum.loss import LossKind, count_targets
+from hf_accum.records import UpdateLog
+
+NO_TARGETS = "no targets in window"
+FP16_OVERFLOW = "inf/nan gradients (fp16 loss scale lowered)"
+OTHER_RANK_STOP = "stop requested on another process"
+
+
+class Halt(enum.Enum):
+    """Why a run ends after this update (every rank agrees: it comes from the all-reduced window)."""
+
+    STOP = "stop"
+    """A stop signal or request on some rank: checkpoint, then :class:`~hf_accum.control.TrainingStopped`."""
+    NONFINITE_LIMIT = "nonfinite limit"
+    """``max_consecutive_nonfinite`` skipped updates in a row: checkpoint, then
+    :class:`~hf_accum.control.NonFiniteLossError`."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the boundary decided for one update."""
+
+    totals: WindowTotals
+    skip_reason: str = ""
+    """Why no gradient is applied ('' when the update applies)."""
+    save: bool = False
+    """A checkpoint is due now, whatever the save schedule says (a request, a stop, the inf/NaN limit)."""
+    halt: Halt | None = None
+    stop_reason: str = ""
+    """For :attr:`Halt.STOP`: the signal or request, as this rank knows it."""
+
+    @property
+    def applied(self) -> bool:
+        return not self.skip_reason
+
+    def overflowed(self) -> Decision:
+        """The same update, skipped after the fact by fp16's GradScaler (it found inf/NaN gradients)."""
+        return replace(self, skip_reason=FP16_OVERFLOW)
+
+    def halt_error(self, guard: NonFiniteGuard, update: int, checkpoint: str | None) -> BaseException | None:
+        """The exception that ends the run after this update (None when it goes on)."""
+        if self.halt is Halt.NONFINITE_LIMIT:
+            return guard.error(update, checkpoint)
+        if self.halt is Halt.STOP:
+            return TrainingStopped(self.stop_reason, update, checkpoint)
+        return None
+
+
+def decide(totals: WindowTotals, guard: NonFiniteGuard, control: TrainingControl | None) -> Decision:
+    """Skip / save / halt for one reduced window. The only place these decisions (and skip reasons) are made."""
+    if totals.nonfinite:
+        # An inf/NaN loss or gradient on some rank: nothing of the window may reach the weights.
+        skip_reason = totals.nonfinite_reason
+    elif totals.targets == 0:
+        # No mean exists; zero gradients would still let AdamW move weights via momentum and decay.
+        skip_reason = NO_TARGETS
+    else:
+        skip_reason = ""
+    halt = None
+    if guard.record(totals.nonfinite):
+        halt = Halt.NONFINITE_LIMIT
+    elif totals.stop_requests:
+        halt = Halt.STOP
+    stop_reason = ((control.stop_reason if control is not None else None) or OTHER_RANK_STOP) if halt else ""
+    save = bool(totals.checkpoint_requests or halt is not None)
+    return Decision(totals, skip_reason, save, halt, stop_reason)
+
+
+class UpdateBoundary:
+    """One run's boundary state: the window tally, the inf/NaN guard, the control the requests come from.
+
+    ``count_source`` names the user-replaceable function that counts targets (in the count check's message);
+    ``steps_in_backward``: the engine applies the update inside backward (DeepSpeed), so a window with
+    inf/NaN cannot be skipped and stops the run instead; ``no_targets_note`` completes the warning about
+    a window without targets where the front-end cannot keep it entirely out of the weights.
+    """
+
+    def __init__(
+        self,
+        accelerator: Any,
+        control: TrainingControl,
+        guard: NonFiniteGuard,
+        logger: logging.Logger,
+        *,
+        count_source: str,
+        steps_in_backward: bool = False,
+        no_targets_note: str = "",
+    ) -> None:
+        self.accelerator = accelerator
+        self.control = control
+        self.guard = guard
+        self.logger = logger
+        self.count_source = count_source
+        self.steps_in_backward = steps_in_backward
+        self.no_targets_note = no_targets_note
+        self.tally = WindowTally(device=accelerator.device)
+
+    def add(self, loss_sum: torch.Tensor, n_targets: torch.Tensor, batch: Mapping[str, Any]) -> None:
+        """One micro-batch's summed loss, its target count and its shape (on the device: no host sync)."""
+        self.tally.add(loss_sum, n_targets, batch)
+
+    def reset(self) -> None:
+        """Forget a half-tallied window (a retry of the training loop)."""
+        self.tally.reset()
+
+    def close(self, update: int, gradients: list[torch.Tensor | None] | None = None,
+              counted: int | None = None) -> Decision:
+        """The boundary of update number ``update`` (see the module docstring). ``gradients``: this rank's
+        gradients to check for inf/NaN (None where the front-end cannot or need not: fp16's GradScaler checks
+        them itself, DeepSpeed keeps them). ``counted``: the window's target count the normalization used."""
+        flag: torch.Tensor | bool = False if gradients is None else nonfinite_flag(gradients, self.tally.device)
+        self.tally.mark_boundary(
+            nonfinite_gradients=flag,
+            stop_requested=self.control.stop_reason is not None,
+            checkpoint_requested=self.control.take_checkpoint_request(),
+        )
+        totals = self.tally.reduce(self.accelerator)  # the update's one all-reduce
+        if counted is not None and totals.targets != counted:
+            raise ValueError(
+                f"{self.count_source} counted {totals.targets} targets in this window but count_targets counted "
+                f"{counted}; the normalization uses the latter, so {self.count_source} must return the same count "
+                "(a sum over exactly the targets of hf_accum.loss.count_targets)"
+            )
+        decision = decide(totals, self.guard, self.control)
+        if totals.nonfinite and self.steps_in_backward:
+            raise NonFiniteLossError(
+                f"update {update}: {totals.nonfinite_reason}; DeepSpeed applies the update inside backward, so it "
+                "cannot be skipped; stopping (resume from the last checkpoint after checking the data)"
+            )
+        self._warn(decision, update)
+        return decision
+
+    def _warn(self, decision: Decision, update: int) -> None:
+        if not self.accelerator.is_main_process or decision.applied:
+            return
+        if decision.totals.nonfinite:
+            self.logger.warning(
+                "update %d: %s; skipped (weights, optimizer state and LR schedule untouched), %d in a row "
+                "(limit max_consecutive_nonfinite=%d)", update, decision.skip_reason, self.guard.consecutive,
+                self.guard.max_consecutive,
+            )
+        else:
+            self.logger.warning("update %d: no prediction targets in the window; no gradient applied%s",
+                                update, self.no_targets_note)
+
+    def record(self, decision: Decision, *, step: int, epoch: float, learning_rate: float,
+               grad_norm: float | None, eval_loss: float | None = None) -> UpdateLog:
+        """The update's log line, as every front-end reports it."""
+        totals = decision.totals
+        return UpdateLog(
+            step=step, epoch=epoch, loss=totals.mean_loss, learning_rate=float(learning_rate),
+            grad_norm=float(grad_norm) if grad_norm is not None and decision.applied else None,
+            targets=totals.targets, sequences=totals.sequences, padding_fraction=totals.padding_fraction,
+            micro_batches=totals.micro_batches, applied=decision.applied, skip_reason=decision.skip_reason,
+            nonfinite=totals.nonfinite, eval_loss=eval_loss,
+        )
+
+
+def discard_window_(parameters: Iterable[torch.nn.Parameter], fp32_sums: Fp32GradientAccumulator | None) -> None:
+    """Keep a skipped window out of the weights: no gradient anywhere, so the optimizer touches no parameter
+    (AdamW's moments, step count and weight decay included)."""
+    if fp32_sums is not None:
+        fp32_sums.clear()
+    drop_gradients_(parameters)
+
+
+def count_window_targets(batches: Iterable[Mapping[str, Any]], kind: LossKind, accelerator: Any) -> int:
+    """Targets in the window's micro-batches on every rank, counted before any forward: one all-reduce
+    per window (summed on the device, one host sync)."""
+    local = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+    for batch in batches:
+        if "labels" not in batch:
+            raise KeyError(f"batch has no 'labels' (keys: {sorted(batch)}); the collator must provide them")
+        local += count_targets(batch["labels"], kind).to(accelerator.device, torch.float64)
+    return int(round(float(global_sum(local, accelerator))))

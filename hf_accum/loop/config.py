@@ -1,0 +1,140 @@
+"""LoopConfig: the Accelerate loop's settings, validated when built (:class:`LoopConfigError`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+from hf_accum.control import DEFAULT_MAX_CONSECUTIVE_NONFINITE
+from hf_accum.errors import InputError
+from hf_accum.loss import LossKind
+
+_STRATEGIES = ("no", "steps", "epoch")
+
+
+class LoopConfigError(InputError):
+    """A :class:`LoopConfig` field holds a value the loop cannot use (the message names field and allowed values)."""
+
+
+@dataclass
+class LoopConfig:
+    """Training-loop settings; names follow ``transformers.TrainingArguments`` where they overlap."""
+
+    num_train_epochs: float = 1.0
+    """Passes over the data (a fraction counts the started epoch's full windows)."""
+    max_steps: int = -1
+    """Optimizer updates to run; overrides ``num_train_epochs`` when > 0."""
+    lr_scheduler_type: str = "linear"
+    warmup_steps: int = 0
+    warmup_ratio: float = 0.0
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm once per update (0 disables clipping)."""
+    label_smoothing: float = 0.0
+    loss_kind: LossKind | None = None
+    """``causal_lm``, ``token`` or ``sequence`` (:data:`hf_accum.loss.LOSS_KIND_SPECS`); when None, inferred
+    from the model class, else from the model's own loss on the first micro-batch."""
+    fused_loss: bool = True
+    """Causal LMs: sum the loss from the last hidden states and the output layer, chunk by chunk,
+    never holding the (tokens x vocab) logits (:mod:`hf_accum.fused_loss`). Heads that are not a plain
+    linear map (soft-capping, logit scale, ...) and a custom ``loss_sum_fn`` keep the logits path."""
+    disable_tqdm: bool = False
+    fp32_grad_accumulation: bool = True
+    """Sum the micro-batch gradients of bf16/fp16 *weights* in fp32 (single process; with
+    mixed_precision='bf16' and fp32 weights, gradients are fp32 anyway)."""
+    output_dir: str | None = None
+    """Where ``checkpoint-<update>`` directories go (one directory shared by all processes); None: no
+    checkpoints."""
+    save_strategy: str = "steps"
+    """``"steps"`` (every ``save_steps`` updates), ``"epoch"`` (after each epoch's last update) or ``"no"``.
+    With an ``output_dir``, a stop signal or request writes a checkpoint whatever the strategy."""
+    save_steps: int = 500
+    save_total_limit: int | None = None
+    """Keep only this many newest checkpoints (older ones are deleted after the new one is complete)."""
+    max_consecutive_nonfinite: int = DEFAULT_MAX_CONSECUTIVE_NONFINITE
+    """Updates skipped for inf/NaN losses or gradients in a row before the run writes a checkpoint and raises
+    :class:`hf_accum.control.NonFiniteLossError`."""
+    stop_on_signals: bool = True
+    """SIGTERM/SIGUSR1/SIGINT during ``train``: finish the update, checkpoint, raise
+    :class:`hf_accum.control.TrainingStopped` (exit code 75, or 130 for Ctrl-C)."""
+    eval_strategy: str = "no"
+    """With ``train(eval_dataloader=...)``: ``steps`` (every ``eval_steps`` updates and after the last),
+    ``epoch`` (after each epoch's last update) or ``no``. Evaluates the exact per-token held-out loss."""
+    eval_steps: float | None = None
+    """Updates between evaluations for ``eval_strategy='steps'``."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> LoopConfig:
+        """Raise :class:`LoopConfigError` naming the first bad field and what it allows; returns ``self``."""
+        _one_of(self, "save_strategy", _STRATEGIES)
+        _one_of(self, "eval_strategy", _STRATEGIES)
+        if self.save_strategy == "steps" and not _is_int(self.save_steps, 1):
+            raise LoopConfigError(f"LoopConfig.save_steps={self.save_steps!r} must be an integer >= 1")
+        if self.save_total_limit is not None and not _is_int(self.save_total_limit, 1):
+            raise LoopConfigError(
+                f"LoopConfig.save_total_limit={self.save_total_limit!r} must be None or an integer >= 1"
+            )
+        if not _is_int(self.max_consecutive_nonfinite, 1):
+            raise LoopConfigError(
+                f"LoopConfig.max_consecutive_nonfinite={self.max_consecutive_nonfinite!r} must be an integer >= 1"
+            )
+        if not _is_int(self.max_steps, -1):
+            raise LoopConfigError(f"LoopConfig.max_steps={self.max_steps!r} must be an integer (-1 or 0: no limit)")
+        if not _is_int(self.warmup_steps, 0):
+            raise LoopConfigError(f"LoopConfig.warmup_steps={self.warmup_steps!r} must be an integer >= 0")
+        _in_range(self, "warmup_ratio", 0.0, 1.0, "between 0 and 1")
+        _in_range(self, "label_smoothing", 0.0, 1.0, "at least 0 and below 1", closed=False)
+        if self.max_grad_norm is not None:
+            _in_range(self, "max_grad_norm", 0.0, float("inf"), ">= 0 (0 or None: no clipping)")
+        if self.eval_steps is not None:
+            _in_range(self, "eval_steps", 0.0, float("inf"), "None or > 0", open_below=True)
+        return self
+
+    @classmethod
+    def from_training_arguments(cls, args: Any, **changes: Any) -> LoopConfig:
+        """The loop settings a ``transformers.TrainingArguments`` holds (same names, except that
+        ``label_smoothing_factor`` is ``label_smoothing`` and a ``warmup_steps`` below 1 is a ratio)."""
+        warmup = args.warmup_steps
+        values = {name: getattr(args, name) for name in cls.training_argument_names() if hasattr(args, name)}
+        for strategy in ("eval_strategy", "save_strategy"):  # TrainingArguments holds enums
+            values[strategy] = str(getattr(getattr(args, strategy), "value", getattr(args, strategy)))
+        if values["eval_strategy"] == "steps" and not args.eval_steps:
+            values["eval_steps"] = args.logging_steps  # Trainer's rule: eval_steps defaults to logging_steps
+        values.update(
+            warmup_steps=int(warmup) if warmup >= 1 else 0,
+            warmup_ratio=warmup if warmup < 1 else 0.0,
+            label_smoothing=args.label_smoothing_factor,
+        )
+        values.pop("label_smoothing_factor", None)
+        return cls(**{**values, **changes})
+
+    @classmethod
+    def training_argument_names(cls) -> set[str]:
+        """The ``TrainingArguments`` fields this config mirrors."""
+        names = {f.name for f in fields(cls)} - {
+            "label_smoothing", "loss_kind", "fp32_grad_accumulation", "warmup_ratio", "fused_loss",
+            "max_consecutive_nonfinite", "stop_on_signals",
+        }
+        return names | {"label_smoothing_factor"}
+
+
+def _is_int(value: Any, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _one_of(config: LoopConfig, name: str, allowed: tuple[str, ...]) -> None:
+    value = getattr(config, name)
+    if value not in allowed:
+        raise LoopConfigError(f"LoopConfig.{name}={value!r}; allowed: {', '.join(repr(a) for a in allowed)}")
+
+
+def _in_range(config: LoopConfig, name: str, low: float, high: float, allowed: str, closed: bool = True,
+              open_below: bool = False) -> None:
+    value = getattr(config, name)
+    number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    above = number > low if open_below else number >= low
+    below = number <= high if closed else number < high
+    if not (above and below):
+        raise LoopConfigError(f"LoopConfig.{name}={value!r} must be {allowed}")

@@ -1,0 +1,108 @@
+"""What a loop run will do, decided before its first micro-batch: micro-batches per epoch, updates planned
+(the LR horizon, :func:`hf_accum.schedule.planned_updates`), the batch arithmetic; said once at the start."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from itertools import count
+from typing import Any, Iterable
+
+import torch
+from accelerate import Accelerator
+
+from hf_accum.distributed import num_nodes
+from hf_accum.loop.config import LoopConfig, LoopConfigError
+from hf_accum.schedule import BatchPlan, epochs_needed, planned_updates, warn_repeated_examples
+
+logger = logging.getLogger("hf_accum.loop")
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    micro_batches: int | None
+    """Micro-batches per epoch on each process (the same on all); None for a stream."""
+    total_updates: int
+    batch: BatchPlan
+
+    @classmethod
+    def of(cls, dataloader: Any, accelerator: Accelerator, config: LoopConfig) -> RunPlan:
+        """Plan the run and say so (main process); warns when examples repeat to even out the ranks."""
+        accumulation_steps = accelerator.gradient_accumulation_steps
+        micro_batches = _micro_batches_per_epoch(dataloader, accelerator, config)
+        total = planned_updates(micro_batches or 0, accumulation_steps, config.num_train_epochs, config.max_steps)
+        batch = BatchPlan(_micro_batch_size(dataloader), accumulation_steps, accelerator.num_processes, num_nodes())
+        plan = cls(micro_batches, total, batch)
+        _log_start(accelerator, batch, micro_batches, total)
+        if accelerator.is_main_process:
+            dataset = getattr(dataloader, "dataset", None)
+            warn_repeated_examples(logger, dataset, batch, getattr(accelerator, "even_batches", True))
+        return plan
+
+    def epochs(self, first: int) -> Iterable[int]:
+        """The epochs to run from ``first`` (endless for a stream: ``max_steps`` ends it)."""
+        if self.micro_batches is None:
+            return count(first)
+        return range(first, epochs_needed(self.total_updates, self.micro_batches, self.batch.accumulation_steps))
+
+
+def check_supported(accelerator: Accelerator, dataloader: Any) -> None:
+    if not hasattr(dataloader, "end_of_dataloader") and not hasattr(dataloader, "gradient_state"):
+        raise TypeError(
+            "pass a dataloader returned by accelerator.prepare: accumulate() needs it to close the short "
+            "last window of an epoch"
+        )
+    if not accelerator.gradient_state.sync_with_dataloader:
+        raise ValueError(
+            "GradientAccumulationPlugin(sync_with_dataloader=False) carries the short last window into the next "
+            "epoch, where its targets would be counted in no window; hf_accum needs sync_with_dataloader=True"
+        )
+
+
+def _micro_batches_per_epoch(dataloader: Any, accelerator: Accelerator, config: LoopConfig) -> int | None:
+    """Micro-batches per epoch on this process, the same on every process; None for a stream."""
+    try:
+        micro_batches = len(dataloader)
+    except TypeError:
+        if not config.max_steps or config.max_steps <= 0:
+            raise LoopConfigError(
+                "the dataloader has no length (a stream): set LoopConfig(max_steps=...) so the LR schedule "
+                "has a horizon in updates"
+            ) from None
+        return None
+    if accelerator.num_processes > 1:
+        lengths = accelerator.gather(torch.tensor([micro_batches], device=accelerator.device)).tolist()
+        if min(lengths) != max(lengths):
+            # A rank with fewer micro-batches would leave the others waiting in the last window's all-reduce.
+            raise ValueError(
+                f"micro-batches per epoch differ across processes ({lengths}): with even_batches=False the "
+                "dataset must be a multiple of micro_batch_size x num_processes; keep Accelerate's even_batches=True "
+                "or trim the dataset"
+            )
+    return micro_batches
+
+
+def _micro_batch_size(dataloader: Any) -> int:
+    size = getattr(dataloader, "total_batch_size", None)
+    per_process = getattr(dataloader, "batch_size", None)
+    if per_process is None and getattr(dataloader, "batch_sampler", None) is not None:
+        per_process = getattr(dataloader.batch_sampler, "batch_size", None)
+    return int(per_process or size or 1)
+
+
+def _log_start(accelerator: Accelerator, plan: BatchPlan, micro_batches: int | None, total_updates: int) -> None:
+    if not accelerator.is_main_process:
+        return
+    if micro_batches is None:
+        logger.info("%s; a stream: %d updates planned (max_steps)", plan.describe(), total_updates)
+        return
+    short = micro_batches % plan.accumulation_steps
+    logger.info(
+        "%s; %d micro-batches/epoch per process -> %d updates/epoch%s; %d updates planned",
+        plan.describe(),
+        micro_batches,
+        math.ceil(micro_batches / plan.accumulation_steps),
+        f" (last window {short} micro-batches, normalized by its own token count)" if short else "",
+        total_updates,
+    )

@@ -1,0 +1,160 @@
+"""``train()``: the Accelerate loop, read as a table of contents. Each line names a collaborator:
+
+* :class:`~hf_accum.loop.plan.RunPlan` -- micro-batches, planned updates (the LR horizon), batch arithmetic;
+* :mod:`~hf_accum.loop.steppers` -- one epoch as a stream of updates (DDP / single process, or DeepSpeed);
+* :class:`~hf_accum.boundary.UpdateBoundary` -- every update's one all-reduce and its skip / save / halt;
+* :class:`~hf_accum.loop.supervisor.Supervisor` -- checkpoints, the halt, resuming.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from itertools import islice
+from typing import Any, Callable, Iterator
+
+import torch
+from accelerate import Accelerator
+from tqdm.auto import tqdm
+
+from hf_accum.boundary import UpdateBoundary
+from hf_accum.compat import keep_4bit_training_layout
+from hf_accum.control import NonFiniteGuard, StopSignals, TrainingControl
+from hf_accum.fused_loss import LossSumFn, MicroBatchLoss
+from hf_accum.loop.config import LoopConfig
+from hf_accum.loop.evaluation import evaluate_loss, evaluation_due
+from hf_accum.loop.plan import RunPlan, check_supported
+from hf_accum.loop.steppers import Step, Stepper, build_stepper, is_deepspeed
+from hf_accum.loop.supervisor import Supervisor, build_checkpointer
+from hf_accum.loss import model_problem_type, unwrap_model
+from hf_accum.records import TrainResult, UpdateLog
+from hf_accum.schedule import create_update_scheduler
+
+logger = logging.getLogger("hf_accum.loop")
+
+
+def train(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_dataloader: Any,
+    accelerator: Accelerator,
+    config: LoopConfig | None = None,
+    lr_scheduler: Any = None,
+    loss_sum_fn: LossSumFn | None = None,
+    on_update: Callable[[UpdateLog], None] | None = None,
+    eval_dataloader: Any = None,
+    resume_from_checkpoint: str | bool | None = None,
+    control: TrainingControl | None = None,
+) -> TrainResult:
+    """Train with exact accumulation. ``model``, ``optimizer`` and ``train_dataloader`` must come
+    from ``accelerator.prepare``; the accumulation steps K are ``accelerator.gradient_accumulation_steps``.
+
+    ``lr_scheduler``: leave None to get ``config.lr_scheduler_type`` over the planned number of
+    updates, or pass a factory ``(optimizer, total_updates) -> scheduler`` (do not ``prepare`` it).
+    ``loss_sum_fn(outputs, labels, inputs) -> (loss_sum, n_targets)`` replaces the default token-summed
+    cross-entropy (the same signature as ``AccumTrainer.loss_sum_and_count``; ``inputs`` are the forward's
+    inputs, labels removed); it must return a *sum* over targets, never a mean. It receives real logits:
+    the run then takes the logits path instead of the fused loss (logged).
+    ``eval_dataloader`` (one disjoint shard per rank, see :func:`evaluate_loss`): with
+    ``config.eval_strategy``, each evaluated update carries the exact per-token held-out loss
+    (``UpdateLog.eval_loss``; summed over every batch and rank, then divided once).
+    ``resume_from_checkpoint``: a checkpoint directory, or True for the latest complete one in
+    ``config.output_dir``; the run continues exactly (same gradients, LRs and data order) with the same
+    model, optimizer, dataloader and config as the interrupted run. ``control``: request a checkpoint or a
+    stop from a callback or another thread (:class:`hf_accum.control.TrainingControl`).
+    """
+    config = (config or LoopConfig()).validate()
+    check_supported(accelerator, train_dataloader)
+    plan = RunPlan.of(train_dataloader, accelerator, config)
+    scheduler = (lr_scheduler or _default_scheduler(config))(optimizer, plan.total_updates)
+    control = control or TrainingControl()
+    stepper = build_stepper(model, optimizer, scheduler, accelerator, config,
+                            _micro_batch_loss(model, config, loss_sum_fn, accelerator),
+                            _boundary(accelerator, config, control))
+    checkpointer, resume_path = build_checkpointer(config, accelerator, resume_from_checkpoint, model, optimizer,
+                                                   scheduler, train_dataloader, plan)
+    result = TrainResult(batch_plan=plan.batch)
+    supervisor = Supervisor(config, accelerator, stepper, result, plan, checkpointer)
+    progress = tqdm(total=plan.total_updates, desc="updates",
+                    disable=config.disable_tqdm or not accelerator.is_main_process)
+    if resume_path:
+        supervisor.resume(resume_path, progress)
+    keep_4bit_training_layout(model)  # held-out forwards must not repack 4-bit weights (hf_accum.compat)
+    model.train()
+    remaining = max(0, plan.total_updates - len(result.updates))
+    with _cache_disabled(model), stepper.running(), StopSignals(control, config.stop_on_signals), \
+            contextlib.closing(progress):
+        # The one exit: islice stops pulling updates once the planned number is reached.
+        for epoch, consumed, step in islice(_updates(stepper, supervisor, train_dataloader, result), remaining):
+            update = stepper.boundary.record(
+                step.decision, step=len(result.updates) + 1, learning_rate=step.learning_rate,
+                epoch=epoch + (consumed / plan.micro_batches if plan.micro_batches else 0.0), grad_norm=step.grad_norm,
+            )
+            if evaluation_due(config, update.step, plan.total_updates, consumed == plan.micro_batches):
+                update.eval_loss = evaluate_loss(model, eval_dataloader, accelerator, stepper.loss)
+            result.updates.append(update)
+            checkpoint = supervisor.after_update(update, step.decision, epoch, consumed)
+            _report(update, progress, accelerator, on_update)
+            supervisor.halt_if_decided(update, step.decision, checkpoint)
+    return result
+
+
+def _updates(stepper: Stepper, supervisor: Supervisor, dataloader: Any,
+             result: TrainResult) -> Iterator[tuple[int, int, Step]]:
+    """Every update of the run as ``(epoch, micro-batches of the epoch consumed, step)``, epoch after epoch."""
+    for epoch in supervisor.plan.epochs(supervisor.first_epoch):
+        if hasattr(dataloader, "set_epoch"):
+            dataloader.set_epoch(epoch)
+        batches, consumed = supervisor.epoch_batches(dataloader, epoch)
+        for step in stepper.epoch(batches, done=len(result.updates)):
+            yield epoch, consumed + step.consumed, step
+
+
+def _boundary(accelerator: Accelerator, config: LoopConfig, control: TrainingControl) -> UpdateBoundary:
+    return UpdateBoundary(accelerator, control, NonFiniteGuard(config.max_consecutive_nonfinite), logger,
+                          count_source="loss_sum_fn", steps_in_backward=is_deepspeed(accelerator))
+
+
+def _micro_batch_loss(model: torch.nn.Module, config: LoopConfig, loss_sum_fn: LossSumFn | None,
+                      accelerator: Accelerator) -> MicroBatchLoss:
+    """Forward + summed loss per micro-batch: fused for causal LMs unless a custom loss needs the logits.
+    Under DeepSpeed the engine owns the (ZeRO-3: partitioned) head weight: the logits path there."""
+    if loss_sum_fn is not None and config.fused_loss:
+        logger.info("a custom loss_sum_fn receives the logits: this run takes the logits path, not the fused loss")
+    return MicroBatchLoss(
+        config.loss_kind, config.label_smoothing, model_problem_type(model), loss_sum_fn,
+        fused=config.fused_loss and loss_sum_fn is None and not is_deepspeed(accelerator),
+    )
+
+
+@contextlib.contextmanager
+def _cache_disabled(model: torch.nn.Module):
+    """``use_cache=False`` while training: with a KV cache, padding-free packed rows (position_ids)
+    lose their packed-sequence mask and attend across sequences."""
+    config = getattr(unwrap_model(model), "config", None)
+    previous = getattr(config, "use_cache", None)
+    if config is not None and previous is not None:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        if config is not None and previous is not None:
+            config.use_cache = previous
+
+
+def _default_scheduler(config: LoopConfig):
+    def factory(optimizer, total_updates):
+        return create_update_scheduler(
+            optimizer, total_updates, config.lr_scheduler_type, config.warmup_steps, config.warmup_ratio
+        )
+
+    return factory
+
+
+def _report(update: UpdateLog, progress, accelerator: Accelerator, on_update) -> None:
+    progress.update(1)
+    progress.set_postfix(loss=f"{update.loss:.4f}", lr=f"{update.learning_rate:.2e}", refresh=False)
+    if accelerator.is_main_process:
+        logger.debug(update.line())  # the caller decides what to print (on_update); the bar shows progress
+    if on_update is not None:
+        on_update(update)

@@ -1,0 +1,297 @@
+"""The loop's two ways to run an epoch: one :class:`Step` per optimizer update, built once per run.
+
+* :class:`AccumulateStepper` (single process, DDP, FSDP): built on ``accelerator.accumulate(model)``, which
+  decides per micro-batch whether it is the window's last (every K-th, or the epoch's last) and wraps the
+  others in DDP's ``no_sync``, so gradients are all-reduced once per update. Every micro-batch backpropagates
+  its *summed* token loss (no look-ahead: streams and short last windows work unchanged); at the boundary the
+  gradients are scaled once by ``K * W / N``, clipped, and applied.
+* :class:`DeepSpeedStepper`: the engine reduces, clips and steps inside ``backward`` of the window's last
+  micro-batch, so nothing can be rescaled after backward. The window is counted *before* backward instead
+  (as AccumTrainer does) and the loss carries the factor.
+
+Both close every window through the one :class:`~hf_accum.boundary.UpdateBoundary`; the scale factor is
+always :func:`~hf_accum.accumulation.exact_mean_factor`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+import torch
+from accelerate import Accelerator
+
+from hf_accum.accumulation import (
+    Fp32GradientAccumulator,
+    WindowTotals,
+    exact_mean_factor,
+    global_sum,
+    low_precision_parameters,
+    rescale_gradients_,
+)
+from hf_accum.boundary import Decision, UpdateBoundary, count_window_targets, discard_window_
+from hf_accum.compat import set_sync_gradients
+from hf_accum.fused_loss import MicroBatchLoss
+from hf_accum.loop.config import LoopConfig, LoopConfigError
+from hf_accum.loss import infer_loss_kind
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Step:
+    """One optimizer update, as a stepper yields it."""
+
+    consumed: int
+    """Micro-batches of the epoch's iterable consumed once this update closed."""
+    decision: Decision
+    grad_norm: float | None
+    learning_rate: float
+    """The LR this update used (read before the scheduler stepped)."""
+
+
+class LossMagnitude:
+    """The fp16 magnitude hint: a constant of the window that multiplies every micro-batch's summed loss and
+    that the boundary divides out again, so it never changes the applied gradient.
+
+    It exists for fp16's GradScaler only: a summed loss is ~N/K times a mean, and its gradients overflow fp16
+    at scales a mean's would not -- each overflow skips a whole window. It is the previous window's
+    ``K * W / N`` (the same on every rank, since N is all-reduced), which makes each micro-batch's loss about a
+    per-token mean; the first window takes ``W / n`` from the very first micro-batch (one extra all-reduce).
+    """
+
+    def __init__(self, active: bool) -> None:
+        self.active = active
+        """A GradScaler is active (fp16): it also finds and skips inf/NaN gradients itself."""
+        self.value: float | None = None
+
+    def scaled(self, loss_sum: torch.Tensor, n_targets: torch.Tensor, accelerator: Accelerator) -> torch.Tensor:
+        """The loss to backpropagate: the sum, times the window's magnitude when fp16 needs one."""
+        if not self.active:
+            return loss_sum
+        if self.value is None:  # first micro-batch of the run: every rank is here together
+            first = global_sum(torch.as_tensor(n_targets, dtype=torch.float64, device=accelerator.device), accelerator)
+            self.value = accelerator.num_processes / max(1.0, float(first))
+        return loss_sum * self.value
+
+    def unscale_factor(self) -> float:
+        return 1.0 / self.value if self.active else 1.0
+
+    def follow(self, totals: WindowTotals, accelerator: Accelerator) -> None:
+        if self.active and totals.targets > 0:
+            self.value = accelerator.gradient_accumulation_steps * accelerator.num_processes / totals.targets
+
+
+class Stepper:
+    """What both steppers hold: the prepared objects, the micro-batch loss and the boundary."""
+
+    def __init__(self, model, optimizer, scheduler, accelerator: Accelerator, config: LoopConfig,
+                 micro_batch_loss: MicroBatchLoss, boundary: UpdateBoundary) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.accelerator = accelerator
+        self.config = config
+        self.loss = micro_batch_loss
+        self.boundary = boundary
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.magnitude = LossMagnitude(active=False)
+        self.fp32_sums: Fp32GradientAccumulator | None = None
+
+    def epoch(self, batches, done: int) -> Iterator[Step]:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def running(self):
+        """While training: the fp32 accumulation hooks are live (removed on exit: the model may be used
+        without the loop afterwards)."""
+        self.fp32_sums = self._fp32_accumulator()
+        try:
+            yield self
+        finally:
+            if self.fp32_sums is not None:
+                self.fp32_sums.remove()
+                self.fp32_sums = None
+
+    def _fp32_accumulator(self) -> Fp32GradientAccumulator | None:
+        return None  # DeepSpeed accumulates in its own buffers (its config's data_types.grad_accum_dtype)
+
+    def _learning_rate(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+
+class AccumulateStepper(Stepper):
+    """Single process, DDP and FSDP: sum, then scale once at the boundary (fairseq's scheme)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.magnitude = LossMagnitude(active=self.accelerator.scaler is not None)
+
+    def epoch(self, batches, done: int) -> Iterator[Step]:
+        accelerator = self.accelerator
+        for step, batch in enumerate(batches, start=1):
+            with accelerator.accumulate(self.model):
+                labels, inputs = split_labels(batch)
+                _, loss_sum, n_targets = self.loss(self.model, inputs, labels)
+                # Backward of the *sum* (times a constant of the window): the one normalization is at the boundary.
+                accelerator.backward(self.magnitude.scaled(loss_sum, n_targets, accelerator))
+                self.boundary.add(loss_sum, n_targets, batch)
+                if not accelerator.sync_gradients:
+                    continue
+                done += 1
+                decision = self.boundary.close(done, self._gradients())
+                learning_rate = self._learning_rate()
+                grad_norm, decision = self._apply(decision)
+                self.magnitude.follow(decision.totals, accelerator)
+            yield Step(step, decision, grad_norm, learning_rate)
+
+    def _gradients(self) -> list[torch.Tensor | None] | None:
+        """What the boundary checks for inf/NaN; None under fp16, whose GradScaler checks (and skips) itself."""
+        if self.magnitude.active:
+            return None
+        pending = self.fp32_sums.pending_sums() if self.fp32_sums is not None else []
+        return [p.grad for p in self.params] + pending
+
+    def _apply(self, decision: Decision) -> tuple[float | None, Decision]:
+        """Scale to the exact mean, clip, step -- or keep a skipped window out of the weights entirely (no
+        optimizer step: its moments and step count stay; no scheduler step)."""
+        if not decision.applied:
+            discard_window_(self.params, self.fp32_sums)
+            return None, decision
+        accelerator = self.accelerator
+        # accelerator.backward divided each micro-batch by K (and we multiplied by the magnitude hint):
+        # replace both by the exact W / N.
+        factor = accelerator.gradient_accumulation_steps * exact_mean_factor(
+            decision.totals.targets, accelerator.num_processes
+        )
+        factor *= self.magnitude.unscale_factor()
+        params = self.params
+        if self.fp32_sums is not None:
+            self.fp32_sums.write_gradients_(factor)  # low-precision weights: scaled in fp32, rounded once
+            params = self.fp32_sums.other_parameters(self.params)
+        rescale_gradients_(params, factor)
+        grad_norm = None
+        if self.config.max_grad_norm and self.config.max_grad_norm > 0:
+            grad_norm = float(accelerator.clip_grad_norm_(self.params, self.config.max_grad_norm))
+        self.optimizer.step()
+        if accelerator.optimizer_step_was_skipped:  # fp16 overflow: no update, so no scheduler step
+            decision = decision.overflowed()
+        else:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, decision
+
+    def _fp32_accumulator(self) -> Fp32GradientAccumulator | None:
+        if not self.config.fp32_grad_accumulation or not low_precision_parameters(self.params):
+            return None
+        if self.accelerator.num_processes > 1:
+            raise NotImplementedError(
+                "fp32 gradient accumulation for bf16/fp16 weights is single-process only (DDP all-reduces .grad "
+                "buckets itself). Keep fp32 weights with Accelerator(mixed_precision='bf16') -- gradients are then "
+                "fp32 -- or pass LoopConfig(fp32_grad_accumulation=False) to accept bf16 accumulation."
+            )
+        return Fp32GradientAccumulator(self.params)
+
+
+class DeepSpeedStepper(Stepper):
+    """The engine applies the update inside ``accelerator.backward`` of the window's last micro-batch
+    (reduce, clip at its ``gradient_clipping``, step), so the normalization goes into the loss:
+    ``loss_sum * K * W / N`` with ``N`` counted over the window's micro-batches on all ranks before any
+    backward. ``engine.backward`` divides every loss by its ``gradient_accumulation_steps`` (``scale_wrt_gas``,
+    the engine's own K) and ZeRO averages gradients over the ``W`` data-parallel ranks; ``K * W / N`` undoes
+    both and leaves ``grad(sum of all targets' losses) / N``. A window without targets is skipped whole: no
+    forward, no engine step, no scheduler step. DeepSpeed accumulates in its own buffers (its config's
+    ``data_types.grad_accum_dtype``): no fp32 sums here.
+    """
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.engine = self.accelerator.deepspeed_engine_wrapped.engine
+        clipping = float(self.engine.gradient_clipping() or 0.0)
+        if clipping != float(self.config.max_grad_norm or 0.0):
+            raise LoopConfigError(
+                f"DeepSpeed clips at gradient_clipping={clipping} but LoopConfig.max_grad_norm="
+                f"{self.config.max_grad_norm}; build the Accelerator with hf_accum.distributed.loop_accelerator (it "
+                "fills the config's \"auto\" from max_grad_norm) or make the two equal"
+            )
+
+    def epoch(self, batches, done: int) -> Iterator[Step]:
+        kind = self.loss.kind or infer_loss_kind(self.model)
+        step = 0
+        for window in _windows(batches, self.accelerator.gradient_accumulation_steps):
+            step += len(window)
+            done += 1
+            n_window = count_window_targets(window, kind, self.accelerator)
+            learning_rate = self._learning_rate()
+            if n_window:
+                self._forward_backward(window, n_window)
+            else:  # tally the window's shape only: no forward at all
+                for batch in window:
+                    self.boundary.add(torch.zeros((), device=self.accelerator.device), torch.zeros(()), batch)
+            decision = self.boundary.close(done, gradients=None, counted=n_window)
+            if decision.applied:
+                decision = self._step_scheduler(decision)
+            grad_norm = self.engine.get_global_grad_norm() if decision.applied else None
+            yield Step(step, decision, float(grad_norm) if grad_norm is not None else None, learning_rate)
+
+    def _forward_backward(self, window: list, n_window: int) -> None:
+        """Forward and backward every micro-batch of one window; the engine steps on the last one."""
+        # K undoes the engine's own 1/K (engine.backward's scale_wrt_gas); W / N is the exact mean over ranks.
+        factor = self.engine.gradient_accumulation_steps() * exact_mean_factor(
+            n_window, self.accelerator.num_processes
+        )
+        for index, batch in enumerate(window):
+            # The engine's boundary (reduce + step) is the window's last micro-batch, short windows included.
+            # Set by hand, as Trainer._run_epoch does for its prefetched windows: accumulate() would see
+            # the dataloader's end while the last window's first micro-batch is still being processed.
+            set_sync_gradients(self.accelerator, index == len(window) - 1)
+            labels, inputs = split_labels(batch)
+            _, loss_sum, n_targets = self.loss(self.model, inputs, labels)
+            self.accelerator.backward(loss_sum * factor)
+            self.boundary.add(loss_sum, n_targets, batch)
+
+    def _step_scheduler(self, decision: Decision) -> Decision:
+        if self.accelerator.optimizer_step_was_skipped:  # fp16 overflow: the engine skipped the step
+            return decision.overflowed()
+        with warnings.catch_warnings():
+            # The engine stepped its own copy of the optimizer, not the object the scheduler
+            # wraps, so torch believes the scheduler runs first. It does not: the LR at update n
+            # is the big batch's (tested), so the "skipping the first value" warning is false here.
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
+            self.scheduler.step()
+        return decision
+
+
+def build_stepper(model, optimizer, scheduler, accelerator: Accelerator, config: LoopConfig,
+                  micro_batch_loss: MicroBatchLoss, boundary: UpdateBoundary) -> Stepper:
+    kind = DeepSpeedStepper if is_deepspeed(accelerator) else AccumulateStepper
+    return kind(model, optimizer, scheduler, accelerator, config, micro_batch_loss, boundary)
+
+
+def is_deepspeed(accelerator: Accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.DEEPSPEED
+
+
+def split_labels(batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict]:
+    """Labels stay out of the forward: the model would otherwise compute its own (discarded) loss."""
+    if "labels" not in batch:
+        raise KeyError(f"batch has no 'labels' (keys: {sorted(batch)}); the collator must provide them")
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    return batch["labels"], inputs
+
+
+def _windows(dataloader, size: int) -> Iterator[list]:
+    """The dataloader's micro-batches in windows of ``size``; the epoch's last window may be shorter."""
+    window: list = []
+    for batch in dataloader:
+        window.append(batch)
+        if len(window) == size:
+            yield window
+            window = []
+    if window:
+        yield window

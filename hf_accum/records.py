@@ -1,0 +1,72 @@
+"""What a run reports: one :class:`UpdateLog` per optimizer update and the :class:`TrainResult` of a loop run.
+
+Both front-ends build these records in one place (:meth:`hf_accum.boundary.UpdateBoundary.record`); the loop
+returns them in a :class:`TrainResult`, AccumTrainer keeps them in ``AccumTrainer.updates``, and checkpoints
+store them (``asdict``) so that a resumed run reports the whole run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from hf_accum.schedule import BatchPlan
+
+
+@dataclass
+class UpdateLog:
+    """One optimizer update, as logged. ``loss`` is the exact per-target mean of the window."""
+
+    step: int
+    epoch: float
+    loss: float
+    learning_rate: float
+    grad_norm: float | None
+    targets: int
+    sequences: int
+    padding_fraction: float
+    micro_batches: int
+    applied: bool = True
+    skip_reason: str = ""
+    nonfinite: bool = False
+    """Skipped because a loss or gradient was inf/NaN."""
+    eval_loss: float | None = None
+    """Exact per-token held-out loss after this update, when it was evaluated (``eval_strategy``)."""
+
+    def tracked(self) -> dict[str, float]:
+        """The numbers an experiment tracker gets for this update (names as Trainer logs them)."""
+        values = {"train/loss": self.loss, "train/learning_rate": self.learning_rate,
+                  "train/tokens_per_update": self.targets, "train/sequences_per_update": self.sequences,
+                  "train/padding_fraction": self.padding_fraction, "train/epoch": self.epoch}
+        if self.grad_norm is not None:
+            values["train/grad_norm"] = self.grad_norm
+        if self.eval_loss is not None:
+            values["eval/loss"] = self.eval_loss
+        return values
+
+    def line(self) -> str:
+        grad = f"{self.grad_norm:.4f}" if self.grad_norm is not None else "-"
+        state = "" if self.applied else f" (skipped: {self.skip_reason})"
+        state += f" | eval_loss {self.eval_loss:.4f}" if self.eval_loss is not None else ""
+        return (
+            f"update {self.step} | epoch {self.epoch:.2f} | loss {self.loss:.4f} | lr {self.learning_rate:.3e} | "
+            f"grad_norm {grad} | tokens {self.targets} | seqs {self.sequences} | "
+            f"pad {self.padding_fraction:.1%}{state}"
+        )
+
+
+@dataclass
+class TrainResult:
+    updates: list[UpdateLog] = field(default_factory=list)
+    """Every update of the run, the ones before a resume included."""
+    batch_plan: BatchPlan | None = None
+    checkpoint: str | None = None
+    """The last checkpoint this call wrote."""
+
+    def as_dicts(self) -> list[dict]:
+        """Every update as a dict (what a checkpoint keeps of the log, and what a resumed run continues)."""
+        return [asdict(u) for u in self.updates]
+
+    @property
+    def skipped_nonfinite(self) -> list[int]:
+        """Updates skipped because a loss or gradient was inf/NaN."""
+        return [u.step for u in self.updates if u.nonfinite]

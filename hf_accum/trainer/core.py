@@ -1,0 +1,292 @@
+"""AccumTrainer: a drop-in ``transformers.Trainer`` whose every update applies the exact big-batch gradient.
+
+The class is a map of Trainer's hooks onto collaborators; ``Trainer._inner_training_loop`` and ``_run_epoch``
+are not overridden. For every update Trainer fetches the window's K micro-batches at once, runs
+``training_step`` on each, then clips and steps:
+
+* ``get_batch_samples`` -- :class:`~hf_accum.trainer.window.TrainerWindow` counts the window's targets on all
+  ranks; the count ``N`` goes to ``training_step`` as ``num_items_in_batch``;
+* ``compute_loss`` -- the forward runs *without* labels (the model's own loss, with its own normalization, is
+  never computed); the loss is summed (fused for causal LMs, :mod:`hf_accum.fused_loss`, else
+  :meth:`AccumTrainer.loss_sum_and_count`, the one override point) and returned as ``loss_sum * W / N``;
+* ``training_step`` on the window's last micro-batch -- the one :class:`~hf_accum.boundary.UpdateBoundary`
+  (all-reduce, count check, skip / save / halt); :class:`~hf_accum.trainer.callbacks.BoundaryActions` carries
+  the decision out through Trainer's flow;
+* ``_maybe_log_save_evaluate`` -- the update's :class:`~hf_accum.records.UpdateLog`
+  (:class:`~hf_accum.trainer.updates.UpdateRecorder`);
+* ``_save_checkpoint`` / ``_get_output_dir`` / ``train`` -- atomic checkpoints, resume checks, the halt
+  (:class:`~hf_accum.trainer.checkpoints.TrainerCheckpoints`);
+* ``get_train_dataloader`` / ``create_scheduler`` -- the batch plan and the LR horizon in updates
+  (:class:`~hf_accum.trainer.batch_plan.BatchPlanner`).
+
+Every private transformers / accelerate attribute touched is in :mod:`hf_accum.compat`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable
+
+import torch
+from transformers import Trainer
+
+from hf_accum.accumulation import WindowTally
+from hf_accum.compat import check_trainer_hooks, keep_4bit_training_layout, prepare_inputs, trainer_learning_rate
+from hf_accum.control import DEFAULT_MAX_CONSECUTIVE_NONFINITE, NonFiniteGuard, StopSignals, TrainingControl
+from hf_accum.fused_loss import MicroBatchLoss
+from hf_accum.loss import LossKind, infer_loss_kind, model_problem_type, resolve_loss_kind, token_loss_sum
+from hf_accum.records import UpdateLog
+from hf_accum.schedule import BatchPlan
+from hf_accum.trainer.batch_plan import BatchPlanner
+from hf_accum.trainer.callbacks import BoundaryActions
+from hf_accum.trainer.checkpoints import TrainerCheckpoints
+from hf_accum.trainer.evaluation import without_repeated_eval_rows
+from hf_accum.trainer.updates import UpdateRecorder
+from hf_accum.trainer.window import TrainerWindow
+
+logger = logging.getLogger("hf_accum.trainer")
+check_trainer_hooks(Trainer)
+
+
+class AccumTrainer(Trainer):
+    """``transformers.Trainer`` with exact gradient accumulation for every model and rank setting.
+
+    Same constructor and ``TrainingArguments`` as ``Trainer``, plus ``loss_kind`` (``"causal_lm"``,
+    ``"token"`` or ``"sequence"``; when omitted, inferred from the model class, else from the model's
+    own loss on the first micro-batch), ``fused_loss`` (causal LMs: the loss from the hidden states and
+    the output layer, never the full logits; default True), ``fp32_grad_accumulation`` (bf16/fp16
+    weights sum their micro-batch gradients in fp32; default True, single process),
+    ``max_consecutive_nonfinite`` (default 5), ``stop_on_signals`` (default True) and ``on_update``
+    (called with every update's :class:`~hf_accum.records.UpdateLog`; all of them are in ``updates``).
+
+    Guarantees, per optimizer update (window of K micro-batches on each of W ranks):
+
+    * the applied gradient is the gradient of the mean loss over all N prediction targets of the window
+      on all ranks, whatever the model's ``forward`` signature, its head, the lengths, the ranks or the
+      short last window of an epoch; ``N`` is always summed over ranks (``average_tokens_across_devices``
+      is ignored); label smoothing is computed by :func:`hf_accum.loss.token_loss_sum` (or the fused loss);
+    * a window with no target, or with an inf/NaN loss or gradient on any rank, applies no gradient and
+      does not step the LR scheduler (logged as a skipped update); after ``max_consecutive_nonfinite``
+      inf/NaN updates in a row: a checkpoint and :class:`~hf_accum.control.NonFiniteLossError` (DeepSpeed
+      steps inside backward: it stops at the first);
+    * the LR scheduler's horizon is :func:`hf_accum.schedule.planned_updates` (updates, not micro-batches);
+    * ``auto_find_batch_size`` keeps the effective batch (K grows as the micro-batch shrinks, logged);
+    * resuming refuses another micro-batch, accumulation or world size; ``train(resume_from_checkpoint=True)``
+      takes the latest *complete* checkpoint; checkpoints are written atomically;
+    * SIGTERM/SIGUSR1/SIGINT (``stop_on_signals``) or ``trainer.run_control.request_stop()``: the update
+      finishes, a checkpoint is written, and ``train`` raises :class:`~hf_accum.control.TrainingStopped`;
+      ``run_control.request_checkpoint()`` saves and continues.
+
+    Subclass and override :meth:`loss_sum_and_count` to change the loss (it must return a *sum* over targets
+    and the number of targets); everything else stays exact. An override receives real logits, so it switches
+    a causal LM from the fused loss to the logits path (logged).
+    """
+
+    # compute_loss returns the window-normalized loss; Trainer must not divide by K again.
+    loss_is_scaled_for_ga = True
+
+    def __init__(
+        self,
+        *args: Any,
+        loss_kind: LossKind | None = None,
+        on_update: Callable[[UpdateLog], None] | None = None,
+        fused_loss: bool = True,
+        fp32_grad_accumulation: bool = True,
+        max_consecutive_nonfinite: int = DEFAULT_MAX_CONSECUTIVE_NONFINITE,
+        stop_on_signals: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        guard = NonFiniteGuard(max_consecutive_nonfinite)  # validates before the heavy set-up
+        super().__init__(*args, **kwargs)
+        self._refuse_unverifiable_settings()
+        # Read once: the head's problem type does not change during a run (sequence heads only).
+        self._problem_type = model_problem_type(self.model)
+        self._micro_batch_loss = self._build_micro_batch_loss(loss_kind, fused_loss)
+        # We compute the loss ourselves, so the model never sees labels or num_items_in_batch:
+        # this also stops Trainer's own (rank-local when average_tokens_across_devices=False) count.
+        self.model_accepts_loss_kwargs = False
+        self.run_control = TrainingControl()  # request_checkpoint() / request_stop(), from callbacks or threads
+        self._window = TrainerWindow(self.accelerator, self.run_control, guard, self.is_deepspeed_enabled,
+                                     self.is_fsdp_enabled)
+        self._records = UpdateRecorder(self._window.boundary, on_update)
+        self._checkpoints = TrainerCheckpoints(self)
+        self._planner = BatchPlanner(self)
+        self._eval_tally = WindowTally(device=self.args.device)  # the exact eval_loss
+        self._stop_on_signals = stop_on_signals
+        self.add_callback(BoundaryActions(self._window, fp32_grad_accumulation, lambda: self.model))
+
+    def _refuse_unverifiable_settings(self) -> None:
+        if self.is_deepspeed_enabled and self.optimizer is not None:
+            # Trainer drops an optimizer passed in optimizers= under DeepSpeed, saying nothing.
+            raise ValueError(
+                "under DeepSpeed, Trainer replaces the optimizer passed in optimizers= "
+                f"({type(self.optimizer).__name__}) with one built from TrainingArguments.optim / optim_args (or the "
+                "DeepSpeed config's 'optimizer' section); choose the optimizer there instead"
+            )
+        if self.compute_loss_func is not None:
+            raise ValueError(
+                "AccumTrainer cannot verify that compute_loss_func normalizes exactly; override "
+                "AccumTrainer.loss_sum_and_count(outputs, labels, inputs) -> (loss_sum, n_targets) instead"
+            )
+        if self.args.world_size > 1 and not self.args.average_tokens_across_devices:
+            logger.info("average_tokens_across_devices=False is ignored: AccumTrainer always normalizes by the "
+                        "target count summed over all ranks (the only exact mean under DDP)")
+
+    @property
+    def updates(self) -> list[UpdateLog]:
+        """Every update of the run, as the loop logs them, whatever ``logging_steps`` is; a resumed run's include
+        those before its checkpoint."""
+        return self._records.updates
+
+    @property
+    def batch_plan(self) -> BatchPlan | None:
+        return self._planner.plan
+
+    # -- the loss and its override point ------------------------------------------------------------------
+    @property
+    def loss_kind(self) -> LossKind:
+        """Target layout of the model's head (``causal_lm`` shifts labels by one)."""
+        if self._micro_batch_loss.kind is None:
+            self._micro_batch_loss.kind = infer_loss_kind(self.model)
+        return self._micro_batch_loss.kind
+
+    def _build_micro_batch_loss(self, loss_kind: LossKind | None, fused_loss: bool) -> MicroBatchLoss:
+        overridden = type(self).loss_sum_and_count is not AccumTrainer.loss_sum_and_count
+        if overridden and fused_loss:
+            logger.info("%s overrides loss_sum_and_count, which receives the logits: this run takes the logits "
+                        "path, not the fused loss", type(self).__name__)
+        # Under DeepSpeed the engine owns the (ZeRO-3: partitioned) head weight: the logits path there.
+        return MicroBatchLoss(
+            loss_kind, self.args.label_smoothing_factor, self._problem_type, self.loss_sum_and_count,
+            fused=fused_loss and not overridden and not self.is_deepspeed_enabled,
+        )
+
+    def loss_sum_and_count(
+        self, outputs: Any, labels: torch.Tensor, inputs: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed loss over one micro-batch's prediction targets, and the number of targets.
+
+        Override to change the loss. Return a SUM over targets (never a mean) and the same target count as
+        :func:`hf_accum.loss.count_targets`; AccumTrainer divides by the window's global count once. ``inputs``
+        are the forward's inputs (labels removed). Causal LMs that keep this default are trained with the fused
+        loss instead (same sum, no logits); overriding it gives the override real ``outputs.logits``.
+        """
+        return token_loss_sum(outputs.logits, labels, kind=self.loss_kind,
+                              label_smoothing=self.args.label_smoothing_factor, problem_type=self._problem_type)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """Fetch the window's micro-batches and return its global target count as ``num_items_in_batch``."""
+        batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if batch_samples and self._micro_batch_loss.kind is None:
+            # Before the first window is counted: the class's layout, else the one the model's own loss shows.
+            batch = prepare_inputs(self, batch_samples[0])
+            inputs = {key: value for key, value in batch.items() if key != "labels"}
+            self._micro_batch_loss.kind = resolve_loss_kind(self.model, inputs, _labels(batch))
+        return batch_samples, self._window.count(batch_samples, self.loss_kind)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Training: ``loss_sum * W / N`` (N = the window's targets on all ranks). Evaluation
+        (``num_items_in_batch`` None): the plain per-target mean of this batch."""
+        labels = _labels(inputs)
+        if num_items_in_batch is None:  # evaluation
+            labels = without_repeated_eval_rows(self.accelerator, labels)
+        forward_inputs = {key: value for key, value in inputs.items() if key != "labels"}
+        # No labels to the model: no model-side loss. Fused for causal LMs while training (outputs.logits
+        # then holds the loss), else the forward's logits through loss_sum_and_count.
+        outputs, loss_sum, n_targets = self._micro_batch_loss(model, forward_inputs, labels, need_logits=return_outputs)
+        if num_items_in_batch is None:
+            self._eval_tally.add(loss_sum, n_targets, inputs)
+            loss = loss_sum / torch.clamp(torch.as_tensor(n_targets, device=loss_sum.device), min=1)
+        else:
+            self._window.boundary.add(loss_sum, n_targets, inputs)
+            loss = loss_sum * self._window.loss_factor(num_items_in_batch)
+        return (loss, outputs) if return_outputs else loss
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        # _run_epoch sets sync_gradients on the window's last micro-batch, before training_step.
+        if num_items_in_batch is not None and self.accelerator.sync_gradients:
+            self._records.window_closed(self._window.close(model, self.state.global_step + 1))
+        return loss
+
+    # -- batch plan and LR horizon ------------------------------------------------------------------------
+    def get_train_dataloader(self):
+        # Called at the start of every (re)try of the training loop (auto_find_batch_size after an OOM).
+        self._window.start()
+        self._records.start(self._checkpoints.resumed_history())
+        self._planner.keep_effective_batch()
+        dataloader = super().get_train_dataloader()
+        self._planner.planned(dataloader)
+        return dataloader
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        return super().create_scheduler(num_training_steps=self._planner.lr_horizon(num_training_steps),
+                                        optimizer=optimizer)
+
+    # -- records and logs ---------------------------------------------------------------------------------
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time,
+                                 learning_rate=None):
+        # Trainer calls this after every update (and once more at an epoch's end, with no new window).
+        self._records.closing(grad_norm, learning_rate)
+        super()._maybe_log_save_evaluate(
+            tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, learning_rate=learning_rate
+        )
+        self._records.commit(self.state.global_step, float(self.state.epoch or 0.0), self._current_lr)
+
+    def update_history(self) -> list[dict]:
+        """Every update so far as dicts, the one being closed included (what a checkpoint stores)."""
+        return self._records.history(self.state.global_step, float(self.state.epoch or 0.0), self._current_lr)
+
+    def _current_lr(self) -> float:
+        return trainer_learning_rate(self)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Training logs carry the exact per-target loss of the logged updates and their shape."""
+        if "loss" in logs:
+            logs.update(self._window.take_interval_logs())
+        if "train_loss" in logs and self._window.run_totals.targets:
+            # Trainer's final train_loss is a mean of per-update means; ours weighs every target alike.
+            logs["train_loss"] = self._window.run_totals.mean_loss
+        super().log(logs, start_time)
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):
+        """``eval_loss``: the mean over every target of the evaluation set (all batches, all ranks)."""
+        self._eval_tally.reset()
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        totals = self._eval_tally.reduce(self.accelerator)  # every rank runs the evaluation loop
+        if totals.targets and f"{metric_key_prefix}_loss" in output.metrics:
+            output.metrics[f"{metric_key_prefix}_loss"] = totals.mean_loss
+            self._records.eval_loss = totals.mean_loss  # recorded with the update that triggered it, if any
+        return output
+
+    # -- checkpoints, resume, halt ------------------------------------------------------------------------
+    def _save_checkpoint(self, model, trial) -> None:
+        """Trainer's checkpoint, written atomically (:mod:`hf_accum.trainer.checkpoints`)."""
+        self._checkpoints.save(self._get_output_dir(trial), functools.partial(super()._save_checkpoint, model, trial))
+
+    def _get_output_dir(self, trial) -> str:
+        return self._checkpoints.staging_run_dir or super()._get_output_dir(trial)
+
+    def train(self, resume_from_checkpoint=None, *args: Any, **kwargs: Any):
+        """``resume_from_checkpoint=True``: the latest complete checkpoint of ``output_dir``. Raises
+        :class:`~hf_accum.control.TrainingStopped` after a stop signal or request (checkpoint written) and
+        :class:`~hf_accum.control.NonFiniteLossError` at the inf/NaN limit."""
+        checkpoint = self._checkpoints.resolve(resume_from_checkpoint, self._planner.requested_plan(),
+                                               self.args.auto_find_batch_size)
+        self._window.new_run()
+        self.run_control.reset()
+        keep_4bit_training_layout(self.model)  # evaluations must not repack 4-bit weights (hf_accum.compat)
+        with StopSignals(self.run_control, self._stop_on_signals):
+            output = super().train(checkpoint, *args, **kwargs)
+        self._checkpoints.raise_if_halted(self._window.halting, self._window.boundary.guard)
+        if "train_loss" in output.metrics:  # set by log() above: the per-target mean of the whole run
+            output = output._replace(training_loss=output.metrics["train_loss"])
+        return output
+
+
+def _labels(batch: dict[str, Any]) -> torch.Tensor:
+    if "labels" not in batch:
+        raise KeyError(f"AccumTrainer needs 'labels' in every batch (the collator gave {sorted(batch)})")
+    return batch["labels"]

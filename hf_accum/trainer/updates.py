@@ -1,0 +1,63 @@
+"""AccumTrainer's update records: every update as an :class:`~hf_accum.records.UpdateLog`, whatever
+``logging_steps`` is, built by the boundary from its decision.
+
+Trainer closes an update in ``_maybe_log_save_evaluate`` (log, evaluate, save), after the optimizer step. The
+record is made *after* that call, so that an evaluation it ran is part of the record -- and a checkpoint it
+wrote includes the update being closed (:meth:`UpdateRecorder.history`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Callable
+
+from hf_accum.boundary import Decision, UpdateBoundary
+from hf_accum.records import UpdateLog
+
+
+class UpdateRecorder:
+    def __init__(self, boundary: UpdateBoundary, on_update: Callable[[UpdateLog], None] | None) -> None:
+        self.boundary = boundary
+        self.on_update = on_update
+        self.updates: list[UpdateLog] = []
+        """Every update of the run; a resumed run's include those before its checkpoint."""
+        self._closing: Decision | None = None
+        self._grad_norm: float | None = None
+        self._learning_rate: float | None = None
+        self.eval_loss: float | None = None
+        """The exact held-out loss an evaluation of the update being closed found."""
+
+    def start(self, resumed: list[dict]) -> None:
+        self.updates = [UpdateLog(**update) for update in resumed]
+        self._closing = None
+
+    def window_closed(self, decision: Decision) -> None:
+        """The boundary decided on the window Trainer is about to step (or skip)."""
+        self._closing = decision
+
+    def closing(self, grad_norm: float | None, learning_rate: float | None) -> None:
+        """Trainer starts closing the update (its clipped norm and LR are known now)."""
+        self._grad_norm, self._learning_rate = grad_norm, learning_rate
+        self.eval_loss = None
+
+    def closing_update(self, step: int, epoch: float, current_lr: Callable[[], float]) -> UpdateLog | None:
+        """The log of the update Trainer is closing (None at an epoch end without a new window)."""
+        if self._closing is None:
+            return None
+        learning_rate = self._learning_rate if self._learning_rate is not None else current_lr()
+        return self.boundary.record(self._closing, step=step, epoch=epoch, learning_rate=learning_rate,
+                                    grad_norm=self._grad_norm, eval_loss=self.eval_loss)
+
+    def commit(self, step: int, epoch: float, current_lr: Callable[[], float]) -> None:
+        """Record the update Trainer just closed, and hand it to ``on_update``."""
+        update = self.closing_update(step, epoch, current_lr)
+        self._closing = None
+        if update is not None:
+            self.updates.append(update)
+            if self.on_update is not None:
+                self.on_update(update)
+
+    def history(self, step: int, epoch: float, current_lr: Callable[[], float]) -> list[dict]:
+        """Every update so far, the one being closed included (a checkpoint is written before it is recorded)."""
+        closing = self.closing_update(step, epoch, current_lr)
+        return [asdict(update) for update in self.updates + ([closing] if closing is not None else [])]

@@ -1,0 +1,222 @@
+"""AccumTrainer's window: counting it before any forward, scaling each micro-batch's loss, closing it through
+the one :class:`~hf_accum.boundary.UpdateBoundary`, and keeping a skipped window out of the weights.
+
+Trainer pre-fetches the window's K micro-batches (``get_batch_samples``), so ``N`` is known before the first
+backward: every micro-batch backpropagates ``loss_sum * W / N``. DDP averages over ``W`` ranks, so the applied
+gradient is ``grad(sum of every target's loss) / N`` -- one big batch -- and because the loss is scaled *before*
+backward (not the gradients after), this also holds under DeepSpeed/FSDP, which keep gradients out of reach.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+
+from hf_accum.accumulation import (
+    Fp32GradientAccumulator,
+    WindowTotals,
+    exact_mean_factor,
+    low_precision_parameters,
+    rescale_gradients_,
+)
+from hf_accum.boundary import Decision, UpdateBoundary, count_window_targets, discard_window_
+from hf_accum.control import NonFiniteGuard, TrainingControl
+from hf_accum.loss import LossKind
+
+logger = logging.getLogger("hf_accum.trainer")
+
+_DEEPSPEED_NO_TARGETS = (
+    # The engine steps inside backward, before the boundary: it applied a zero gradient.
+    " (DeepSpeed stepped with a zero gradient: momentum and weight decay still moved the weights, and "
+    "the LR schedule advanced one step)"
+)
+
+
+class TrainerWindow:
+    """One run's window state: the target count of the window in flight, the boundary, the fp32 sums of
+    low-precision weights, and the totals the logs report."""
+
+    def __init__(self, accelerator: Any, control: TrainingControl, guard: NonFiniteGuard, deepspeed: bool,
+                 fsdp: bool) -> None:
+        self.accelerator = accelerator
+        self.deepspeed = deepspeed
+        self.fsdp = fsdp
+        self.boundary = UpdateBoundary(
+            accelerator, control, guard, logger, count_source="loss_sum_and_count", steps_in_backward=deepspeed,
+            no_targets_note=_DEEPSPEED_NO_TARGETS if deepspeed else "",
+        )
+        self.targets = 0
+        """The window's global target count (``num_items_in_batch``)."""
+        self.fp32_sums: Fp32GradientAccumulator | None = None
+        self.skip_step = False
+        """This update's window was skipped (no targets, inf/NaN): Trainer must not step the LR scheduler."""
+        self.interval = LogInterval()
+        self.run_totals = WindowTotals()
+        """Every window trained by this ``train()`` call: the exact final ``train_loss``."""
+        self.decision: Decision | None = None
+        """The boundary's decision on the window being stepped, until Trainer's step ends."""
+        self.halting: Decision | None = None
+        """The decision that ends the run (a stop, the inf/NaN limit), once one did."""
+
+    def new_run(self) -> None:
+        """At ``train()``: no halt, no pending decision, no inf/NaN streak carried from an earlier call."""
+        self.decision = self.halting = None
+        self.skip_step = False
+        self.boundary.guard.consecutive = 0
+
+    def step_ended(self) -> Decision | None:
+        """Trainer's step is over: the decision it carried out (what to save or stop), cleared."""
+        decision, self.decision = self.decision, None
+        return decision
+
+    def start(self) -> None:
+        """At the start of every (re)try of the training loop: an OOM retry must not inherit a half-tallied window."""
+        self.boundary.reset()
+        self.interval = LogInterval()
+        self.run_totals = WindowTotals()
+        if self.fp32_sums is not None:
+            self.fp32_sums.clear()
+
+    # -- before and during the window ---------------------------------------------------------------------
+    def count(self, batches: list[dict[str, Any]], kind: LossKind) -> int:
+        """The window's targets on all ranks -- ALWAYS summed over ranks, also when
+        ``average_tokens_across_devices=False`` (where stock Trainer divides by each rank's own count and DDP
+        then averages differently-normalized gradients). Every rank joins this all-reduce once per window."""
+        self.targets = count_window_targets(batches, kind, self.accelerator)
+        return self.targets  # a Python int: no device sync per micro-batch in compute_loss
+
+    def loss_factor(self, window_targets: int) -> float:
+        """What a micro-batch's summed loss is multiplied by before backward."""
+        return self._backward_scale(self._window_scale(window_targets))
+
+    def _window_scale(self, window_targets: int | torch.Tensor) -> float:
+        """``W / N`` from the core; 0 for a window without targets (its gradients are dropped later,
+        multiplying by 0 keeps every rank's backward -- and DDP's collectives -- in step)."""
+        n = int(window_targets)
+        return exact_mean_factor(n, self.accelerator.num_processes) if n > 0 else 0.0
+
+    def _backward_scale(self, window_scale: float) -> float:
+        """``W / N`` itself, except with fp32 gradient sums, where the power of two nearest to it (exact in any
+        binary float, so the bf16 backward rounds exactly as it would for the plain sum) and the remaining
+        factor is applied to the fp32 sums when the window closes -- the loop's arithmetic, and mean-sized
+        gradients for fp16."""
+        if self.fp32_sums is None or window_scale == 0.0:
+            return window_scale
+        return 2.0 ** round(math.log2(window_scale))
+
+    # -- at the boundary ----------------------------------------------------------------------------------
+    def close(self, model: torch.nn.Module, update: int) -> Decision:
+        """The window's last micro-batch: the boundary decides; a skipped window is kept out of the weights."""
+        gradients = None
+        if self.accelerator.scaler is None and not self.deepspeed:
+            # fp16's GradScaler skips inf/NaN gradients itself; DeepSpeed keeps gradients inside its engine.
+            gradients = [p.grad for p in model.parameters()]
+        decision = self.boundary.close(update, gradients, counted=self.targets)
+        self.decision = decision
+        if decision.halt is not None:
+            self.halting = decision
+        if decision.applied:
+            if self.fp32_sums is not None:
+                self._write_fp32_sums(model)
+        else:
+            self._keep_out_of_weights(model)
+        if decision.totals.nonfinite:
+            self.interval.add_nonfinite()
+        else:
+            self.interval.add(decision.totals)
+            self.run_totals.add(decision.totals)
+        return decision
+
+    def _write_fp32_sums(self, model: torch.nn.Module) -> None:
+        """The window's fp32 gradient sums -> ``.grad``, times what ``_backward_scale`` left of ``W / N``."""
+        window_scale = self._window_scale(self.targets)
+        remainder = window_scale / self._backward_scale(window_scale)
+        self.fp32_sums.write_gradients_(remainder)  # rounded once to the weights' dtype
+        rescale_gradients_(self.fp32_sums.other_parameters(model.parameters()), remainder)
+
+    def _keep_out_of_weights(self, model: torch.nn.Module) -> None:
+        """Without a GradScaler: drop the gradients (the optimizer then touches no parameter: AdamW's moments
+        and step count stay) and tell Trainer the step was skipped (no LR scheduler step). Under fp16 the
+        GradScaler insists on seeing gradients: it gets the window as an overflow and skips the step and the
+        scheduler itself (and lowers its scale, as after any overflow)."""
+        if self.accelerator.scaler is not None:
+            if self.fp32_sums is not None:
+                self.fp32_sums.clear()
+            poison_gradients_(model)
+        else:
+            discard_window_(model.parameters(), self.fp32_sums)
+            self.skip_step = True
+
+    def take_interval_logs(self) -> dict[str, float]:
+        """The exact loss and shape of the updates since the last log line ({} when none), then start over."""
+        if not self.interval.updates:
+            return {}
+        logs, self.interval = self.interval.as_logs(), LogInterval()
+        return logs
+
+    # -- fp32 sums of low-precision weights ---------------------------------------------------------------
+    def attach_fp32_sums(self, model: torch.nn.Module) -> None:
+        """bf16/fp16 weights: sum the window's micro-batch gradients in fp32, round once at its end (as the loop
+        does). Not under DDP/DeepSpeed/FSDP, which own the gradient buffers."""
+        if self.fp32_sums is not None or not low_precision_parameters(model.parameters()):
+            return
+        if self.accelerator.num_processes > 1 or self.deepspeed or self.fsdp:
+            logger.info("low-precision weights: gradients accumulate in their own dtype (fp32 accumulation is "
+                        "single-process only)")
+            return
+        self.fp32_sums = Fp32GradientAccumulator(p for p in model.parameters() if p.requires_grad)
+
+    def detach_fp32_sums(self) -> None:
+        if self.fp32_sums is not None:
+            self.fp32_sums.remove()
+            self.fp32_sums = None
+
+
+def poison_gradients_(model) -> None:
+    """fp16: make sure the GradScaler sees the window as an overflow (an inf/NaN loss nearly always leaves
+    inf/NaN gradients already) so that it skips the step and the scheduler, as for any overflow. With no
+    gradient at all it would refuse to step ("No inf checks were recorded"): one NaN gradient is made."""
+    trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    for parameter in trainable:
+        if parameter.grad is not None:
+            parameter.grad.fill_(float("nan"))
+            return
+    if trainable:
+        trainable[0].grad = torch.full_like(trainable[0], float("nan"))
+
+
+class LogInterval:
+    """Window totals (already summed over ranks) since the last log line."""
+
+    def __init__(self) -> None:
+        self.totals = WindowTotals()
+        self.updates = 0
+        self.skipped = 0
+        self.skipped_nonfinite = 0
+
+    def add(self, window: WindowTotals) -> None:
+        self.totals.add(window)
+        self.updates += 1
+        self.skipped += window.targets == 0
+
+    def add_nonfinite(self) -> None:
+        """A window skipped for inf/NaN: counted, its (inf/nan) loss kept out of the interval's mean."""
+        self.updates += 1
+        self.skipped_nonfinite += 1
+
+    def as_logs(self) -> dict[str, float]:
+        logs = {
+            # Token-weighted over the interval: with logging_steps=1, the exact mean of the window.
+            "loss": self.totals.mean_loss,
+            "tokens_per_update": self.totals.targets / self.updates,
+            "sequences_per_update": self.totals.sequences / self.updates,
+            "padding_fraction": self.totals.padding_fraction,
+        }
+        if self.skipped:
+            logs["updates_without_targets"] = self.skipped
+        if self.skipped_nonfinite:
+            logs["updates_skipped_nonfinite"] = self.skipped_nonfinite
+        return logs
