@@ -78,6 +78,29 @@ def set_optimizer_step_skipped(optimizer: Any, skipped: bool) -> None:
     optimizer._is_overflow = skipped
 
 
+def force_fsdp_distributed_type(accelerator, plugin) -> None:
+    """Make an ``Accelerator`` built with an FSDP plugin on CPU processes really run FSDP.
+
+    Accelerate 1.15 (``AcceleratorState.__init__``) sets ``DistributedType.FSDP`` only for GPU-like
+    distributed types; on ``MULTI_CPU`` it keeps DDP and drops the plugin, saying nothing. FSDP2 itself
+    runs on CPU (a ``cpu`` device mesh over gloo), and Accelerate's FSDP2 ``prepare`` path works once the
+    state says FSDP: set exactly the fields that branch would have set, before any ``prepare``.
+    """
+    from accelerate.utils import DistributedType
+
+    state = accelerator.state
+    if not hasattr(state, "distributed_type") or not hasattr(type(accelerator), "is_fsdp2"):
+        raise RuntimeError("accelerate's AcceleratorState changed: hf_accum cannot set FSDP on CPU with this "
+                           "accelerate version (checked: 1.15)")
+    from accelerate.state import PartialState
+
+    state.distributed_type = DistributedType.FSDP
+    state.fsdp_plugin = plugin
+    # Every later AcceleratorState() (prepare creates some) copies PartialState's shared fields over its own:
+    # the GPU branch records FSDP there too (AcceleratorState.__init__'s last line), so must we.
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+
 # --------------------------------------------------------------------------------------------------
 # transformers (checked: 5.23)
 # --------------------------------------------------------------------------------------------------
@@ -122,29 +145,6 @@ def train_batch_size(trainer: Any) -> int:
 
 def set_train_batch_size(trainer: Any, size: int) -> None:
     trainer._train_batch_size = size
-
-
-def force_fsdp_distributed_type(accelerator, plugin) -> None:
-    """Make an ``Accelerator`` built with an FSDP plugin on CPU processes really run FSDP.
-
-    Accelerate 1.15 (``AcceleratorState.__init__``) sets ``DistributedType.FSDP`` only for GPU-like
-    distributed types; on ``MULTI_CPU`` it keeps DDP and drops the plugin, saying nothing. FSDP2 itself
-    runs on CPU (a ``cpu`` device mesh over gloo), and Accelerate's FSDP2 ``prepare`` path works once the
-    state says FSDP: set exactly the fields that branch would have set, before any ``prepare``.
-    """
-    from accelerate.utils import DistributedType
-
-    state = accelerator.state
-    if not hasattr(state, "distributed_type") or not hasattr(type(accelerator), "is_fsdp2"):
-        raise RuntimeError("accelerate's AcceleratorState changed: hf_accum cannot set FSDP on CPU with this "
-                           "accelerate version (checked: 1.15)")
-    from accelerate.state import PartialState
-
-    state.distributed_type = DistributedType.FSDP
-    state.fsdp_plugin = plugin
-    # Every later AcceleratorState() (prepare creates some) copies PartialState's shared fields over its own:
-    # the GPU branch records FSDP there too (AcceleratorState.__init__'s last line), so must we.
-    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
 
 # --------------------------------------------------------------------------------------------------
