@@ -87,7 +87,8 @@ def test_loop_engine_one_process_end_to_end(tmp_path):
 
 
 def test_trainer_engine_one_process_end_to_end(tmp_path):
-    assert os.path.isfile(os.path.join(ROOT, "hf_accum", "trainer.py")), "AccumTrainer (hf_accum/trainer.py) is missing"
+    core = os.path.join(ROOT, "hf_accum", "trainer", "core.py")
+    assert os.path.isfile(core), "AccumTrainer (hf_accum/trainer/core.py) is missing"
     out = tmp_path / "trainer1"
     temp_before = set(os.listdir(tempfile.gettempdir()))
     run_script(PYTHON, out, "engine=trainer", "training.max_steps=6", "training.logging_steps=5")

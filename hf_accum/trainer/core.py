@@ -99,7 +99,7 @@ class AccumTrainer(Trainer):
     ) -> None:
         guard = NonFiniteGuard(max_consecutive_nonfinite)  # validates before the heavy set-up
         super().__init__(*args, **kwargs)
-        self._refuse_unverifiable_settings()
+        _refuse_unverifiable_settings(self)
         # Read once: the head's problem type does not change during a run (sequence heads only).
         self._problem_type = model_problem_type(self.model)
         self._micro_batch_loss = self._build_micro_batch_loss(loss_kind, fused_loss)
@@ -115,23 +115,6 @@ class AccumTrainer(Trainer):
         self._eval_tally = WindowTally(device=self.args.device)  # the exact eval_loss
         self._stop_on_signals = stop_on_signals
         self.add_callback(BoundaryActions(self._window, fp32_grad_accumulation, lambda: self.model))
-
-    def _refuse_unverifiable_settings(self) -> None:
-        if self.is_deepspeed_enabled and self.optimizer is not None:
-            # Trainer drops an optimizer passed in optimizers= under DeepSpeed, saying nothing.
-            raise ValueError(
-                "under DeepSpeed, Trainer replaces the optimizer passed in optimizers= "
-                f"({type(self.optimizer).__name__}) with one built from TrainingArguments.optim / optim_args (or the "
-                "DeepSpeed config's 'optimizer' section); choose the optimizer there instead"
-            )
-        if self.compute_loss_func is not None:
-            raise ValueError(
-                "AccumTrainer cannot verify that compute_loss_func normalizes exactly; override "
-                "AccumTrainer.loss_sum_and_count(outputs, labels, inputs) -> (loss_sum, n_targets) instead"
-            )
-        if self.args.world_size > 1 and not self.args.average_tokens_across_devices:
-            logger.info("average_tokens_across_devices=False is ignored: AccumTrainer always normalizes by the "
-                        "target count summed over all ranks (the only exact mean under DDP)")
 
     @property
     def updates(self) -> list[UpdateLog]:
@@ -284,6 +267,25 @@ class AccumTrainer(Trainer):
         if "train_loss" in output.metrics:  # set by log() above: the per-target mean of the whole run
             output = output._replace(training_loss=output.metrics["train_loss"])
         return output
+
+
+def _refuse_unverifiable_settings(trainer: AccumTrainer) -> None:
+    """Settings under which AccumTrainer could not keep its guarantees, refused before training."""
+    if trainer.is_deepspeed_enabled and trainer.optimizer is not None:
+        # Trainer drops an optimizer passed in optimizers= under DeepSpeed, saying nothing.
+        raise ValueError(
+            "under DeepSpeed, Trainer replaces the optimizer passed in optimizers= "
+            f"({type(trainer.optimizer).__name__}) with one built from TrainingArguments.optim / optim_args (or the "
+            "DeepSpeed config's 'optimizer' section); choose the optimizer there instead"
+        )
+    if trainer.compute_loss_func is not None:
+        raise ValueError(
+            "AccumTrainer cannot verify that compute_loss_func normalizes exactly; override "
+            "AccumTrainer.loss_sum_and_count(outputs, labels, inputs) -> (loss_sum, n_targets) instead"
+        )
+    if trainer.args.world_size > 1 and not trainer.args.average_tokens_across_devices:
+        logger.info("average_tokens_across_devices=False is ignored: AccumTrainer always normalizes by the "
+                    "target count summed over all ranks (the only exact mean under DDP)")
 
 
 def _labels(batch: dict[str, Any]) -> torch.Tensor:
