@@ -97,7 +97,7 @@ def _explicit_plan(args: argparse.Namespace, processes: int) -> BatchPlan:
 def _recipe_plan(args: argparse.Namespace, processes: int) -> BatchPlan:
     """The recipe's batch arithmetic on ``processes``: its micro-batch, and its accumulation derived from
     ``global_batch_size`` (or given as ``training.gradient_accumulation_steps``)."""
-    from hf_accum import config as C
+    from hf_accum.recipe import config as C
 
     if args.global_batch_size is not None or args.micro_batch_size is not None:
         raise ValueError("--config takes the batch sizes from the recipe config; override them there "

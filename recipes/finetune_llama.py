@@ -30,11 +30,11 @@ from hf_accum.checkpoint import (  # noqa: E402
     ResumeMismatchError, check_resume_engine, check_resume_plan, resolve_resume_checkpoint,
 )
 from hf_accum.control import NonFiniteLossError, TrainingStopped  # noqa: E402
-from hf_accum.config import ConfigError, load_recipe_config  # noqa: E402
-from hf_accum.data import DataError, exact_match, load_tokenizer_and_data  # noqa: E402
-from hf_accum.modeling import ModelError, build_model, trainable_summary  # noqa: E402
+from hf_accum.recipe.config import ConfigError, load_recipe_config  # noqa: E402
+from hf_accum.recipe.data import DataError, exact_match, load_tokenizer_and_data  # noqa: E402
+from hf_accum.recipe.modeling import ModelError, build_model, trainable_summary  # noqa: E402
 from hf_accum.schedule import BatchPlan  # noqa: E402
-from hf_accum.outputs import (  # noqa: E402
+from hf_accum.recipe.outputs import (  # noqa: E402
     RunRecord, barrier, check_output_dir, claim_output_dir, describe_trainable, leave_process_group, percent,
     quiet_third_party_warnings, run_cli, save_outputs, say,
 )

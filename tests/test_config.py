@@ -12,8 +12,8 @@ import pytest
 import torch
 import yaml
 
-from hf_accum import config as recipe_config
-from hf_accum import outputs as run_outputs
+from hf_accum.recipe import config as recipe_config
+from hf_accum.recipe import outputs as run_outputs
 
 ENGINES = ("loop", "trainer")  # the recipe's engine table (recipes/finetune_llama.py ENGINES)
 
@@ -226,7 +226,7 @@ def test_bf16_without_support_is_refused(tmp_path):
 
 
 def test_qlora_without_bitsandbytes_is_refused(monkeypatch, tmp_path):
-    from hf_accum import modeling
+    from hf_accum.recipe import modeling
 
     monkeypatch.setattr(modeling, "bnb_available", lambda: False)
     with pytest.raises(recipe_config.ConfigError, match="needs bitsandbytes"):
@@ -350,7 +350,7 @@ def test_recipes_ship_the_expected_files():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
 def test_every_recipe_config_loads_and_validates(path, tmp_path, monkeypatch):
-    from hf_accum import modeling
+    from hf_accum.recipe import modeling
 
     # The 8B configs name a Hub model; nothing can be fetched here, so its source check is skipped.
     monkeypatch.setattr(modeling, "check_model_source", lambda name: None)

@@ -13,9 +13,9 @@ import shutil
 import pytest
 import torch
 
-from hf_accum import config as recipe_config
-from hf_accum import data as data_module
-from hf_accum import modeling
+from hf_accum.recipe import config as recipe_config
+from hf_accum.recipe import data as data_module
+from hf_accum.recipe import modeling
 from hf_accum.batching import PackingCollator, PaddingCollator
 from hf_accum.loss import IGNORE_INDEX, count_targets
 

@@ -1,8 +1,8 @@
 """Bad data, refused before any model is loaded: one line naming the file, the line (or row) and what
 is wrong. Nothing is trained on a bad row, nothing is silently dropped or turned into the string "None".
 
-The config-level checks (``hf_accum.config.resolve``) run before anything is read; the content checks
-run in :func:`hf_accum.data.load_tokenizer_and_data`, which the recipe calls before building the model
+The config-level checks (``hf_accum.recipe.config.resolve``) run before anything is read; the content checks
+run in :func:`hf_accum.recipe.data.load_tokenizer_and_data`, which the recipe calls before building the model
 or creating the output directory."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from hf_accum import config as recipe_config
-from hf_accum import data as data_module
+from hf_accum.recipe import config as recipe_config
+from hf_accum.recipe import data as data_module
 
 
 def load(path, **values):

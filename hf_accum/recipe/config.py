@@ -118,7 +118,7 @@ class ModelSection:
 
 @dataclass
 class DataSection:
-    """The data of a run (:func:`hf_accum.data.load_tokenizer_and_data` reads it). These defaults are
+    """The data of a run (:func:`hf_accum.recipe.data.load_tokenizer_and_data` reads it). These defaults are
     the ones for the user's own data; the embedded dataset's settings come with it."""
 
     dataset: str = "hf_accum:synthetic-tasks"
@@ -631,7 +631,7 @@ def _resolve_batch(config: RecipeConfig, world_size: int) -> None:
 
 
 def _check_model(model: ModelSection) -> None:
-    from hf_accum.modeling import ModelError, check_model_source
+    from hf_accum.recipe.modeling import ModelError, check_model_source
 
     try:
         check_model_source(model.name_or_path)
@@ -680,7 +680,7 @@ def _check_quantization(config: RecipeConfig) -> None:
         return
     if config.lora is None:
         raise ConfigError("quantization needs lora (QLoRA): quantized base weights cannot be fine-tuned directly")
-    from hf_accum.modeling import bnb_available
+    from hf_accum.recipe.modeling import bnb_available
 
     if not bnb_available():
         raise ConfigError("quantization (QLoRA) needs bitsandbytes: pip install 'hf_accum[qlora]'")
@@ -689,7 +689,7 @@ def _check_quantization(config: RecipeConfig) -> None:
 
 def _check_data(data: DataSection) -> None:
     """What can be checked without reading the data: values, files, split names."""
-    from hf_accum.data import FORMATS, DataError, check_local_file, check_split_spec, dataset_source
+    from hf_accum.recipe.data import FORMATS, DataError, check_local_file, check_split_spec, dataset_source
 
     if data.format not in ("auto", *FORMATS):
         raise ConfigError(f"data.format={data.format!r}; allowed: auto, {', '.join(FORMATS)}")

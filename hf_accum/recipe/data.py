@@ -31,7 +31,7 @@ which reads, checks, splits and encodes everything before any model is loaded. W
   ``remove_unused_columns`` and any collator. Examples longer than ``data.max_length`` are
   truncated and counted; one with no answer token left is dropped and counted.
 * **The tiny model's tokenizer.** With ``hf_accum:tiny-llama`` and the user's data, the word-level
-  vocabulary is built from that data (:func:`hf_accum.modeling.tiny_vocabulary`) and any ``<unk>``
+  vocabulary is built from that data (:func:`hf_accum.recipe.modeling.tiny_vocabulary`) and any ``<unk>``
   left is counted in the report.
 """
 
@@ -298,7 +298,7 @@ class BadRow(ValueError):
 def resolve_format(present: Iterable[str], data, source: str) -> RowFormat:
     """The format of a dataset with columns ``present``: ``data.format``, or the first that fits.
 
-    ``data`` is a :class:`hf_accum.config.DataSection` (its ``format``, ``*_column`` and
+    ``data`` is a :class:`hf_accum.recipe.config.DataSection` (its ``format``, ``*_column`` and
     ``system_prompt`` are read).
     """
     present = set(present)
@@ -531,7 +531,7 @@ class Splits:
 
 
 def load_splits(data) -> Splits:
-    """Training and held-out examples for a :class:`hf_accum.config.DataSection`; every row checked.
+    """Training and held-out examples for a :class:`hf_accum.recipe.config.DataSection`; every row checked.
 
     Held-out rows: ``data.eval_split`` (a split or slice of ``data.dataset``, or a second local
     file), else ``data.eval_fraction`` of the training rows carved at random (seeded by
@@ -786,13 +786,13 @@ class RecipeData:
 
 def load_tokenizer_and_data(model, data) -> tuple[Any, RecipeData]:
     """The tokenizer and the encoded data of a run, from its ``model`` and ``data`` config sections
-    (:class:`hf_accum.config.ModelSection`, :class:`hf_accum.config.DataSection`).
+    (:class:`hf_accum.recipe.config.ModelSection`, :class:`hf_accum.recipe.config.DataSection`).
 
     Everything is read, checked and encoded here, before any model is loaded; problems raise
     :class:`DataError` (one line). With ``hf_accum:tiny-llama`` and the user's own data, the
     tokenizer's vocabulary is built from that data. ``RecipeData.report`` says what was done.
     """
-    from hf_accum import modeling
+    from hf_accum.recipe import modeling
 
     splits = load_splits(data)
     corpus = None
@@ -832,7 +832,7 @@ def _encoding_notes(train: EncodedSplit, held_out: EncodedSplit | None, data, fm
 
 
 def _tokenizer_notes(tokenizer, train: EncodedSplit, held_out: EncodedSplit | None, built_from_data: bool) -> list[str]:
-    from hf_accum.modeling import SPECIAL_TOKENS, TINY_VOCAB_LIMIT
+    from hf_accum.recipe.modeling import SPECIAL_TOKENS, TINY_VOCAB_LIMIT
 
     splits = [s for s in (train, held_out) if s is not None]
     unknown, tokens = sum(s.unknown for s in splits), sum(s.tokens for s in splits)

@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
-from hf_accum import config as config_module
+from hf_accum.recipe import config as config_module
 from hf_accum.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NONFINITE
 
 METRICS_NAME = "metrics.json"

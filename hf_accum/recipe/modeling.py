@@ -108,7 +108,7 @@ def load_tokenizer(
     """The tokenizer of ``name_or_path``. For ``hf_accum:tiny-llama`` it is built here: over the words
     of ``corpus`` (the user's texts) when given, else over the embedded dataset's vocabulary."""
     if name_or_path == TINY_MODEL:
-        from hf_accum.data import synthetic_corpus
+        from hf_accum.recipe.data import synthetic_corpus
 
         words = tiny_vocabulary(corpus, TINY_VOCAB_LIMIT) if corpus is not None else synthetic_corpus()
         tokenizer = build_tiny_tokenizer(words)
