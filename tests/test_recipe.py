@@ -182,7 +182,7 @@ def test_qlora_on_two_cpu_processes_trains_one_run_not_two(engine, tmp_path):
 
 @pytest.mark.slow
 def test_two_processes_without_use_cpu_on_a_cpu_machine_stop_before_loading(tmp_path):
-    from hf_accum.distributed import gpu_like_device_available
+    from hf_accum.recipe.launch import gpu_like_device_available
 
     if gpu_like_device_available():
         pytest.skip("a GPU is present: Accelerate counts the processes without use_cpu")
