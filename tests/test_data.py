@@ -15,7 +15,8 @@ import torch
 
 from hf_accum.recipe import config as recipe_config
 from hf_accum.recipe import data as data_module
-from hf_accum.recipe import modeling
+from hf_accum import tiny
+from hf_accum.recipe import embedded, modeling
 from hf_accum.batching import PackingCollator, PaddingCollator
 from hf_accum.loss import IGNORE_INDEX, count_targets
 
@@ -300,10 +301,10 @@ def test_tiny_tokenizer_is_built_from_the_users_data():
 
 def test_words_beyond_the_vocabulary_limit_are_counted_as_unk(monkeypatch):
     rows = read_jsonl(sample("text.jsonl"))
-    all_words = [w for row in rows for w in modeling._word_splitter().pre_tokenize_str(row["text"])]
-    monkeypatch.setattr(modeling, "TINY_VOCAB_LIMIT", 10)
+    all_words = [w for row in rows for w in tiny.word_splitter().pre_tokenize_str(row["text"])]
+    monkeypatch.setattr(embedded, "TINY_VOCAB_LIMIT", 10)
     tokenizer, data = data_module.load_tokenizer_and_data(recipe_config.ModelSection(), section(sample("text.jsonl")))
-    kept = set(modeling.tiny_vocabulary((row["text"] for row in rows), limit=10))
+    kept = set(embedded.tiny_vocabulary((row["text"] for row in rows), limit=10))
     outside = sum(word not in kept for word, _ in all_words)
     assert len(kept) == 10 and outside > 0
     assert data.train.unknown == outside
@@ -311,7 +312,7 @@ def test_words_beyond_the_vocabulary_limit_are_counted_as_unk(monkeypatch):
 
 
 def test_vocabulary_counts_words_by_frequency_and_skips_special_tokens():
-    vocabulary = modeling.tiny_vocabulary(["b a b", "c <|end|> b a.", "d"], limit=3)
+    vocabulary = embedded.tiny_vocabulary(["b a b", "c <|end|> b a.", "d"], limit=3)
     assert vocabulary == ["b", "a", "c"]
 
 
@@ -319,12 +320,12 @@ def test_vocabulary_counts_words_by_frequency_and_skips_special_tokens():
 
 
 def test_embedded_dataset_is_deterministic_and_held_out_is_unseen():
-    a, b = data_module.synthetic_splits(400, 60, seed=3), data_module.synthetic_splits(400, 60, seed=3)
+    a, b = embedded.synthetic_splits(400, 60, seed=3), embedded.synthetic_splits(400, 60, seed=3)
     assert a == b
-    assert a != data_module.synthetic_splits(400, 60, seed=4)
+    assert a != embedded.synthetic_splits(400, 60, seed=4)
     train = {(r["prompt"], r["answer"]) for r in a["train"]}
     assert not any((r["prompt"], r["answer"]) in train for r in a["test"])
-    assert {r["task"] for r in a["test"]} == set(data_module.TASKS)
+    assert {r["task"] for r in a["test"]} == set(embedded.TASKS)
 
 
 def test_embedded_dataset_needs_no_eval_split_setting_and_refuses_unknown_ones():
@@ -338,7 +339,7 @@ def test_embedded_dataset_needs_no_eval_split_setting_and_refuses_unknown_ones()
 
 def test_embedded_lengths_vary_strongly(tokenizer):
     fmt = data_module.RowFormat("prompt_completion", {"prompt": "prompt", "answer": "answer"})
-    encoded = data_module.encode_examples(tokenizer, [data_module.to_example(r, fmt) for r in data_module.synthetic_rows(400, seed=0)], 256).examples
+    encoded = data_module.encode_examples(tokenizer, [data_module.to_example(r, fmt) for r in embedded.synthetic_rows(400, seed=0)], 256).examples
     answers = [len(target_tokens(tokenizer, e)[0]) for e in encoded]
     prompts_ = [first_target(e) for e in encoded]
     assert max(answers) >= 5 * min(answers)
@@ -346,7 +347,7 @@ def test_embedded_lengths_vary_strongly(tokenizer):
 
 
 def test_tokenizer_round_trips_the_embedded_data(tokenizer):
-    for row in data_module.synthetic_rows(40, seed=1):
+    for row in embedded.synthetic_rows(40, seed=1):
         ids = tokenizer(row["answer"], add_special_tokens=False)["input_ids"]
         assert tokenizer.unk_token_id not in ids
         assert tokenizer.decode(ids) == row["answer"]
@@ -379,7 +380,7 @@ def test_exact_match_scores_generated_answers(tokenizer):
     assert perfect["exact_match"] == 1.0 and perfect["examples"] == 12
     half = data_module.exact_match(OracleModel(tokenizer, examples, wrong_every=2), tokenizer, examples, batch_size=5)
     assert half["exact_match"] == pytest.approx(0.5)
-    assert set(half["per_task"]) == set(data_module.TASKS)
+    assert set(half["per_task"]) == set(embedded.TASKS)
 
 
 def test_exact_match_compares_answers_as_the_tokenizer_spells_them():

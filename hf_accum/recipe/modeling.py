@@ -1,12 +1,9 @@
-"""Model and tokenizer for the recipes: loading, the tiny embedded default, LoRA/QLoRA, checkpointing.
+"""Model and tokenizer for the recipes: loading, LoRA/QLoRA, checkpointing.
 
 This module owns:
 
-* the **embedded default** (``hf_accum:tiny-llama``): a word-level tokenizer (``tokenizers``'
-  ``WordLevel`` model wrapped in ``PreTrainedTokenizerFast``, with a chat template) whose
-  vocabulary comes from the data -- the embedded dataset's words, or the words of the user's
-  own data (:func:`tiny_vocabulary`) -- and a small ``LlamaForCausalLM`` built from a config
-  with a fixed seed; nothing is downloaded;
+* the tokenizer of a run (the embedded default's, ``hf_accum:tiny-llama``, comes from
+  :mod:`hf_accum.recipe.embedded`);
 * loading any other causal LM from the hub or a local path (``AutoModelForCausalLM``), in the
   requested dtype, optionally 4-bit quantized with bitsandbytes (QLoRA);
 * wrapping with ``peft`` LoRA, after checking that every target module exists in the model;
@@ -19,84 +16,24 @@ import fnmatch
 import os
 import re
 import tempfile
-from collections import Counter
 from typing import Any, Iterable
 
 import torch
 
 from hf_accum.compat import keep_4bit_training_layout
+from hf_accum.errors import InputError
+from hf_accum.recipe.embedded import TINY_MODEL, build_tiny_llama, recipe_tiny_config, tiny_tokenizer
 
-TINY_MODEL = "hf_accum:tiny-llama"
-SPECIAL_TOKENS = ["<pad>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-# Small enough to train in about a minute on 2 CPU cores, large enough to learn the embedded tasks.
-TINY_LLAMA = dict(
-    hidden_size=128,
-    intermediate_size=384,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-)
-# Words in a tiny tokenizer built from user data: the most frequent ones (embedding and LM head
-# rows of the tiny model grow with it; rarer words become <unk>, counted and reported).
-TINY_VOCAB_LIMIT = 8192
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
 
-class ModelError(ValueError):
+class ModelError(InputError):
     """A model/LoRA setting that cannot work with this model or machine."""
 
 
 # ----------------------------------------------------------------------------------------------
 # Tokenizers
 # ----------------------------------------------------------------------------------------------
-
-
-def tiny_vocabulary(texts: Iterable[str], limit: int) -> list[str]:
-    """The ``limit`` most frequent words of ``texts`` (ties: first seen first), split exactly as the
-    tiny tokenizer splits them. Rarer words will be ``<unk>``; the data loader counts them."""
-    splitter = _word_splitter()
-    # The tokenizer matches its special tokens before splitting words; so does the count.
-    specials = re.compile("|".join(re.escape(token) for token in SPECIAL_TOKENS))
-    counts: Counter[str] = Counter()
-    for text in texts:
-        for part in specials.split(text):
-            counts.update(word for word, _ in splitter.pre_tokenize_str(part))
-    return [word for word, _ in counts.most_common(limit)]
-
-
-def _word_splitter():
-    """Runs of word characters, and runs of punctuation, each a token: ``"Paris."`` -> ``Paris``, ``.``."""
-    from tokenizers import pre_tokenizers
-
-    return pre_tokenizers.Whitespace()
-
-
-def build_tiny_tokenizer(words: list[str]):
-    """A word-level tokenizer over ``words`` (ids in that order, after the chat special tokens)."""
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    for word in words:
-        vocab.setdefault(word, len(vocab))
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    core.pre_tokenizer = _word_splitter()
-    # WordPiece's decoder joins tokens with single spaces: the embedded data round-trips exactly
-    # (it is space separated); other text comes back with spaces around punctuation.
-    core.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", unk_token="<unk>", eos_token="<|end|>",
-        additional_special_tokens=SPECIAL_TOKENS[2:],
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
 
 
 def load_tokenizer(
@@ -108,13 +45,7 @@ def load_tokenizer(
     """The tokenizer of ``name_or_path``. For ``hf_accum:tiny-llama`` it is built here: over the words
     of ``corpus`` (the user's texts) when given, else over the embedded dataset's vocabulary."""
     if name_or_path == TINY_MODEL:
-        from hf_accum.recipe.data import synthetic_corpus
-
-        words = tiny_vocabulary(corpus, TINY_VOCAB_LIMIT) if corpus is not None else synthetic_corpus()
-        tokenizer = build_tiny_tokenizer(words)
-        if chat_template:
-            tokenizer.chat_template = chat_template
-        return tokenizer
+        return tiny_tokenizer(corpus, chat_template)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
@@ -132,34 +63,6 @@ def load_tokenizer(
 # ----------------------------------------------------------------------------------------------
 # Models
 # ----------------------------------------------------------------------------------------------
-
-
-def tiny_llama_config(**values):
-    """A ``LlamaConfig`` of the tiny shape (:data:`TINY_LLAMA`), ``values`` on top. The one place a tiny
-    Llama config is built: the recipe's default model, the tests and the benchmarks pass their sizes."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(**{**TINY_LLAMA, **values})
-
-
-def recipe_tiny_config(tokenizer, overrides: dict[str, Any] | None = None):
-    """The embedded default model's config: the tokenizer's vocabulary and special ids, plus
-    ``model.config_overrides``."""
-    return tiny_llama_config(
-        vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None, **(overrides or {}),
-    )
-
-
-def build_tiny_llama(tokenizer, seed: int = 0, overrides: dict[str, Any] | None = None):
-    """A randomly initialised tiny Llama; the same ``seed`` gives the same weights."""
-    from transformers import LlamaForCausalLM
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(recipe_tiny_config(tokenizer, overrides))
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model
 
 
 def bnb_available() -> bool:
@@ -364,6 +267,21 @@ def checkpointing_requested(training: dict[str, Any]) -> bool:
     """``training.activation_checkpointing`` (or its deprecated alias ``gradient_checkpointing``)."""
     value = training.get("activation_checkpointing")
     return bool(training.get("gradient_checkpointing") if value is None else value)
+
+
+def check_model_section(model, config=None) -> None:
+    """The model section's own check (its ``Section.validator``): the model can be found, its dtype exists."""
+    check_model_source(model.name_or_path)
+
+
+def check_quantization_section(quantization, config) -> None:
+    """The quantization section's own check: bitsandbytes is installed, and ``BitsAndBytesConfig`` accepts
+    the values (its own checks, before any model loads)."""
+    if quantization is None:
+        return
+    if not bnb_available():
+        raise ModelError("quantization (QLoRA) needs bitsandbytes: pip install 'hf_accum[qlora]'")
+    config.bnb_config()
 
 
 def check_model_source(name_or_path: str) -> None:
