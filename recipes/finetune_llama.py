@@ -11,7 +11,7 @@ and after. Outputs (adapter, resolved config, metrics JSON, loss/LR plot) go to 
 
 This file is the training, top to bottom: config -> tokenizer and data -> model -> one of two
 engines (the table ENGINES below) -> evaluation -> outputs. Copy it to make your own recipe; the
-helpers it calls (config, data, modeling, outputs) stay in the hf_accum package.
+helpers it calls stay in the recipe kit, hf_accum.recipe (config, data, modeling, launch, outputs).
 """
 
 import time
