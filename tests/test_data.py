@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -394,3 +395,83 @@ def test_untrained_tiny_model_scores_near_zero(tokenizer):
     examples = data_module.load_splits(recipe_config.DataSection(num_train_examples=4, num_eval_examples=40)).held_out
     model = modeling.load_model(modeling.TINY_MODEL, tokenizer, seed=0)
     assert data_module.exact_match(model, tokenizer, examples, max_new_tokens=8)["exact_match"] <= 0.05
+
+
+# -- the data people have: ShareGPT, question/answer, save_to_disk directories, each from data.dataset alone
+
+
+def conversation_rows(n: int, sharegpt: bool) -> list[dict]:
+    """Rows whose user turns carry a unique word ``q<i>`` (to find an example's row after the carve-out)."""
+    rows = []
+    for i in range(n):
+        turns = [("system", "be brief"), ("user", f"q{i} first ask"), ("assistant", f"answer {i} one"),
+                 ("user", f"q{i} again"), ("assistant", f"answer {i} two")]
+        if sharegpt:
+            speakers = {"system": "system", "user": "human" if i % 2 else "user", "assistant": "gpt" if i % 2 else "assistant"}
+            rows.append({"conversations": [{"from": speakers[r], "value": c} for r, c in turns]})
+        else:
+            rows.append({"messages": [{"role": r, "content": c} for r, c in turns]})
+    return rows
+
+
+def row_of(tokenizer, example: dict) -> int:
+    marks = [t for t in tokenizer.convert_ids_to_tokens(example["input_ids"]) if re.fullmatch(r"q\d+", t)]
+    return int(marks[0][1:])
+
+
+def assert_targets_are_the_answers(tokenizer, data, answers_of_row) -> None:
+    """labels are -100 exactly outside the assistant's answers (each answer's words and its end of turn)."""
+    assert data.train.examples
+    for example in data.train.examples:
+        expected = [words(tokenizer, answer) + [END] for answer in answers_of_row(row_of(tokenizer, example))]
+        assert target_tokens(tokenizer, example) == expected
+
+
+def test_sharegpt_conversations_train_on_the_gpt_turns_from_data_dataset_alone(tmp_path):
+    path = write_jsonl(tmp_path / "sharegpt.jsonl", conversation_rows(40, sharegpt=True))
+    tokenizer, data = data_module.load_tokenizer_and_data(recipe_config.ModelSection(), recipe_config.DataSection(dataset=path))
+    assert data.format == "chat" and "conversations" in data.report[0]
+    assert len(data.train.examples) + len(data.held_out.examples) == 40
+    assert_targets_are_the_answers(tokenizer, data, lambda i: [f"answer {i} one", f"answer {i} two"])
+    assert data.eval_rows[0].messages[0] == {"role": "system", "content": "be brief"}
+
+
+def test_sharegpt_rows_in_another_column_through_messages_column(tmp_path):
+    rows = [{"dialog": row["conversations"], "id": n} for n, row in enumerate(conversation_rows(10, sharegpt=True))]
+    path = write_jsonl(tmp_path / "dialogs.jsonl", rows)
+    tokenizer, data = data_module.load_tokenizer_and_data(recipe_config.ModelSection(), section(path, messages_column="dialog"))
+    assert len(data.train.examples) == 10
+    assert_targets_are_the_answers(tokenizer, data, lambda i: [f"answer {i} one", f"answer {i} two"])
+
+
+def test_question_answer_columns_are_detected_like_prompt_answer(tmp_path):
+    path = write_jsonl(tmp_path / "qa.jsonl", [{"question": f"q{i} how many", "answer": f"{i} apples"} for i in range(30)])
+    tokenizer, data = data_module.load_tokenizer_and_data(recipe_config.ModelSection(), recipe_config.DataSection(dataset=path))
+    assert data.format == "prompt_completion" and "(question, answer)" in data.report[0]
+    assert_targets_are_the_answers(tokenizer, data, lambda i: [f"{i} apples"])
+
+
+def test_a_save_to_disk_dataset_dict_trains_from_its_directory(tmp_path):
+    import datasets
+
+    rows = conversation_rows(30, sharegpt=False)
+    directory = tmp_path / "saved_dict"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:24]), "test": datasets.Dataset.from_list(rows[24:])}
+                         ).save_to_disk(str(directory))
+    recipe_config.resolve(recipe_config.load_config(None, {"data.dataset": str(directory), "data.eval_split": "test"}),
+                          engines=["loop"], world_size=1)
+    tokenizer, data = data_module.load_tokenizer_and_data(
+        recipe_config.ModelSection(), recipe_config.DataSection(dataset=str(directory), eval_split="test"))
+    assert len(data.train.examples) == 24 and len(data.held_out.examples) == 6
+    assert_targets_are_the_answers(tokenizer, data, lambda i: [f"answer {i} one", f"answer {i} two"])
+    assert {row_of(tokenizer, e) for e in data.held_out.examples} == set(range(24, 30))
+
+
+def test_a_save_to_disk_dataset_trains_from_its_directory(tmp_path):
+    import datasets
+
+    directory = tmp_path / "saved"
+    datasets.Dataset.from_list([{"prompt": f"q{i} say", "completion": f"word{i}"} for i in range(20)]).save_to_disk(str(directory))
+    tokenizer, data = data_module.load_tokenizer_and_data(recipe_config.ModelSection(), recipe_config.DataSection(dataset=str(directory)))
+    assert data.format == "prompt_completion"
+    assert_targets_are_the_answers(tokenizer, data, lambda i: [f"word{i}"])

@@ -6,14 +6,17 @@ which reads, checks, splits and encodes everything before any model is loaded. W
 
 * **Reading.** Local ``.jsonl`` and ``.json`` files are read here, line by line, so that a malformed
   line or invalid UTF-8 is reported with its line number; ``.parquet``, ``.csv`` and ``datasets``
-  hub names are read through ``datasets``. ``hf_accum:synthetic-tasks`` is generated in-process.
+  hub names are read through ``datasets``, ``save_to_disk`` directories with ``load_from_disk``; a URL is
+  refused with what is supported. ``hf_accum:synthetic-tasks`` is generated in-process.
 * **Formats**, detected from the columns (first match in this order) or forced with ``data.format``:
 
   ===================  =============================================  ================================
   format               columns                                        trained on
   ===================  =============================================  ================================
-  chat                 ``messages`` (``role``/``content`` dicts)      every assistant message
-  prompt_completion    ``prompt`` + ``completion`` (or ``answer``)    the completion
+  chat                 ``messages`` (``role``/``content``) or        every assistant message
+                       ``conversations`` (ShareGPT from/value)
+  prompt_completion    ``prompt`` (or ``question``) + ``completion``  the completion
+                       (or ``answer``)
   alpaca               ``instruction`` + ``output``, opt. ``input``   the output
   text                 ``text``                                       every token
   ===================  =============================================  ================================
@@ -43,7 +46,14 @@ from typing import Any
 from hf_accum.recipe.data.encoding import EncodedSplit, encode_examples, prompt_ids, render
 from hf_accum.recipe.data.formats import FORMATS, Example, RowFormat, resolve_format, to_example, to_examples
 from hf_accum.recipe.data.metric import exact_match, normalize_answer
-from hf_accum.recipe.data.reading import DataError, check_local_file, dataset_source, read_local
+from hf_accum.recipe.data.reading import (
+    DataError,
+    check_disk_dir,
+    check_local_file,
+    dataset_source,
+    read_local,
+    refuse_url,
+)
 from hf_accum.recipe.data.splits import Splits, check_split_spec, load_splits
 from hf_accum.recipe import embedded, modeling
 from hf_accum.recipe.embedded import EMBEDDED_DATASET, SPECIAL_TOKENS, TINY_MODEL
@@ -67,9 +77,12 @@ def check_data_section(data, config=None) -> None:
             raise DataError(f"data.{key}={getattr(data, key)} must be >= {minimum}")
     if not 0 <= data.eval_fraction < 1:
         raise DataError(f"data.eval_fraction={data.eval_fraction} must be >= 0 and < 1")
+    refuse_url("data.dataset", data.dataset)
     try:
         if dataset_source(data.dataset) == "local":
             check_local_file(data.dataset)
+        if dataset_source(data.dataset) == "disk":
+            check_disk_dir(data.dataset)
         check_split_spec(data.dataset, "data.train_split", data.train_split)
         check_split_spec(data.dataset, "data.eval_split", data.eval_split)
     except DataError as exc:

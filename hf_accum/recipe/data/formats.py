@@ -20,12 +20,14 @@ FORMATS = ("chat", "prompt_completion", "alpaca", "text")
 # ``input`` is optional: alpaca's context, joined into the user message. ``data.<role>_column``
 # replaces the usual names (and makes the column required).
 FORMAT_COLUMNS: dict[str, dict[str, tuple[str, ...]]] = {
-    "chat": {"messages": ("messages",)},
-    "prompt_completion": {"prompt": ("prompt",), "answer": ("completion", "answer"), "input": ()},
+    "chat": {"messages": ("messages", "conversations")},
+    "prompt_completion": {"prompt": ("prompt", "question"), "answer": ("completion", "answer"), "input": ()},
     "alpaca": {"prompt": ("instruction",), "answer": ("output",), "input": ("input",)},
     "text": {"text": ("text",)},
 }
 OPTIONAL_ROLES = {"input"}
+# ShareGPT conversations (``conversations``: ``[{"from", "value"}, ...]``): their speakers, as chat roles.
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
 @dataclass(frozen=True)
@@ -174,13 +176,7 @@ def _conversation(value: Any, column: str) -> list[dict[str, str]]:
     kind = f"without a conversation ending in an assistant answer in {column!r}"
     if not isinstance(value, (list, tuple)) or not value:
         raise BadRow(kind, f"{column!r} is {'empty' if value in ([], ()) else 'not a list of messages'}")
-    messages = []
-    for i, message in enumerate(value, start=1):
-        role = message.get("role") if isinstance(message, dict) else None
-        content = _as_text(message.get("content")) if isinstance(message, dict) else None
-        if not isinstance(role, str) or content is None:
-            raise BadRow(kind, f"message {i} needs a 'role' and a text 'content'")
-        messages.append({"role": role, "content": content})
+    messages = [_message(message, i, kind) for i, message in enumerate(value, start=1)]
     if messages[-1]["role"] != "assistant":
         raise BadRow(kind, f"the last message is from {messages[-1]['role']!r}, not the assistant")
     if not messages[-1]["content"].strip():
@@ -188,6 +184,29 @@ def _conversation(value: Any, column: str) -> list[dict[str, str]]:
     if len(messages) == 1:
         raise BadRow(kind, "the assistant's answer has no message before it")
     return messages
+
+
+def _message(message: Any, number: int, kind: str) -> dict[str, str]:
+    """One message as ``{"role", "content"}``: a chat message (``role``/``content``) or a ShareGPT one
+    (``from``/``value``, its speaker mapped by :data:`SHAREGPT_ROLES`)."""
+    if isinstance(message, dict) and "from" in message and "role" not in message:
+        return _sharegpt_message(message, number, kind)
+    role = message.get("role") if isinstance(message, dict) else None
+    content = _as_text(message.get("content")) if isinstance(message, dict) else None
+    if not isinstance(role, str) or content is None:
+        raise BadRow(kind, f"message {number} needs a 'role' and a text 'content' (or ShareGPT's 'from' and 'value')")
+    return {"role": role, "content": content}
+
+
+def _sharegpt_message(message: dict[str, Any], number: int, kind: str) -> dict[str, str]:
+    speaker, content = message.get("from"), _as_text(message.get("value"))
+    if speaker not in SHAREGPT_ROLES:
+        known = ", ".join(SHAREGPT_ROLES)
+        raise BadRow(f"with a ShareGPT speaker other than {known}",
+                     f"message {number} is from {speaker!r}; ShareGPT speakers: {known}")
+    if content is None:
+        raise BadRow(kind, f"message {number} (from {speaker!r}) needs a text 'value'")
+    return {"role": SHAREGPT_ROLES[speaker], "content": content}
 
 
 def to_examples(rows: Sequence[RawRow], fmt: RowFormat, source: str) -> list[Example]:

@@ -26,13 +26,69 @@ class DataError(InputError):
 RawRow = tuple[str, dict[str, Any]]
 
 
+# What ``data.dataset`` can name, for messages.
+SUPPORTED = (f"a local {'/'.join(LOCAL_SUFFIXES)} file, a directory written by datasets' save_to_disk, "
+             f"a datasets hub name (e.g. gsm8k, with data.dataset_config=main), or {EMBEDDED_DATASET}")
+URL_PREFIXES = ("http://", "https://", "ftp://", "s3://", "gs://", "gcs://", "az://", "abfs://", "hf://")
+# The files datasets' save_to_disk writes: a DatasetDict's index, or a Dataset's state.
+DATASET_DICT_FILE, DATASET_STATE_FILE = "dataset_dict.json", "state.json"
+
+
 def dataset_source(name: str) -> str:
-    """``embedded``, ``local`` (a file path) or ``hub`` (a ``datasets`` name)."""
+    """``embedded``, ``local`` (a file path), ``disk`` (a ``save_to_disk`` directory) or ``hub`` (a
+    ``datasets`` name)."""
     if name == EMBEDDED_DATASET:
         return "embedded"
     if os.path.splitext(name)[1] in LOCAL_SUFFIXES or os.path.isfile(name):
         return "local"
+    if os.path.isdir(name):
+        return "disk"
     return "hub"
+
+
+def refuse_url(key: str, value: str | None) -> None:
+    """A URL is not something the recipe downloads: say what it reads instead."""
+    if isinstance(value, str) and value.lower().startswith(URL_PREFIXES):
+        raise DataError(f"{key}={value!r}: URLs are not read; download the file first. Supported: {SUPPORTED}")
+
+
+def check_disk_dir(path: str) -> None:
+    """A directory must be one that ``datasets.Dataset(Dict).save_to_disk`` wrote."""
+    if not any(os.path.isfile(os.path.join(path, name)) for name in (DATASET_DICT_FILE, DATASET_STATE_FILE)):
+        raise DataError(
+            f"data.dataset={path!r} is a directory but not one written by datasets' save_to_disk (no "
+            f"{DATASET_DICT_FILE} or {DATASET_STATE_FILE}); supported: {SUPPORTED}"
+        )
+
+
+def disk_splits(path: str) -> list[str]:
+    """The splits of a ``save_to_disk`` directory: a DatasetDict's, or ``train`` for a single Dataset."""
+    index = os.path.join(path, DATASET_DICT_FILE)
+    if not os.path.isfile(index):
+        return ["train"]
+    try:
+        with open(index) as handle:
+            return list(json.load(handle)["splits"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DataError(f"{index}: not a readable datasets split index ({exc})") from None
+
+
+def read_disk(path: str, split: str) -> list[RawRow]:
+    """Every row of one split of a ``save_to_disk`` directory (``datasets.load_from_disk``)."""
+    import datasets
+
+    check_disk_dir(path)
+    try:
+        loaded = datasets.load_from_disk(path)
+    except (datasets.exceptions.DatasetsError, ValueError, KeyError, OSError) as exc:
+        raise DataError(f"cannot load {path} with datasets.load_from_disk: {' '.join(str(exc).split())[:300]}") from exc
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise DataError(f"{path} has no split {split!r}; its splits: {', '.join(loaded)}")
+        loaded = loaded[split]
+    elif split != "train":
+        raise DataError(f"{path} holds a single Dataset (split 'train'), not {split!r}")
+    return [(f"row {i + 1} of split {split!r}", dict(values)) for i, values in enumerate(loaded)]
 
 
 def check_local_file(path: str) -> None:

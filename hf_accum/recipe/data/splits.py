@@ -14,7 +14,18 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from hf_accum.recipe.data.formats import Example, RowFormat, resolve_format, to_example, to_examples
-from hf_accum.recipe.data.reading import DataError, RawRow, check_local_file, dataset_source, read_hub, read_local
+from hf_accum.recipe.data.reading import (
+    DataError,
+    RawRow,
+    check_disk_dir,
+    check_local_file,
+    dataset_source,
+    disk_splits,
+    read_disk,
+    read_hub,
+    read_local,
+    refuse_url,
+)
 from hf_accum.recipe.embedded import EMBEDDED_DATASET, synthetic_splits
 
 # A row's identity inside its dataset: (unsliced split name, index).
@@ -30,6 +41,7 @@ def check_split_spec(dataset: str, key: str, spec: str | None) -> None:
     """Refuse, before anything is loaded, a split that cannot be read from ``dataset``."""
     if spec is None:
         return
+    refuse_url(key, spec)
     if dataset_source(dataset) == "embedded":
         allowed = {"data.train_split": ("train",), "data.eval_split": ("test",)}[key]
         if spec not in allowed:
@@ -49,6 +61,12 @@ def check_split_spec(dataset: str, key: str, spec: str | None) -> None:
         datasets.ReadInstruction.from_spec(spec)
     except (ValueError, AssertionError) as exc:
         raise DataError(f"{key}={spec!r} is not a split: {exc} (e.g. 'train', 'train[:90%]', 'test')") from None
+    if dataset_source(dataset) == "disk":
+        check_disk_dir(dataset)
+        missing = [name for name in split_names(spec) if name not in disk_splits(dataset)]
+        if missing:
+            raise DataError(f"{key}={spec!r}: {dataset} has no split {missing[0]!r}; its splits: "
+                            f"{', '.join(disk_splits(dataset))}")
     if dataset_source(dataset) == "local" and set(split_names(spec)) != {"train"}:
         raise DataError(
             f"{key}={spec!r}: {dataset!r} is a single local file (split 'train'); leave data.eval_split unset to "
@@ -69,9 +87,16 @@ class DatasetRows:
 
     def split(self, name: str) -> list[RawRow]:
         if name not in self._splits:
-            rows = read_local(self.name) if self._is_local() else read_hub(self.name, name, self.config_name)
-            self._splits[name] = rows
+            self._splits[name] = self._read(name)
         return self._splits[name]
+
+    def _read(self, split: str) -> list[RawRow]:
+        source = dataset_source(self.name)
+        if source == "local":
+            return read_local(self.name)
+        if source == "disk":
+            return read_disk(self.name, split)
+        return read_hub(self.name, split, self.config_name)
 
     def select(self, key: str, spec: str) -> list[RowKey]:
         """The rows a split spec (``train``, ``train[:90%]``, ``train[10:20]+test``) selects, in order."""
