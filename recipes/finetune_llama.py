@@ -30,13 +30,14 @@ from hf_accum.checkpoint import (  # noqa: E402
 )
 from hf_accum.control import NonFiniteLossError, TrainingStopped  # noqa: E402
 from hf_accum.distributed import is_partitioned  # noqa: E402
+from hf_accum.errors import InputError  # noqa: E402
 from hf_accum.schedule import BatchPlan  # noqa: E402
 from hf_accum.recipe.config import ConfigError, load_recipe_config  # noqa: E402
-from hf_accum.recipe.data import DataError, exact_match, load_tokenizer_and_data  # noqa: E402
+from hf_accum.recipe.data import exact_match, load_tokenizer_and_data  # noqa: E402
 from hf_accum.recipe.launch import (  # noqa: E402
-    LaunchError, check_engine, check_launch, check_offload_optimizer, loop_accelerator, start_process_group,
+    check_engine, check_launch, check_offload_optimizer, loop_accelerator, start_process_group,
 )
-from hf_accum.recipe.modeling import ModelError, build_model, trainable_summary  # noqa: E402
+from hf_accum.recipe.modeling import build_model, trainable_summary  # noqa: E402
 from hf_accum.recipe.outputs import (  # noqa: E402
     RunRecord, barrier, check_output_dir, claim_output_dir, describe_trainable, leave_process_group, percent,
     quiet_third_party_warnings, run_cli, save_outputs, say,
@@ -224,5 +225,5 @@ def main(argv):
 
 if __name__ == "__main__":
     quiet_third_party_warnings()
-    bad_input = (ConfigError, DataError, ModelError, LaunchError, ResumeMismatchError)
+    bad_input = (InputError, ResumeMismatchError)  # every recipe-kit error is an InputError
     raise SystemExit(run_cli(main, bad_input=bad_input, stopped=(TrainingStopped, NonFiniteLossError)))

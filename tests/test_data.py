@@ -475,3 +475,22 @@ def test_a_save_to_disk_dataset_trains_from_its_directory(tmp_path):
     tokenizer, data = data_module.load_tokenizer_and_data(recipe_config.ModelSection(), recipe_config.DataSection(dataset=str(directory)))
     assert data.format == "prompt_completion"
     assert_targets_are_the_answers(tokenizer, data, lambda i: [f"word{i}"])
+
+
+def test_the_recipe_trains_a_sharegpt_file_from_data_dataset_alone(tmp_path):
+    import subprocess
+    import sys
+
+    path = write_jsonl(tmp_path / "sharegpt.jsonl", conversation_rows(40, sharegpt=True))
+    out = tmp_path / "out"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(root, "recipes", "finetune_llama.py"), f"data.dataset={path}",
+         "training.max_steps=2", f"training.output_dir={out}"],
+        cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out / "metrics.json") as handle:
+        metrics = json.load(handle)
+    assert metrics["data"]["format"] == "chat" and len(metrics["updates"]) == 2
+    assert f"data: {path}: format chat (conversations)" in proc.stdout

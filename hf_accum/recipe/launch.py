@@ -40,6 +40,7 @@ from typing import Any, Mapping
 import torch
 
 from hf_accum.distributed import num_nodes
+from hf_accum.errors import InputError
 
 DEEPSPEED = "deepspeed"
 FSDP = "fsdp"
@@ -48,7 +49,7 @@ DDP = "ddp"  # plain data parallel, one process included
 ZERO3_CONFIG = "recipes/deepspeed/zero3.json"
 
 
-class LaunchError(ValueError):
+class LaunchError(InputError):
     """The run would not be what the launcher or the config asked for; raised before any model is loaded."""
 
 

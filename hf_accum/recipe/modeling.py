@@ -269,9 +269,50 @@ def checkpointing_requested(training: dict[str, Any]) -> bool:
     return bool(training.get("gradient_checkpointing") if value is None else value)
 
 
+# What a model directory must hold besides config.json: weights, and (unless model.tokenizer names
+# another source) a tokenizer. Any one file of each group will do.
+WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "*.bin.index.json", "*.pt", "*.pth")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model")
+
+
 def check_model_section(model, config=None) -> None:
-    """The model section's own check (its ``Section.validator``): the model can be found, its dtype exists."""
+    """The model section's own check (its ``Section.validator``): the model can be found and holds
+    weights, and a tokenizer comes from it or from ``model.tokenizer``."""
     check_model_source(model.name_or_path)
+    path = _local_path(model.name_or_path)
+    if path is not None:
+        _require_files(path, "model.name_or_path", WEIGHT_FILES, "weights",
+                       "save the model with save_pretrained, or point at the directory that has them")
+    if model.tokenizer is not None:
+        tokenizer_path = _local_path(model.tokenizer)
+        if tokenizer_path is None:
+            check_model_source(model.tokenizer, key="model.tokenizer", needs="tokenizer_config.json")
+        elif not os.path.isdir(tokenizer_path):
+            raise ModelError(f"model.tokenizer={model.tokenizer!r}: no such directory (cwd: {os.getcwd()})")
+        else:
+            _require_files(tokenizer_path, "model.tokenizer", TOKENIZER_FILES, "tokenizer files",
+                           "point at a directory saved with tokenizer.save_pretrained, or a hub id")
+    elif path is not None:
+        _require_files(path, "model.name_or_path", TOKENIZER_FILES, "tokenizer files",
+                       "save the tokenizer there (tokenizer.save_pretrained), or set model.tokenizer to a "
+                       "directory or hub id that has it")
+
+
+def _local_path(name_or_path: str) -> str | None:
+    """The directory ``name_or_path`` names on this machine; None for a hub id or the embedded model."""
+    if name_or_path == TINY_MODEL:
+        return None
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1 or os.path.exists(name_or_path):
+        return os.path.expanduser(name_or_path)
+    return None
+
+
+def _require_files(path: str, key: str, patterns: tuple[str, ...], what: str, remedy: str) -> None:
+    import glob
+
+    if not any(glob.glob(os.path.join(glob.escape(path), pattern)) for pattern in patterns):
+        raise ModelError(f"{key}={path!r}: the directory holds no {what} ({', '.join(patterns)}); {remedy}")
 
 
 def check_quantization_section(quantization, config) -> None:
@@ -284,7 +325,7 @@ def check_quantization_section(quantization, config) -> None:
     config.bnb_config()
 
 
-def check_model_source(name_or_path: str) -> None:
+def check_model_source(name_or_path: str, key: str = "model.name_or_path", needs: str = "config.json") -> None:
     """Fail fast, before any download or load, on a model that cannot be found.
 
     A path (absolute, relative, or with more than one ``/``) must be a directory holding
@@ -293,25 +334,25 @@ def check_model_source(name_or_path: str) -> None:
     """
     if name_or_path == TINY_MODEL:
         return
-    looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1 or os.path.exists(name_or_path)
-    if looks_local:
-        path = os.path.expanduser(name_or_path)
+    path = _local_path(name_or_path)
+    if path is not None:
         if not os.path.isdir(path):
-            raise ModelError(f"model.name_or_path={name_or_path!r}: no such directory (cwd: {os.getcwd()})")
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ModelError(f"model.name_or_path={name_or_path!r}: the directory holds no config.json (not a model)")
+            raise ModelError(f"{key}={name_or_path!r}: no such directory (cwd: {os.getcwd()})")
+        if not os.path.isfile(os.path.join(path, needs)):
+            what = " (not a model)" if needs == "config.json" else ""
+            raise ModelError(f"{key}={name_or_path!r}: the directory holds no {needs}{what}")
         return
     from huggingface_hub import HfApi, try_to_load_from_cache
     from huggingface_hub.constants import HF_HUB_OFFLINE
 
-    if isinstance(try_to_load_from_cache(name_or_path, "config.json"), str):
+    if isinstance(try_to_load_from_cache(name_or_path, needs), str):
         return
     if HF_HUB_OFFLINE:
-        raise ModelError(f"model.name_or_path={name_or_path!r} is not in the local Hugging Face cache and "
+        raise ModelError(f"{key}={name_or_path!r} is not in the local Hugging Face cache and "
                          "HF_HUB_OFFLINE is set; download it first or pass a local directory")
     try:
         HfApi().model_info(name_or_path, timeout=10)
     except Exception as error:  # no network, unknown id, gated repo: each says so in its own words
-        raise ModelError(f"model.name_or_path={name_or_path!r}: not in the local cache and the Hub cannot provide it "
+        raise ModelError(f"{key}={name_or_path!r}: not in the local cache and the Hub cannot provide it "
                          f"({type(error).__name__}: {str(error).splitlines()[0][:160]}); pass a local directory "
                          "or check the id, your network and your token") from None

@@ -85,6 +85,8 @@ def coerce_value(value: Any, ann: Any) -> Any:
             return value
         raise TypeError(value)
     if isinstance(ann, type) and issubclass(ann, enum.Enum):
+        if value is False and "no" in {member.value for member in ann}:
+            value = "no"  # YAML 1.1 reads an unquoted no (save_strategy: no) as false
         return ann(value).value if not isinstance(value, ann) else value.value
     if origin in (list, tuple, set, typing.Sequence) or ann in (list, tuple, set):
         if not isinstance(value, (list, tuple)):

@@ -63,6 +63,8 @@ class ModelSection:
     """Weights dtype: float32 | bfloat16 | float16 | auto."""
     attn_implementation: str | None = None
     """e.g. sdpa, eager, flash_attention_2 (None: transformers' default)."""
+    tokenizer: str | None = None
+    """Hub id or local path of the tokenizer, when ``name_or_path`` has none (None: the model's own)."""
     chat_template: str | None = None
     """Jinja chat template when the tokenizer has none (or to replace it)."""
     trust_remote_code: bool = False
@@ -293,7 +295,7 @@ def _construct(section: str, cls, values: dict[str, Any]):
     except ConfigError:
         raise
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{section}: {exc}") from exc
+        raise ConfigError(f"{section}: {' '.join(str(exc).split())}") from exc
 
 # ----------------------------------------------------------------------------------------------
 # The saved copy

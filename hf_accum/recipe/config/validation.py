@@ -46,6 +46,8 @@ def resolve(
     _check_sections(config)
     if config.lora is not None:
         config.lora_config()  # peft's own checks (e.g. bias, init options)
+    _check_step_intervals(config)
+    _check_training_objects(config)
     return config
 
 
@@ -157,3 +159,96 @@ def load_recipe_config(argv: Sequence[str], engines: Sequence[str]) -> RecipeCon
     name = os.path.splitext(os.path.basename(path))[0] if path else "cpu_default"
     return resolve(load_config(path, overrides), engines, default_output_dir=os.path.join("outputs", name))
 
+
+
+# How often each periodic action runs: (strategy key, interval key).
+STEP_INTERVALS = (("save_strategy", "save_steps"), ("eval_strategy", "eval_steps"), ("logging_strategy", "logging_steps"))
+
+
+def _check_step_intervals(config: RecipeConfig) -> None:
+    """``save_steps`` / ``eval_steps`` / ``logging_steps`` must be a positive number of updates (or a
+    fraction of them, below 1) where their strategy is ``steps``: 0 would divide by zero in the loop and
+    be ignored silently by Trainer, in either engine."""
+    t = config.training
+    for strategy_key, steps_key in STEP_INTERVALS:
+        strategy = str(t.get(strategy_key, "no" if strategy_key == "eval_strategy" else "steps"))
+        steps = t.get(steps_key)
+        if strategy.rsplit(".", 1)[-1].lower() != "steps" or steps is None or steps > 0:
+            continue
+        raise ConfigError(
+            f"training.{steps_key}={steps:g} ({config.source('training.' + steps_key)}) with training.{strategy_key}="
+            f"steps: use a number of updates >= 1 (or a fraction of the planned updates, between 0 and 1), or set "
+            f"training.{strategy_key}=no"
+        )
+
+
+# What the recipe changes when it builds TrainingArguments (see recipes/finetune_llama.py); DeepSpeed's
+# config is checked by the launch policy, and building it here would switch ZeRO-3 on for this process.
+TRAINING_ARGUMENT_CHANGES = {"activation_checkpointing": False, "gradient_checkpointing": None,
+                             "resume_from_checkpoint": None, "deepspeed": None}
+
+
+def _check_training_objects(config: RecipeConfig) -> None:
+    """Build ``TrainingArguments``, the engine's optimizer (on an empty parameter) and its scheduler from
+    the config now, so that their own checks run before any model loads, as one-line errors naming the
+    keys they concern and where those were set."""
+    args = _built(config, "TrainingArguments", lambda: config.training_arguments(**TRAINING_ARGUMENT_CHANGES))
+    if config.engine == "loop":
+        from hf_accum.loop import LoopConfig
+
+        _built(config, "the loop's LoopConfig", lambda: LoopConfig.from_training_arguments(args))
+    optimizer = _built(config, "the optimizer", lambda: _empty_optimizer(config.engine, args))
+    scheduler = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
+    _built(config, f"the {scheduler} scheduler", lambda: _scheduler(args, optimizer))
+
+
+def _empty_optimizer(engine: str, args):
+    """The optimizer the engine will build, over one empty parameter: the loop's AdamW (as the recipe
+    builds it), or the one Trainer picks from ``training.optim``."""
+    import torch
+
+    parameter = [torch.nn.Parameter(torch.zeros(0))]
+    if engine == "loop":
+        return torch.optim.AdamW(parameter, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                                 eps=args.adam_epsilon, weight_decay=args.weight_decay)
+    from transformers import Trainer
+
+    optimizer_class, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
+    return optimizer_class(parameter, **kwargs)
+
+
+def _scheduler(args, optimizer):
+    from transformers import get_scheduler
+
+    return get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=1, num_training_steps=10,
+                         scheduler_specific_kwargs=args.lr_scheduler_kwargs or None)
+
+
+def _built(config: RecipeConfig, what: str, build):
+    """``build()``, its own refusal (TypeError/ValueError) as a one-line ConfigError naming the keys it
+    mentions and their sources."""
+    try:
+        return build()
+    except (TypeError, ValueError) as exc:  # a ConfigError from Section.build too: "training: <its message>"
+        detail = " ".join(str(exc).split())
+        if detail.startswith("training: "):
+            detail = detail[len("training: "):]
+        raise ConfigError(f"{what} refuses the training section: {detail}{_named_keys(config, detail)}") from exc
+
+
+# How torch's optimizers name the training keys in their messages.
+MESSAGE_NAMES = {"adam_beta1": "beta parameter at index 0", "adam_beta2": "beta parameter at index 1",
+                 "adam_epsilon": "epsilon", "learning_rate": "learning rate"}
+
+
+def _named_keys(config: RecipeConfig, detail: str) -> str:
+    """`` [training.adam_beta1=1.5 (command line)]`` for the training keys an HF/torch message concerns."""
+    named = [f"training.{key}={value!r} ({config.source('training.' + key)})"
+             for key, value in config.training.items() if _mentions(detail, key, value)]
+    return f" [{'; '.join(named)}]" if named else " [a value of the training section]"
+
+
+def _mentions(detail: str, key: str, value) -> bool:
+    names = (key, MESSAGE_NAMES.get(key), *(value if isinstance(value, dict) else ()))
+    quoted_value = isinstance(value, str) and len(value) > 2 and value in detail  # e.g. "adamw_nope is not a valid"
+    return quoted_value or any(name and str(name) in detail for name in names)

@@ -115,7 +115,8 @@ def load_tokenizer_and_data(model, data) -> tuple[Any, RecipeData]:
     corpus = None
     if model.name_or_path == TINY_MODEL and data.dataset != EMBEDDED_DATASET:
         corpus = [text for example in (*splits.train, *splits.held_out) for text in example.texts()]
-    tokenizer = modeling.load_tokenizer(model.name_or_path, model.chat_template, model.trust_remote_code, corpus=corpus)
+    source = model.tokenizer or model.name_or_path
+    tokenizer = modeling.load_tokenizer(source, model.chat_template, model.trust_remote_code, corpus=corpus)
     train = encode_examples(tokenizer, splits.train, data.max_length)
     if not train.examples:
         raise DataError(
