@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -58,7 +59,8 @@ def _is_dynamic_import(node: ast.Call) -> bool:
     func = node.func
     called = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
     first = node.args[0] if node.args else None
-    return called in ("import_module", "__import__") and isinstance(first, ast.Constant) and isinstance(first.value, str)
+    literal = isinstance(first, ast.Constant) and isinstance(first.value, str)
+    return called in ("import_module", "__import__") and literal
 
 
 def kit_imports(relative: str, source: str) -> list[str]:
@@ -101,7 +103,8 @@ def test_the_walk_finds_every_kind_of_import_of_the_kit(source):
 
 
 def test_the_walk_passes_library_imports():
-    assert kit_imports("hf_accum/loop_probe.py", "from hf_accum.loss import token_loss_sum\nfrom . import schedule\n") == []
+    library_only = "from hf_accum.loss import token_loss_sum\nfrom . import schedule\n"
+    assert kit_imports("hf_accum/loop_probe.py", library_only) == []
 
 
 def test_a_front_door_may_import_the_kit_only_inside_a_function():
@@ -127,12 +130,20 @@ def test_the_packaged_default_config_is_the_recipes_yaml():
 
 @pytest.mark.slow
 def test_a_built_wheel_carries_the_default_config(tmp_path):
-    """A non-editable install gets a copy of recipes/configs/cpu_default.yaml inside hf_accum/recipe/."""
+    """A non-editable install gets a copy of recipes/configs/cpu_default.yaml inside hf_accum/recipe/
+    (built from a copy of the sources: setuptools writes build/ beside them)."""
+    source = tmp_path / "source"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(ROOT / "hf_accum", source / "hf_accum", symlinks=True, ignore=ignore)
+    shutil.copytree(ROOT / "recipes" / "configs", source / "recipes" / "configs")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "dist"),
+         str(source)],
         check=True, capture_output=True, timeout=600,
     )
-    (wheel,) = tmp_path.glob("hf_accum-*.whl")
+    (wheel,) = (tmp_path / "dist").glob("hf_accum-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         shipped = archive.read("hf_accum/recipe/cpu_default.yaml")
     assert shipped == (ROOT / "recipes" / "configs" / "cpu_default.yaml").read_bytes()

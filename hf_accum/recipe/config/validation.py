@@ -162,7 +162,9 @@ def load_recipe_config(argv: Sequence[str], engines: Sequence[str]) -> RecipeCon
 
 
 # How often each periodic action runs: (strategy key, interval key).
-STEP_INTERVALS = (("save_strategy", "save_steps"), ("eval_strategy", "eval_steps"), ("logging_strategy", "logging_steps"))
+STEP_INTERVALS = (
+    ("save_strategy", "save_steps"), ("eval_strategy", "eval_steps"), ("logging_strategy", "logging_steps"),
+)
 
 
 def _check_step_intervals(config: RecipeConfig) -> None:

@@ -43,8 +43,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hf_accum.recipe.data.encoding import EncodedSplit, encode_examples, prompt_ids, render
-from hf_accum.recipe.data.formats import FORMATS, Example, RowFormat, resolve_format, to_example, to_examples
+from hf_accum.recipe import embedded, modeling
+from hf_accum.recipe.data.encoding import (
+    EncodedSplit,
+    encode_examples,
+    prompt_ids,
+    render,
+)
+from hf_accum.recipe.data.formats import (
+    FORMATS,
+    Example,
+    RowFormat,
+    resolve_format,
+    to_example,
+    to_examples,
+)
 from hf_accum.recipe.data.metric import exact_match, normalize_answer
 from hf_accum.recipe.data.reading import (
     DataError,
@@ -55,7 +68,6 @@ from hf_accum.recipe.data.reading import (
     refuse_url,
 )
 from hf_accum.recipe.data.splits import Splits, check_split_spec, load_splits
-from hf_accum.recipe import embedded, modeling
 from hf_accum.recipe.embedded import EMBEDDED_DATASET, SPECIAL_TOKENS, TINY_MODEL
 
 __all__ = [

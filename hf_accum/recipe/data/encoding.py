@@ -14,6 +14,7 @@ from hf_accum.loss import IGNORE_INDEX
 from hf_accum.recipe.data.formats import Example
 from hf_accum.recipe.data.reading import DataError
 
+
 def render(tokenizer, messages: Sequence[dict[str, str]], generation_prompt: bool = False) -> list[int]:
     """Token ids of ``messages`` through the tokenizer's chat template."""
     ids = tokenizer.apply_chat_template(
