@@ -531,3 +531,27 @@ def test_the_recipe_refuses_a_model_directory_without_weights_before_loading(tmp
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"error: model.name_or_path={path!r}: the directory holds no weights" in proc.stderr
     assert "Traceback" not in proc.stderr and not out.exists()
+
+
+def test_the_recipe_refuses_a_url_as_data_dataset_before_loading(tmp_path):
+    proc, out = run_recipe(tmp_path, "data.dataset=https://example.com/train.jsonl")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "data.dataset='https://example.com/train.jsonl': URLs are not read" in errors[0]
+    assert "save_to_disk" in errors[0] and not out.exists()
+
+
+def test_every_recipe_kit_error_is_an_input_error_and_run_cli_catches_that_class(capsys):
+    from hf_accum.errors import EXIT_BAD_INPUT, InputError
+    from hf_accum.recipe.data import DataError
+    from hf_accum.recipe.launch import LaunchError
+    from hf_accum.recipe.modeling import ModelError
+
+    kinds = (recipe_config.ConfigError, DataError, ModelError, LaunchError, run_outputs.OutputDirError)
+    assert all(issubclass(kind, InputError) for kind in kinds)
+    for kind in kinds:
+        def fail(argv, kind=kind):
+            raise kind(f"{kind.__name__} says no")
+
+        assert run_outputs.run_cli(fail, argv=[]) == EXIT_BAD_INPUT
+        assert capsys.readouterr().err == f"error: {kind.__name__} says no\n"
