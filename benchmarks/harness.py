@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from hf_accum.batching import PaddingCollator
-from hf_accum.modeling import tiny_llama_config
+from hf_accum.tiny import tiny_llama_config
 from hf_accum.testing import (
     Scenario, fresh_accelerator, loop_config, random_rows, reset_accelerate_state, training_args,
 )
@@ -51,7 +51,7 @@ PER_UPDATE_SETTINGS = dict(lr=1e-4, scheduler="linear", max_grad_norm=1.0)
 
 
 def bench_llama(vocab_size: int = BENCH_VOCAB, dtype: torch.dtype = torch.float32, seed: int = 0, **shape):
-    """A randomly initialised Llama of the tiny shape (:func:`hf_accum.modeling.tiny_llama_config`),
+    """A randomly initialised Llama of the tiny shape (:func:`hf_accum.tiny.tiny_llama_config`),
     ``shape`` on top; the same seed gives the same weights."""
     from transformers import LlamaForCausalLM
 

@@ -57,7 +57,7 @@ def _model(args):
     import torch
     from transformers import LlamaForCausalLM
 
-    from hf_accum.modeling import tiny_llama_config
+    from hf_accum.tiny import tiny_llama_config
 
     torch.manual_seed(args.seed)
     config = tiny_llama_config(

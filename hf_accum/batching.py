@@ -1,7 +1,7 @@
 """Collators for causal-LM fine-tuning: right padding, and padding-free packing.
 
 Examples carry ``input_ids`` and ``labels`` with -100 wherever nothing is to be predicted (the
-Hugging Face convention, what :func:`hf_accum.data.encode_examples` produces): the masking travels
+Hugging Face convention, what :func:`hf_accum.recipe.data.encode_examples` produces): the masking travels
 with the example, so it survives ``Trainer(remove_unused_columns=True)`` and any collator. The
 older ``prompt_length`` key (mask the first ``prompt_length`` labels) is still honoured.
 

@@ -86,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
 def _run_plan(args: argparse.Namespace) -> int:
     processes = _num_processes(args)
     if args.auto:
-        from hf_accum.plan_auto import run_auto_plan  # model building: heavy imports only here
+        from hf_accum.recipe.plan_auto import run_auto_plan  # model building: heavy imports only here
 
         return run_auto_plan(args, processes)
     if args.memory_budget or args.max_length or args.model:
@@ -109,7 +109,7 @@ def _explicit_plan(args: argparse.Namespace, processes: int) -> BatchPlan:
 def _recipe_plan(args: argparse.Namespace, processes: int) -> BatchPlan:
     """The recipe's batch arithmetic on ``processes``: its micro-batch, and its accumulation derived from
     ``global_batch_size`` (or given as ``training.gradient_accumulation_steps``)."""
-    from hf_accum import config as C
+    from hf_accum.recipe import config as C
 
     if args.global_batch_size is not None or args.micro_batch_size is not None:
         raise ValueError("--config takes the batch sizes from the recipe config; override them there "

@@ -11,7 +11,7 @@ and after. Outputs (adapter, resolved config, metrics JSON, loss/LR plot) go to 
 
 This file is the training, top to bottom: config -> tokenizer and data -> model -> one of two
 engines (the table ENGINES below) -> evaluation -> outputs. Copy it to make your own recipe; the
-helpers it calls (config, data, modeling, outputs) stay in the hf_accum package.
+helpers it calls stay in the recipe kit, hf_accum.recipe (config, data, modeling, launch, outputs).
 """
 
 import time
@@ -24,17 +24,21 @@ from accelerate import Accelerator  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from hf_accum import AccumTrainer, LoopConfig, train  # noqa: E402
-from hf_accum import distributed  # noqa: E402
 from hf_accum.batching import PackingCollator, PaddingCollator  # noqa: E402
 from hf_accum.checkpoint import (  # noqa: E402
     ResumeMismatchError, check_resume_engine, check_resume_plan, resolve_resume_checkpoint,
 )
 from hf_accum.control import NonFiniteLossError, TrainingStopped  # noqa: E402
-from hf_accum.config import ConfigError, load_recipe_config  # noqa: E402
-from hf_accum.data import DataError, exact_match, load_tokenizer_and_data  # noqa: E402
-from hf_accum.modeling import ModelError, build_model, trainable_summary  # noqa: E402
+from hf_accum.distributed import is_partitioned  # noqa: E402
+from hf_accum.errors import InputError  # noqa: E402
 from hf_accum.schedule import BatchPlan  # noqa: E402
-from hf_accum.outputs import (  # noqa: E402
+from hf_accum.recipe.config import ConfigError, load_recipe_config  # noqa: E402
+from hf_accum.recipe.data import exact_match, load_tokenizer_and_data  # noqa: E402
+from hf_accum.recipe.launch import (  # noqa: E402
+    check_engine, check_launch, check_offload_optimizer, loop_accelerator, start_process_group,
+)
+from hf_accum.recipe.modeling import build_model, trainable_summary  # noqa: E402
+from hf_accum.recipe.outputs import (  # noqa: E402
     RunRecord, barrier, check_output_dir, claim_output_dir, describe_trainable, leave_process_group, percent,
     quiet_third_party_warnings, run_cli, save_outputs, say,
 )
@@ -52,7 +56,7 @@ def train_with_loop(model, tokenizer, data, collator, args, record, resume, laun
     (under DeepSpeed: the window counted first, the loss scaled before backward)."""
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
     if launch.backend == "deepspeed":  # Accelerate on CPU would drop DeepSpeed with cpu=True: built for it
-        accelerator = distributed.loop_accelerator(
+        accelerator = loop_accelerator(
             launch, args.gradient_accumulation_steps, args.max_grad_norm, precision, args.use_cpu
         )
     else:
@@ -60,7 +64,7 @@ def train_with_loop(model, tokenizer, data, collator, args, record, resume, laun
             gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision=precision,
             cpu=args.use_cpu, log_with=args.report_to or None, project_dir=args.output_dir,  # report_to: trackers
         )
-        distributed.check_engine(accelerator, launch)  # every process the launcher started, no fewer
+        check_engine(accelerator, launch)  # every process the launcher started, no fewer
     shuffle = torch.Generator().manual_seed(args.data_seed if args.data_seed is not None else args.seed)
     loader = DataLoader(
         data.train.examples, batch_size=args.per_device_train_batch_size, shuffle=True, generator=shuffle,
@@ -73,7 +77,7 @@ def train_with_loop(model, tokenizer, data, collator, args, record, resume, laun
         [p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
         betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, weight_decay=args.weight_decay,
     )
-    distributed.check_offload_optimizer(optimizer, launch)
+    check_offload_optimizer(optimizer, launch)
     # Not the scheduler: the loop builds it over the planned number of *updates*.
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     accelerator.init_trackers(args.run_name or "hf_accum", config=record.config.to_flat_dict())
@@ -100,7 +104,7 @@ def train_with_trainer(model, tokenizer, data, collator, args, record, resume, l
         model=model, args=args, train_dataset=data.train.examples, data_collator=collator, processing_class=tokenizer,
         eval_dataset=data.held_out.examples if data.held_out else None,
     )
-    distributed.check_engine(trainer.accelerator, launch)  # what was asked is what runs (DeepSpeed, processes)
+    check_engine(trainer.accelerator, launch)  # what was asked is what runs (DeepSpeed, processes)
     trainer.train(resume_from_checkpoint=resume)
     record.updates = [asdict(update) for update in trainer.updates]  # a resumed run's include the earlier ones
     barrier()
@@ -128,7 +132,7 @@ def evaluate(model, tokenizer, data, config, args):
     parameters in every forward, so every rank generates the same answers in step (synced_gpus);
     before training, a model partitioned at load (trainer engine) has no DeepSpeed hooks yet to
     gather with, and is not scored."""
-    partitioned = distributed.is_partitioned(model)
+    partitioned = is_partitioned(model)
     hooked = partitioned and hasattr(model, "ds_id")  # DeepSpeed numbers the modules it hooks
     if not data.eval_rows or (partitioned and not hooked) or (not partitioned and args.process_index != 0):
         return None
@@ -149,7 +153,7 @@ def data_facts(data) -> dict:
 def main(argv):
     # 1. Config: built-in defaults < YAML < command line; typed and validated, nothing loaded yet.
     config = load_recipe_config(argv, engines=ENGINES)
-    launch = distributed.check_launch(config.training)  # no silent fallback (FSDP on CPU, fewer processes...)
+    launch = check_launch(config.training)  # no silent fallback (FSDP on CPU, fewer processes...)
     resume = config.training.get("resume_from_checkpoint")
     if check_output_dir(config, resume=bool(resume)) == "fresh" and resume is True:
         say("note: training.resume_from_checkpoint=true but no checkpoint exists yet: starting from scratch")
@@ -163,7 +167,7 @@ def main(argv):
     args = config.training_arguments(activation_checkpointing=False, gradient_checkpointing=None,
                                      resume_from_checkpoint=None,
                                      deepspeed=config.training.get("deepspeed") if config.engine == "trainer" else None)
-    distributed.start_process_group(args, launch)  # before any model load (a quantized one, ZeRO-3's zero.Init)
+    start_process_group(args, launch)  # before any model load (a quantized one, ZeRO-3's zero.Init)
     train_engine, honoured = ENGINES[config.engine]
     if resume:  # another micro-batch, accumulation or world size would misplace the data position
         check_resume_engine(resume, deepspeed=launch.backend == "deepspeed")  # DeepSpeed's files, or ours
@@ -197,7 +201,7 @@ def main(argv):
     # 4. Held-out metric, training with exact accumulation, the metric again.
     before = evaluate(model, tokenizer, data, config, args)
     why = " (ZeRO-3 partitioned the model as it loaded: scored after training)" if (
-        before is None and data.eval_rows and distributed.is_partitioned(model)) else ""
+        before is None and data.eval_rows and is_partitioned(model)) else ""
     say(f"held-out exact match before training: {percent(before)}{why}")
     claim_output_dir(config)  # from here on, the directory is this run's (a re-run may resume it)
     train_start = time.time()
@@ -221,5 +225,5 @@ def main(argv):
 
 if __name__ == "__main__":
     quiet_third_party_warnings()
-    bad_input = (ConfigError, DataError, ModelError, distributed.LaunchError, ResumeMismatchError)
+    bad_input = (InputError, ResumeMismatchError)  # every recipe-kit error is an InputError
     raise SystemExit(run_cli(main, bad_input=bad_input, stopped=(TrainingStopped, NonFiniteLossError)))

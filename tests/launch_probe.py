@@ -1,10 +1,10 @@
-"""A script for launcher tests: runs hf_accum.distributed.check_launch on the training section given as
+"""A script for launcher tests: runs hf_accum.recipe.launch.check_launch on the training section given as
 JSON in argv[1], as the recipe does before loading a model; exit 2 with the message on a LaunchError."""
 
 import json
 import sys
 
-from hf_accum.distributed import LaunchError, check_launch
+from hf_accum.recipe.launch import LaunchError, check_launch
 
 print("probe started", flush=True)
 try:

@@ -12,8 +12,8 @@ import pytest
 import torch
 import yaml
 
-from hf_accum import config as recipe_config
-from hf_accum import outputs as run_outputs
+from hf_accum.recipe import config as recipe_config
+from hf_accum.recipe import outputs as run_outputs
 
 ENGINES = ("loop", "trainer")  # the recipe's engine table (recipes/finetune_llama.py ENGINES)
 
@@ -226,7 +226,7 @@ def test_bf16_without_support_is_refused(tmp_path):
 
 
 def test_qlora_without_bitsandbytes_is_refused(monkeypatch, tmp_path):
-    from hf_accum import modeling
+    from hf_accum.recipe import modeling
 
     monkeypatch.setattr(modeling, "bnb_available", lambda: False)
     with pytest.raises(recipe_config.ConfigError, match="needs bitsandbytes"):
@@ -350,7 +350,7 @@ def test_recipes_ship_the_expected_files():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
 def test_every_recipe_config_loads_and_validates(path, tmp_path, monkeypatch):
-    from hf_accum import modeling
+    from hf_accum.recipe import modeling
 
     # The 8B configs name a Hub model; nothing can be fetched here, so its source check is skipped.
     monkeypatch.setattr(modeling, "check_model_source", lambda name: None)
@@ -421,3 +421,137 @@ def test_every_accelerate_launcher_config_loads(path):
         assert config.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"
     if machines > 1:
         assert config.main_process_port and config.main_process_ip
+
+
+# -- every value checked before any model loads: the HF and torch objects built up front ----------
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["training.save_steps=0"], "training.save_steps=0 (command line) with training.save_strategy=steps: use a number"),
+        (["training.save_steps=-5"], "training.save_steps=-5 (command line) with training.save_strategy=steps"),
+        (["training.eval_strategy=steps", "training.eval_steps=0"], "training.eval_steps=0 (command line) with "
+         "training.eval_strategy=steps"),
+        (["training.logging_steps=0"], "training.logging_steps=0 (command line) with training.logging_strategy=steps"),
+        (["training.adam_beta1=1.5"], "refuses the training section: Invalid beta parameter at index 0: 1.5 "
+         "[training.adam_beta1=1.5 (command line)]"),
+        (["training.adam_epsilon=-1"], "Invalid epsilon value: -1.0 [training.adam_epsilon=-1.0 (command line)]"),
+        (["training.learning_rate=-0.1"], "Invalid learning rate: -0.1 [training.learning_rate=-0.1 (command line)]"),
+        (["training.lr_scheduler_kwargs={bogus: 1}"], "the cosine scheduler refuses the training section: "
+         "get_cosine_schedule_with_warmup() got an unexpected keyword argument 'bogus' [training.lr_scheduler_type="
+         "'cosine' (embedded default (recipes/configs/cpu_default.yaml)); training.lr_scheduler_kwargs={'bogus': 1} "
+         "(command line)]"),
+        (["training.warmup_steps=-1"], "TrainingArguments refuses the training section: Got warmup_steps = -1.0, "
+         "Expected value warmup_steps >= 0 [training.warmup_steps=-1.0 (command line)]"),
+        (["training.optim=adamw_nope"], "adamw_nope is not a valid OptimizerNames"),
+    ],
+)
+def test_values_the_training_objects_refuse_are_found_before_loading(engine, argv, message, tmp_path):
+    with pytest.raises(recipe_config.ConfigError) as caught:
+        resolved([f"engine={engine}", *argv], tmp_path=tmp_path)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_intervals_are_free_where_their_strategy_does_not_use_them(tmp_path):
+    config = resolved(["training.save_strategy=no", "training.save_steps=0", "training.eval_steps=0"], tmp_path=tmp_path)
+    assert config.training["save_steps"] == 0
+
+
+def make_model_dir(path, weights=True, tokenizer=True):
+    from hf_accum.recipe.embedded import build_tiny_llama, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    model = build_tiny_llama(tok)
+    model.config.save_pretrained(path)
+    if weights:
+        model.save_pretrained(path)
+    if tokenizer:
+        tok.save_pretrained(path)
+    return str(path)
+
+
+def test_a_model_directory_needs_weights(tmp_path):
+    path = make_model_dir(tmp_path / "m", weights=False)
+    with pytest.raises(recipe_config.ConfigError, match=r"model.name_or_path='.*/m': the directory holds no weights "
+                                                        r"\(\*.safetensors"):
+        resolved([f"model.name_or_path={path}"], tmp_path=tmp_path)
+
+
+def test_a_model_directory_needs_a_tokenizer_or_a_tokenizer_source(tmp_path):
+    path = make_model_dir(tmp_path / "m", tokenizer=False)
+    with pytest.raises(recipe_config.ConfigError, match="holds no tokenizer files .* set model.tokenizer"):
+        resolved([f"model.name_or_path={path}"], tmp_path=tmp_path)
+    tokenizer_dir = make_model_dir(tmp_path / "t", weights=False)
+    config = resolved([f"model.name_or_path={path}", f"model.tokenizer={tokenizer_dir}"], tmp_path=tmp_path)
+    assert config.model.tokenizer == tokenizer_dir
+    with pytest.raises(recipe_config.ConfigError, match="model.tokenizer='.*/nowhere': no such directory"):
+        resolved([f"model.name_or_path={path}", f"model.tokenizer={tmp_path / 'nowhere'}"], tmp_path=tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(recipe_config.ConfigError, match="model.tokenizer=.*holds no tokenizer files"):
+        resolved([f"model.name_or_path={path}", f"model.tokenizer={empty}"], tmp_path=tmp_path)
+
+
+def test_a_complete_model_directory_passes(tmp_path):
+    path = make_model_dir(tmp_path / "m")
+    assert resolved([f"model.name_or_path={path}"], tmp_path=tmp_path).model.name_or_path == path
+
+
+# -- the same, as a user runs it: the recipe exits 2 with one line, before loading or writing anything
+
+
+def run_recipe(tmp_path, *overrides):
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "finetune_llama.py"),
+                           f"training.output_dir={out}", *overrides], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    return proc, out
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_recipe_refuses_save_steps_0_before_loading_in_both_engines(engine, tmp_path):
+    proc, out = run_recipe(tmp_path, f"engine={engine}", "training.save_steps=0")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: training.save_steps=0 (command line) with training.save_strategy=steps: use a number of "
+                      "updates >= 1 (or a fraction of the planned updates, between 0 and 1), or set "
+                      "training.save_strategy=no"]
+    assert "Traceback" not in proc.stderr and "held-out exact match" not in proc.stdout and not out.exists()
+
+
+def test_the_recipe_refuses_a_model_directory_without_weights_before_loading(tmp_path):
+    path = make_model_dir(tmp_path / "m", weights=False)
+    proc, out = run_recipe(tmp_path, f"model.name_or_path={path}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"error: model.name_or_path={path!r}: the directory holds no weights" in proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists()
+
+
+def test_the_recipe_refuses_a_url_as_data_dataset_before_loading(tmp_path):
+    proc, out = run_recipe(tmp_path, "data.dataset=https://example.com/train.jsonl")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "data.dataset='https://example.com/train.jsonl': URLs are not read" in errors[0]
+    assert "save_to_disk" in errors[0] and not out.exists()
+
+
+def test_every_recipe_kit_error_is_an_input_error_and_run_cli_catches_that_class(capsys):
+    from hf_accum.errors import EXIT_BAD_INPUT, InputError
+    from hf_accum.recipe.data import DataError
+    from hf_accum.recipe.launch import LaunchError
+    from hf_accum.recipe.modeling import ModelError
+
+    kinds = (recipe_config.ConfigError, DataError, ModelError, LaunchError, run_outputs.OutputDirError)
+    assert all(issubclass(kind, InputError) for kind in kinds)
+    for kind in kinds:
+        def fail(argv, kind=kind):
+            raise kind(f"{kind.__name__} says no")
+
+        assert run_outputs.run_cli(fail, argv=[]) == EXIT_BAD_INPUT
+        assert capsys.readouterr().err == f"error: {kind.__name__} says no\n"

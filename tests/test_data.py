@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
 import torch
 
-from hf_accum import config as recipe_config
-from hf_accum import data as data_module
-from hf_accum import modeling
+from hf_accum.recipe import config as recipe_config
+from hf_accum.recipe import data as data_module
+from hf_accum import tiny
+from hf_accum.recipe import embedded, modeling
 from hf_accum.batching import PackingCollator, PaddingCollator
 from hf_accum.loss import IGNORE_INDEX, count_targets
 
@@ -300,10 +302,10 @@ def test_tiny_tokenizer_is_built_from_the_users_data():
 
 def test_words_beyond_the_vocabulary_limit_are_counted_as_unk(monkeypatch):
     rows = read_jsonl(sample("text.jsonl"))
-    all_words = [w for row in rows for w in modeling._word_splitter().pre_tokenize_str(row["text"])]
-    monkeypatch.setattr(modeling, "TINY_VOCAB_LIMIT", 10)
+    all_words = [w for row in rows for w in tiny.word_splitter().pre_tokenize_str(row["text"])]
+    monkeypatch.setattr(embedded, "TINY_VOCAB_LIMIT", 10)
     tokenizer, data = data_module.load_tokenizer_and_data(recipe_config.ModelSection(), section(sample("text.jsonl")))
-    kept = set(modeling.tiny_vocabulary((row["text"] for row in rows), limit=10))
+    kept = set(embedded.tiny_vocabulary((row["text"] for row in rows), limit=10))
     outside = sum(word not in kept for word, _ in all_words)
     assert len(kept) == 10 and outside > 0
     assert data.train.unknown == outside
@@ -311,7 +313,7 @@ def test_words_beyond_the_vocabulary_limit_are_counted_as_unk(monkeypatch):
 
 
 def test_vocabulary_counts_words_by_frequency_and_skips_special_tokens():
-    vocabulary = modeling.tiny_vocabulary(["b a b", "c <|end|> b a.", "d"], limit=3)
+    vocabulary = embedded.tiny_vocabulary(["b a b", "c <|end|> b a.", "d"], limit=3)
     assert vocabulary == ["b", "a", "c"]
 
 
@@ -319,12 +321,12 @@ def test_vocabulary_counts_words_by_frequency_and_skips_special_tokens():
 
 
 def test_embedded_dataset_is_deterministic_and_held_out_is_unseen():
-    a, b = data_module.synthetic_splits(400, 60, seed=3), data_module.synthetic_splits(400, 60, seed=3)
+    a, b = embedded.synthetic_splits(400, 60, seed=3), embedded.synthetic_splits(400, 60, seed=3)
     assert a == b
-    assert a != data_module.synthetic_splits(400, 60, seed=4)
+    assert a != embedded.synthetic_splits(400, 60, seed=4)
     train = {(r["prompt"], r["answer"]) for r in a["train"]}
     assert not any((r["prompt"], r["answer"]) in train for r in a["test"])
-    assert {r["task"] for r in a["test"]} == set(data_module.TASKS)
+    assert {r["task"] for r in a["test"]} == set(embedded.TASKS)
 
 
 def test_embedded_dataset_needs_no_eval_split_setting_and_refuses_unknown_ones():
@@ -338,7 +340,7 @@ def test_embedded_dataset_needs_no_eval_split_setting_and_refuses_unknown_ones()
 
 def test_embedded_lengths_vary_strongly(tokenizer):
     fmt = data_module.RowFormat("prompt_completion", {"prompt": "prompt", "answer": "answer"})
-    encoded = data_module.encode_examples(tokenizer, [data_module.to_example(r, fmt) for r in data_module.synthetic_rows(400, seed=0)], 256).examples
+    encoded = data_module.encode_examples(tokenizer, [data_module.to_example(r, fmt) for r in embedded.synthetic_rows(400, seed=0)], 256).examples
     answers = [len(target_tokens(tokenizer, e)[0]) for e in encoded]
     prompts_ = [first_target(e) for e in encoded]
     assert max(answers) >= 5 * min(answers)
@@ -346,7 +348,7 @@ def test_embedded_lengths_vary_strongly(tokenizer):
 
 
 def test_tokenizer_round_trips_the_embedded_data(tokenizer):
-    for row in data_module.synthetic_rows(40, seed=1):
+    for row in embedded.synthetic_rows(40, seed=1):
         ids = tokenizer(row["answer"], add_special_tokens=False)["input_ids"]
         assert tokenizer.unk_token_id not in ids
         assert tokenizer.decode(ids) == row["answer"]
@@ -379,7 +381,7 @@ def test_exact_match_scores_generated_answers(tokenizer):
     assert perfect["exact_match"] == 1.0 and perfect["examples"] == 12
     half = data_module.exact_match(OracleModel(tokenizer, examples, wrong_every=2), tokenizer, examples, batch_size=5)
     assert half["exact_match"] == pytest.approx(0.5)
-    assert set(half["per_task"]) == set(data_module.TASKS)
+    assert set(half["per_task"]) == set(embedded.TASKS)
 
 
 def test_exact_match_compares_answers_as_the_tokenizer_spells_them():
@@ -393,3 +395,102 @@ def test_untrained_tiny_model_scores_near_zero(tokenizer):
     examples = data_module.load_splits(recipe_config.DataSection(num_train_examples=4, num_eval_examples=40)).held_out
     model = modeling.load_model(modeling.TINY_MODEL, tokenizer, seed=0)
     assert data_module.exact_match(model, tokenizer, examples, max_new_tokens=8)["exact_match"] <= 0.05
+
+
+# -- the data people have: ShareGPT, question/answer, save_to_disk directories, each from data.dataset alone
+
+
+def conversation_rows(n: int, sharegpt: bool) -> list[dict]:
+    """Rows whose user turns carry a unique word ``q<i>`` (to find an example's row after the carve-out)."""
+    rows = []
+    for i in range(n):
+        turns = [("system", "be brief"), ("user", f"q{i} first ask"), ("assistant", f"answer {i} one"),
+                 ("user", f"q{i} again"), ("assistant", f"answer {i} two")]
+        if sharegpt:
+            speakers = {"system": "system", "user": "human" if i % 2 else "user", "assistant": "gpt" if i % 2 else "assistant"}
+            rows.append({"conversations": [{"from": speakers[r], "value": c} for r, c in turns]})
+        else:
+            rows.append({"messages": [{"role": r, "content": c} for r, c in turns]})
+    return rows
+
+
+def row_of(tokenizer, example: dict) -> int:
+    marks = [t for t in tokenizer.convert_ids_to_tokens(example["input_ids"]) if re.fullmatch(r"q\d+", t)]
+    return int(marks[0][1:])
+
+
+def assert_targets_are_the_answers(tokenizer, data, answers_of_row) -> None:
+    """labels are -100 exactly outside the assistant's answers (each answer's words and its end of turn)."""
+    assert data.train.examples
+    for example in data.train.examples:
+        expected = [words(tokenizer, answer) + [END] for answer in answers_of_row(row_of(tokenizer, example))]
+        assert target_tokens(tokenizer, example) == expected
+
+
+def test_sharegpt_conversations_train_on_the_gpt_turns_from_data_dataset_alone(tmp_path):
+    path = write_jsonl(tmp_path / "sharegpt.jsonl", conversation_rows(40, sharegpt=True))
+    tokenizer, data = data_module.load_tokenizer_and_data(recipe_config.ModelSection(), recipe_config.DataSection(dataset=path))
+    assert data.format == "chat" and "conversations" in data.report[0]
+    assert len(data.train.examples) + len(data.held_out.examples) == 40
+    assert_targets_are_the_answers(tokenizer, data, lambda i: [f"answer {i} one", f"answer {i} two"])
+    assert data.eval_rows[0].messages[0] == {"role": "system", "content": "be brief"}
+
+
+def test_sharegpt_rows_in_another_column_through_messages_column(tmp_path):
+    rows = [{"dialog": row["conversations"], "id": n} for n, row in enumerate(conversation_rows(10, sharegpt=True))]
+    path = write_jsonl(tmp_path / "dialogs.jsonl", rows)
+    tokenizer, data = data_module.load_tokenizer_and_data(recipe_config.ModelSection(), section(path, messages_column="dialog"))
+    assert len(data.train.examples) == 10
+    assert_targets_are_the_answers(tokenizer, data, lambda i: [f"answer {i} one", f"answer {i} two"])
+
+
+def test_question_answer_columns_are_detected_like_prompt_answer(tmp_path):
+    path = write_jsonl(tmp_path / "qa.jsonl", [{"question": f"q{i} how many", "answer": f"{i} apples"} for i in range(30)])
+    tokenizer, data = data_module.load_tokenizer_and_data(recipe_config.ModelSection(), recipe_config.DataSection(dataset=path))
+    assert data.format == "prompt_completion" and "(question, answer)" in data.report[0]
+    assert_targets_are_the_answers(tokenizer, data, lambda i: [f"{i} apples"])
+
+
+def test_a_save_to_disk_dataset_dict_trains_from_its_directory(tmp_path):
+    import datasets
+
+    rows = conversation_rows(30, sharegpt=False)
+    directory = tmp_path / "saved_dict"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:24]), "test": datasets.Dataset.from_list(rows[24:])}
+                         ).save_to_disk(str(directory))
+    recipe_config.resolve(recipe_config.load_config(None, {"data.dataset": str(directory), "data.eval_split": "test"}),
+                          engines=["loop"], world_size=1)
+    tokenizer, data = data_module.load_tokenizer_and_data(
+        recipe_config.ModelSection(), recipe_config.DataSection(dataset=str(directory), eval_split="test"))
+    assert len(data.train.examples) == 24 and len(data.held_out.examples) == 6
+    assert_targets_are_the_answers(tokenizer, data, lambda i: [f"answer {i} one", f"answer {i} two"])
+    assert {row_of(tokenizer, e) for e in data.held_out.examples} == set(range(24, 30))
+
+
+def test_a_save_to_disk_dataset_trains_from_its_directory(tmp_path):
+    import datasets
+
+    directory = tmp_path / "saved"
+    datasets.Dataset.from_list([{"prompt": f"q{i} say", "completion": f"word{i}"} for i in range(20)]).save_to_disk(str(directory))
+    tokenizer, data = data_module.load_tokenizer_and_data(recipe_config.ModelSection(), recipe_config.DataSection(dataset=str(directory)))
+    assert data.format == "prompt_completion"
+    assert_targets_are_the_answers(tokenizer, data, lambda i: [f"word{i}"])
+
+
+def test_the_recipe_trains_a_sharegpt_file_from_data_dataset_alone(tmp_path):
+    import subprocess
+    import sys
+
+    path = write_jsonl(tmp_path / "sharegpt.jsonl", conversation_rows(40, sharegpt=True))
+    out = tmp_path / "out"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(root, "recipes", "finetune_llama.py"), f"data.dataset={path}",
+         "training.max_steps=2", f"training.output_dir={out}"],
+        cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out / "metrics.json") as handle:
+        metrics = json.load(handle)
+    assert metrics["data"]["format"] == "chat" and len(metrics["updates"]) == 2
+    assert f"data: {path}: format chat (conversations)" in proc.stdout

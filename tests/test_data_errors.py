@@ -1,8 +1,8 @@
 """Bad data, refused before any model is loaded: one line naming the file, the line (or row) and what
 is wrong. Nothing is trained on a bad row, nothing is silently dropped or turned into the string "None".
 
-The config-level checks (``hf_accum.config.resolve``) run before anything is read; the content checks
-run in :func:`hf_accum.data.load_tokenizer_and_data`, which the recipe calls before building the model
+The config-level checks (``hf_accum.recipe.config.resolve``) run before anything is read; the content checks
+run in :func:`hf_accum.recipe.data.load_tokenizer_and_data`, which the recipe calls before building the model
 or creating the output directory."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from hf_accum import config as recipe_config
-from hf_accum import data as data_module
+from hf_accum.recipe import config as recipe_config
+from hf_accum.recipe import data as data_module
 
 
 def load(path, **values):
@@ -187,3 +187,53 @@ def test_config_accepts_a_user_file_with_the_data_section_defaults(tmp_path):
     path = write_lines(tmp_path / "d.jsonl", [GOOD])
     assert resolve(tmp_path, dataset=path).data.eval_split is None
     assert resolve(tmp_path, dataset=path, eval_split="train[90%:]").data.eval_split == "train[90%:]"
+
+
+# -- the data people have: what is refused, and how ------------------------------------------------
+
+
+def sharegpt_row(*speakers: str) -> str:
+    return json.dumps({"conversations": [{"from": s, "value": f"turn by {s}"} for s in speakers]})
+
+
+def test_sharegpt_speakers_other_than_the_known_ones_are_counted_and_the_first_named(tmp_path):
+    good = sharegpt_row("human", "gpt")
+    path = write_lines(tmp_path / "sg.jsonl", [good, sharegpt_row("human", "tool", "gpt"), good,
+                                                sharegpt_row("human", "function_call", "gpt"), good])
+    message = refused(path, "cannot be trained on")
+    assert message.startswith(f"{path}: 2 of 5 rows cannot be trained on (2 with a ShareGPT speaker other than")
+    assert "first: line 2: message 2 is from 'tool'" in message
+    assert "human, user, gpt, assistant, system" in message
+
+
+def test_a_sharegpt_turn_without_a_text_value_is_refused(tmp_path):
+    path = write_lines(tmp_path / "sg.jsonl", [json.dumps({"conversations": [{"from": "human"}, {"from": "gpt", "value": "x"}]})])
+    assert "first: line 1: message 1 (from 'human') needs a text 'value'" in refused(path, "cannot be trained on")
+
+
+@pytest.mark.parametrize("key", ["dataset", "eval_split"])
+@pytest.mark.parametrize("url", ["https://example.com/data.jsonl", "hf://datasets/x/y", "s3://bucket/train.parquet"])
+def test_a_url_is_refused_with_what_is_supported(tmp_path, key, url):
+    values = {key: url} if key == "dataset" else {"dataset": write_lines(tmp_path / "a.jsonl", [GOOD]), key: url}
+    with pytest.raises(recipe_config.ConfigError) as caught:
+        resolve(tmp_path, **values)
+    message = str(caught.value)
+    assert message.startswith(f"data.{key}={url!r}: URLs are not read") and "\n" not in message
+    assert "save_to_disk" in message and "hub name" in message and ".jsonl" in message
+
+
+def test_a_directory_not_written_by_save_to_disk_is_refused(tmp_path):
+    (tmp_path / "rows").mkdir()
+    (tmp_path / "rows" / "a.jsonl").write_text(GOOD + "\n")
+    with pytest.raises(recipe_config.ConfigError, match="is a directory but not one written by datasets' save_to_disk"):
+        resolve(tmp_path, dataset=str(tmp_path / "rows"))
+
+
+def test_a_split_a_saved_dataset_dict_lacks_is_refused_before_loading(tmp_path):
+    import datasets
+
+    directory = tmp_path / "saved"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list([json.loads(GOOD)] * 4)}).save_to_disk(str(directory))
+    with pytest.raises(recipe_config.ConfigError, match=r"data.eval_split='validation': .* has no split 'validation'; its splits: train"):
+        resolve(tmp_path, dataset=str(directory), eval_split="validation")
+    assert resolve(tmp_path, dataset=str(directory)).data.dataset == str(directory)

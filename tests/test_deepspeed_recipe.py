@@ -21,8 +21,8 @@ import pytest
 import yaml
 from test_recipe import TORCHRUN_2, read_metrics, run_script
 
-from hf_accum import outputs as run_outputs
-from hf_accum.config import RESOLVED_CONFIG_NAME
+from hf_accum.recipe import outputs as run_outputs
+from hf_accum.recipe.config import RESOLVED_CONFIG_NAME
 
 pytestmark = [
     pytest.mark.slow,
@@ -87,7 +87,8 @@ def test_trainer_zero3_partitions_a_model_from_disk_as_it_loads(runs, tmp_path):
     deepspeed.zero.Init: no rank ever holds all of it. It cannot be scored before training (no
     DeepSpeed hooks yet: the recipe says why), is scored after, and trains to the DDP run's adapter
     (the directory holds the same tiny Llama and tokenizer)."""
-    from hf_accum.modeling import build_tiny_llama, load_tokenizer
+    from hf_accum.recipe.embedded import build_tiny_llama
+    from hf_accum.recipe.modeling import load_tokenizer
 
     model_dir = tmp_path / "model"
     tokenizer = load_tokenizer("hf_accum:tiny-llama")

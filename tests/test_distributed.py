@@ -1,4 +1,4 @@
-"""hf_accum.distributed: no silent fallback (FSDP on CPU, DeepSpeed not installed, one process started
+"""hf_accum.recipe.launch: no silent fallback (FSDP on CPU, DeepSpeed not installed, one process started
 instead of two, an Accelerator that dropped DeepSpeed), the DeepSpeed JSON files and the launcher
 configs that point at them (accelerate's own loader and launcher environment, DeepSpeed's own config
 parser), and the node layout."""
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from hf_accum import distributed as D
+from hf_accum.recipe import launch as D
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = os.path.join(ROOT, "tests", "launch_probe.py")

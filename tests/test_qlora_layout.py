@@ -9,7 +9,7 @@ function), so they check the same thing whatever CPU runs them.
 import pytest
 import torch
 
-from hf_accum import modeling
+from hf_accum.recipe import modeling
 from hf_accum.compat import keep_4bit_training_layout
 
 bnb = pytest.importorskip("bitsandbytes")

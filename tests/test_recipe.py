@@ -14,8 +14,8 @@ import tempfile
 import pytest
 import yaml
 
-from hf_accum import config as recipe_config
-from hf_accum import outputs as run_outputs
+from hf_accum.recipe import config as recipe_config
+from hf_accum.recipe import outputs as run_outputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "recipes", "finetune_llama.py")
@@ -183,7 +183,7 @@ def test_qlora_on_two_cpu_processes_trains_one_run_not_two(engine, tmp_path):
 
 @pytest.mark.slow
 def test_two_processes_without_use_cpu_on_a_cpu_machine_stop_before_loading(tmp_path):
-    from hf_accum.distributed import gpu_like_device_available
+    from hf_accum.recipe.launch import gpu_like_device_available
 
     if gpu_like_device_available():
         pytest.skip("a GPU is present: Accelerate counts the processes without use_cpu")
@@ -201,9 +201,9 @@ def test_two_processes_without_use_cpu_on_a_cpu_machine_stop_before_loading(tmp_
 
 
 def bad_input_errors():
-    from hf_accum.config import ConfigError
-    from hf_accum.data import DataError
-    from hf_accum.modeling import ModelError
+    from hf_accum.recipe.config import ConfigError
+    from hf_accum.recipe.data import DataError
+    from hf_accum.recipe.modeling import ModelError
 
     return (ConfigError, DataError, ModelError)
 
@@ -350,7 +350,7 @@ def test_bf16_where_unsupported_fails_before_writing(tmp_path, capsys):
 
 
 def test_qlora_without_bitsandbytes_fails_before_writing(tmp_path, capsys, monkeypatch):
-    from hf_accum import modeling
+    from hf_accum.recipe import modeling
 
     monkeypatch.setattr(modeling, "bnb_available", lambda: False)
     err = fails_cleanly(["quantization={load_in_4bit: true}"], tmp_path / "out", capsys)

@@ -214,7 +214,7 @@ class DeepSpeedStepper(Stepper):
         if clipping != float(self.config.max_grad_norm or 0.0):
             raise LoopConfigError(
                 f"DeepSpeed clips at gradient_clipping={clipping} but LoopConfig.max_grad_norm="
-                f"{self.config.max_grad_norm}; build the Accelerator with hf_accum.distributed.loop_accelerator (it "
+                f"{self.config.max_grad_norm}; build the Accelerator with hf_accum.recipe.launch.loop_accelerator (it "
                 "fills the config's \"auto\" from max_grad_norm) or make the two equal"
             )
 

@@ -15,7 +15,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from hf_accum.modeling import tiny_llama_config
+from hf_accum.tiny import tiny_llama_config
 
 VOCAB = 61
 PAD = 0

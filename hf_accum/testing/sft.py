@@ -1,6 +1,6 @@
 """Tiny supervised fine-tuning data in TRL's dataset formats, for audited ``SFTTrainer`` runs.
 
-A word-level tokenizer (:func:`hf_accum.modeling.build_tiny_tokenizer`) over the words ``w0 ..
+A word-level tokenizer (:func:`hf_accum.tiny.build_tiny_tokenizer`) over the words ``w0 ..
 w39``, whose chat template marks the assistant's turns with ``{% generation %}`` (TRL's
 ``assistant_only_loss`` reads those marks), a float64 tiny Llama of that vocabulary, and random
 rows of strongly uneven length as a ``datasets.Dataset`` in one of TRL's formats. Kept apart from
@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 from datasets import Dataset
 
-from hf_accum.modeling import build_tiny_tokenizer
+from hf_accum.tiny import build_tiny_tokenizer
 from hf_accum.testing.models import tiny_causal_lm
 
 WORDS = [f"w{i}" for i in range(40)]

@@ -26,9 +26,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
-from hf_accum import config as config_module
 from hf_accum.checkpoint import write_text_atomically
-from hf_accum.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NONFINITE
+from hf_accum.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NONFINITE, InputError
+from hf_accum.recipe import config as config_module
 
 METRICS_NAME = "metrics.json"
 PLOT_NAME = "training_curves.png"
@@ -278,10 +278,13 @@ def percent(result: dict[str, Any] | None) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def run_cli(run: Callable[[Sequence[str]], Any], argv: Sequence[str] | None = None, bad_input=(), stopped=()) -> int:
+def run_cli(
+    run: Callable[[Sequence[str]], Any], argv: Sequence[str] | None = None, bad_input=(InputError,), stopped=()
+) -> int:
     """Run ``run(argv)`` and turn its ends into one line and an exit code:
 
-    * bad input (``bad_input``: configuration, data, model, launch errors): ``error: ...``, exit 2;
+    * bad input (``bad_input``; by default :class:`hf_accum.errors.InputError`, the base of every
+      configuration, data, model, launch and output-directory error): ``error: ...``, exit 2;
     * a stop (``stopped``): a preemption signal (``hf_accum.control.TrainingStopped``: its checkpoint
       is written, exit 75; Ctrl-C exit 130) or too many inf/NaN updates in a row (exit 3);
     * a second Ctrl-C while stopping: exit 130.

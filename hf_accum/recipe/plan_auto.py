@@ -18,8 +18,9 @@ from hf_accum.schedule import BatchPlan
 
 
 def run_auto_plan(args: argparse.Namespace, processes: int) -> int:
-    from hf_accum import config as recipe_config
-    from hf_accum import modeling
+    # The CLI is a front door to the recipe kit: the model is built as the recipe builds it.
+    from hf_accum.recipe import config as recipe_config
+    from hf_accum.recipe import modeling
 
     config = _config(args, recipe_config)
     max_length = args.max_length or config.data.max_length

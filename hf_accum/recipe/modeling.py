@@ -1,12 +1,9 @@
-"""Model and tokenizer for the recipes: loading, the tiny embedded default, LoRA/QLoRA, checkpointing.
+"""Model and tokenizer for the recipes: loading, LoRA/QLoRA, checkpointing.
 
 This module owns:
 
-* the **embedded default** (``hf_accum:tiny-llama``): a word-level tokenizer (``tokenizers``'
-  ``WordLevel`` model wrapped in ``PreTrainedTokenizerFast``, with a chat template) whose
-  vocabulary comes from the data -- the embedded dataset's words, or the words of the user's
-  own data (:func:`tiny_vocabulary`) -- and a small ``LlamaForCausalLM`` built from a config
-  with a fixed seed; nothing is downloaded;
+* the tokenizer of a run (the embedded default's, ``hf_accum:tiny-llama``, comes from
+  :mod:`hf_accum.recipe.embedded`);
 * loading any other causal LM from the hub or a local path (``AutoModelForCausalLM``), in the
   requested dtype, optionally 4-bit quantized with bitsandbytes (QLoRA);
 * wrapping with ``peft`` LoRA, after checking that every target module exists in the model;
@@ -19,84 +16,24 @@ import fnmatch
 import os
 import re
 import tempfile
-from collections import Counter
 from typing import Any, Iterable
 
 import torch
 
 from hf_accum.compat import keep_4bit_training_layout
+from hf_accum.errors import InputError
+from hf_accum.recipe.embedded import TINY_MODEL, build_tiny_llama, recipe_tiny_config, tiny_tokenizer
 
-TINY_MODEL = "hf_accum:tiny-llama"
-SPECIAL_TOKENS = ["<pad>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-# Small enough to train in about a minute on 2 CPU cores, large enough to learn the embedded tasks.
-TINY_LLAMA = dict(
-    hidden_size=128,
-    intermediate_size=384,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-)
-# Words in a tiny tokenizer built from user data: the most frequent ones (embedding and LM head
-# rows of the tiny model grow with it; rarer words become <unk>, counted and reported).
-TINY_VOCAB_LIMIT = 8192
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
 
-class ModelError(ValueError):
+class ModelError(InputError):
     """A model/LoRA setting that cannot work with this model or machine."""
 
 
 # ----------------------------------------------------------------------------------------------
 # Tokenizers
 # ----------------------------------------------------------------------------------------------
-
-
-def tiny_vocabulary(texts: Iterable[str], limit: int) -> list[str]:
-    """The ``limit`` most frequent words of ``texts`` (ties: first seen first), split exactly as the
-    tiny tokenizer splits them. Rarer words will be ``<unk>``; the data loader counts them."""
-    splitter = _word_splitter()
-    # The tokenizer matches its special tokens before splitting words; so does the count.
-    specials = re.compile("|".join(re.escape(token) for token in SPECIAL_TOKENS))
-    counts: Counter[str] = Counter()
-    for text in texts:
-        for part in specials.split(text):
-            counts.update(word for word, _ in splitter.pre_tokenize_str(part))
-    return [word for word, _ in counts.most_common(limit)]
-
-
-def _word_splitter():
-    """Runs of word characters, and runs of punctuation, each a token: ``"Paris."`` -> ``Paris``, ``.``."""
-    from tokenizers import pre_tokenizers
-
-    return pre_tokenizers.Whitespace()
-
-
-def build_tiny_tokenizer(words: list[str]):
-    """A word-level tokenizer over ``words`` (ids in that order, after the chat special tokens)."""
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    for word in words:
-        vocab.setdefault(word, len(vocab))
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    core.pre_tokenizer = _word_splitter()
-    # WordPiece's decoder joins tokens with single spaces: the embedded data round-trips exactly
-    # (it is space separated); other text comes back with spaces around punctuation.
-    core.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", unk_token="<unk>", eos_token="<|end|>",
-        additional_special_tokens=SPECIAL_TOKENS[2:],
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
 
 
 def load_tokenizer(
@@ -108,13 +45,7 @@ def load_tokenizer(
     """The tokenizer of ``name_or_path``. For ``hf_accum:tiny-llama`` it is built here: over the words
     of ``corpus`` (the user's texts) when given, else over the embedded dataset's vocabulary."""
     if name_or_path == TINY_MODEL:
-        from hf_accum.data import synthetic_corpus
-
-        words = tiny_vocabulary(corpus, TINY_VOCAB_LIMIT) if corpus is not None else synthetic_corpus()
-        tokenizer = build_tiny_tokenizer(words)
-        if chat_template:
-            tokenizer.chat_template = chat_template
-        return tokenizer
+        return tiny_tokenizer(corpus, chat_template)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
@@ -132,34 +63,6 @@ def load_tokenizer(
 # ----------------------------------------------------------------------------------------------
 # Models
 # ----------------------------------------------------------------------------------------------
-
-
-def tiny_llama_config(**values):
-    """A ``LlamaConfig`` of the tiny shape (:data:`TINY_LLAMA`), ``values`` on top. The one place a tiny
-    Llama config is built: the recipe's default model, the tests and the benchmarks pass their sizes."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(**{**TINY_LLAMA, **values})
-
-
-def recipe_tiny_config(tokenizer, overrides: dict[str, Any] | None = None):
-    """The embedded default model's config: the tokenizer's vocabulary and special ids, plus
-    ``model.config_overrides``."""
-    return tiny_llama_config(
-        vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None, **(overrides or {}),
-    )
-
-
-def build_tiny_llama(tokenizer, seed: int = 0, overrides: dict[str, Any] | None = None):
-    """A randomly initialised tiny Llama; the same ``seed`` gives the same weights."""
-    from transformers import LlamaForCausalLM
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(recipe_tiny_config(tokenizer, overrides))
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model
 
 
 def bnb_available() -> bool:
@@ -366,7 +269,63 @@ def checkpointing_requested(training: dict[str, Any]) -> bool:
     return bool(training.get("gradient_checkpointing") if value is None else value)
 
 
-def check_model_source(name_or_path: str) -> None:
+# What a model directory must hold besides config.json: weights, and (unless model.tokenizer names
+# another source) a tokenizer. Any one file of each group will do.
+WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "*.bin.index.json", "*.pt", "*.pth")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model")
+
+
+def check_model_section(model, config=None) -> None:
+    """The model section's own check (its ``Section.validator``): the model can be found and holds
+    weights, and a tokenizer comes from it or from ``model.tokenizer``."""
+    check_model_source(model.name_or_path)
+    path = _local_path(model.name_or_path)
+    if path is not None:
+        _require_files(path, "model.name_or_path", WEIGHT_FILES, "weights",
+                       "save the model with save_pretrained, or point at the directory that has them")
+    if model.tokenizer is not None:
+        tokenizer_path = _local_path(model.tokenizer)
+        if tokenizer_path is None:
+            check_model_source(model.tokenizer, key="model.tokenizer", needs="tokenizer_config.json")
+        elif not os.path.isdir(tokenizer_path):
+            raise ModelError(f"model.tokenizer={model.tokenizer!r}: no such directory (cwd: {os.getcwd()})")
+        else:
+            _require_files(tokenizer_path, "model.tokenizer", TOKENIZER_FILES, "tokenizer files",
+                           "point at a directory saved with tokenizer.save_pretrained, or a hub id")
+    elif path is not None:
+        _require_files(path, "model.name_or_path", TOKENIZER_FILES, "tokenizer files",
+                       "save the tokenizer there (tokenizer.save_pretrained), or set model.tokenizer to a "
+                       "directory or hub id that has it")
+
+
+def _local_path(name_or_path: str) -> str | None:
+    """The directory ``name_or_path`` names on this machine; None for a hub id or the embedded model."""
+    if name_or_path == TINY_MODEL:
+        return None
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1 or os.path.exists(name_or_path):
+        return os.path.expanduser(name_or_path)
+    return None
+
+
+def _require_files(path: str, key: str, patterns: tuple[str, ...], what: str, remedy: str) -> None:
+    import glob
+
+    if not any(glob.glob(os.path.join(glob.escape(path), pattern)) for pattern in patterns):
+        raise ModelError(f"{key}={path!r}: the directory holds no {what} ({', '.join(patterns)}); {remedy}")
+
+
+def check_quantization_section(quantization, config) -> None:
+    """The quantization section's own check: bitsandbytes is installed, and ``BitsAndBytesConfig`` accepts
+    the values (its own checks, before any model loads)."""
+    if quantization is None:
+        return
+    if not bnb_available():
+        raise ModelError("quantization (QLoRA) needs bitsandbytes: pip install 'hf_accum[qlora]'")
+    config.bnb_config()
+
+
+def check_model_source(name_or_path: str, key: str = "model.name_or_path", needs: str = "config.json") -> None:
     """Fail fast, before any download or load, on a model that cannot be found.
 
     A path (absolute, relative, or with more than one ``/``) must be a directory holding
@@ -375,27 +334,25 @@ def check_model_source(name_or_path: str) -> None:
     """
     if name_or_path == TINY_MODEL:
         return
-    looks_local = (
-        name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1 or os.path.exists(name_or_path)
-    )
-    if looks_local:
-        path = os.path.expanduser(name_or_path)
+    path = _local_path(name_or_path)
+    if path is not None:
         if not os.path.isdir(path):
-            raise ModelError(f"model.name_or_path={name_or_path!r}: no such directory (cwd: {os.getcwd()})")
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ModelError(f"model.name_or_path={name_or_path!r}: the directory holds no config.json (not a model)")
+            raise ModelError(f"{key}={name_or_path!r}: no such directory (cwd: {os.getcwd()})")
+        if not os.path.isfile(os.path.join(path, needs)):
+            what = " (not a model)" if needs == "config.json" else ""
+            raise ModelError(f"{key}={name_or_path!r}: the directory holds no {needs}{what}")
         return
     from huggingface_hub import HfApi, try_to_load_from_cache
     from huggingface_hub.constants import HF_HUB_OFFLINE
 
-    if isinstance(try_to_load_from_cache(name_or_path, "config.json"), str):
+    if isinstance(try_to_load_from_cache(name_or_path, needs), str):
         return
     if HF_HUB_OFFLINE:
-        raise ModelError(f"model.name_or_path={name_or_path!r} is not in the local Hugging Face cache and "
+        raise ModelError(f"{key}={name_or_path!r} is not in the local Hugging Face cache and "
                          "HF_HUB_OFFLINE is set; download it first or pass a local directory")
     try:
         HfApi().model_info(name_or_path, timeout=10)
     except Exception as error:  # no network, unknown id, gated repo: each says so in its own words
-        raise ModelError(f"model.name_or_path={name_or_path!r}: not in the local cache and the Hub cannot provide it "
+        raise ModelError(f"{key}={name_or_path!r}: not in the local cache and the Hub cannot provide it "
                          f"({type(error).__name__}: {str(error).splitlines()[0][:160]}); pass a local directory "
                          "or check the id, your network and your token") from None

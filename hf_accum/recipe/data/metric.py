@@ -1,0 +1,80 @@
+"""The held-out metric: exact match of the greedy answer, overall and per task."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from hf_accum.recipe.data.encoding import prompt_ids
+from hf_accum.recipe.data.formats import Example
+
+
+def normalize_answer(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _as_decoded(tokenizer, text: str) -> str:
+    """``text`` as the tokenizer gives it back (the tiny word-level one spaces out punctuation), so a
+    generated answer is compared with what the model could have produced."""
+    return tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"], skip_special_tokens=True)
+
+
+@torch.no_grad()
+def exact_match(
+    model,
+    tokenizer,
+    examples: Sequence[Example],
+    max_new_tokens: int = 16,
+    batch_size: int = 32,
+    progress: Callable[[Iterable], Iterable] = lambda x: x,
+    synced_gpus: bool = False,
+) -> dict[str, Any]:
+    """Greedy-decode each conversation's prompt; score 1 when the answer matches the last assistant
+    message exactly (whitespace-normalised). Returns the overall score and the score per ``task``.
+
+    ``synced_gpus``: every rank calls this with the same examples and keeps running forwards until
+    all ranks are done (``generate(synced_gpus=True)``), as a ZeRO-3-partitioned model needs: each
+    forward gathers parameters from all ranks."""
+    was_training = model.training
+    model.eval()
+    hits: list[tuple[str, bool]] = []
+    samples: list[dict[str, str]] = []
+    for start in progress(range(0, len(examples), batch_size)):
+        chunk = examples[start : start + batch_size]
+        for example, text in zip(chunk, _generate(model, tokenizer, chunk, max_new_tokens, synced_gpus)):
+            expected = example.messages[-1]["content"]
+            ok = normalize_answer(text) == normalize_answer(_as_decoded(tokenizer, expected))
+            hits.append((example.task, ok))
+            if len(samples) < 4:
+                samples.append({"prompt": example.messages[-2]["content"], "expected": expected, "generated": text})
+    model.train(was_training)
+    per_task: dict[str, list[bool]] = {}
+    for task, ok in hits:
+        per_task.setdefault(task, []).append(ok)
+    return {
+        "exact_match": sum(ok for _, ok in hits) / max(1, len(hits)),
+        "per_task": {t: sum(v) / len(v) for t, v in sorted(per_task.items())},
+        "examples": len(hits),
+        "samples": samples,
+    }
+
+
+def _generate(model, tokenizer, examples: Sequence[Example], max_new_tokens: int, synced_gpus: bool = False) -> list[str]:
+    """Batched greedy decoding with left padding (so every prompt ends where generation starts)."""
+    prompts = [prompt_ids(tokenizer, example.messages[:-1]) for example in examples]
+    width = max(len(p) for p in prompts)
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    device = next(model.parameters()).device
+    out = model.generate(
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=pad,
+        eos_token_id=tokenizer.eos_token_id,
+        synced_gpus=synced_gpus,  # explicit: left None, generate syncs whenever a ZeRO-3 config is alive
+    )
+    return tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)

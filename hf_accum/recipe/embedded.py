@@ -1,0 +1,163 @@
+"""The embedded default (``hf_accum:tiny-llama`` on ``hf_accum:synthetic-tasks``): everything the
+recipe needs to train with no download and no file, in one place.
+
+* the **synthetic tasks** (copy, reverse, table lookup, last word): rows generated from a seed, a
+  training split and a held-out split with no row seen in training;
+* the **tokenizer**: word-level (:func:`hf_accum.tiny.build_tiny_tokenizer`), over the tasks' words,
+  or over the most frequent words of the user's own data when the tiny model trains on it;
+* the **model**: a tiny ``LlamaForCausalLM`` (:func:`hf_accum.tiny.tiny_llama_config`) of that
+  vocabulary, randomly initialised from a seed;
+* the **default run's config**: ``recipes/configs/cpu_default.yaml``, the one source of what a run
+  with no ``--config`` does, shipped inside the package (:func:`default_config_path`).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections import Counter
+from importlib import resources
+from typing import Any, Iterable
+
+from hf_accum.tiny import SPECIAL_TOKENS, build_tiny_tokenizer, tiny_llama_config, word_splitter
+
+TINY_MODEL = "hf_accum:tiny-llama"
+EMBEDDED_DATASET = "hf_accum:synthetic-tasks"
+# Words in a tiny tokenizer built from user data: the most frequent ones (embedding and LM head
+# rows of the tiny model grow with it; rarer words become <unk>, counted and reported).
+TINY_VOCAB_LIMIT = 8192
+# The packaged name of recipes/configs/cpu_default.yaml (a link to it in the source tree, a copy in a wheel).
+DEFAULT_CONFIG_FILE = "cpu_default.yaml"
+
+
+def default_config_path() -> str:
+    """Path of the CPU default run's YAML (``recipes/configs/cpu_default.yaml``), as installed."""
+    path = resources.files("hf_accum.recipe") / DEFAULT_CONFIG_FILE
+    return str(path)
+
+
+# ----------------------------------------------------------------------------------------------
+# The synthetic instruction dataset
+# ----------------------------------------------------------------------------------------------
+
+# Plain words for copy/reverse/last-word tasks; made-up countries and cities for lookups
+# (made up so that no "world knowledge" is needed: the answer is always in the prompt).
+WORDS = (
+    "apple river stone cloud green seven lamp tiger paper window music orange silver forest "
+    "bread candle mirror rocket garden winter honey planet button dragon pencil ocean castle "
+    "violet thunder marble yellow basket feather jungle anchor lemon shadow copper whistle"
+).split()
+_SYLLABLES = "zor bel kan tri vo mur sel dun pa ri lo fen gar ti nu qua".split()
+TASKS = ("copy", "reverse", "lookup", "last")
+
+
+def _made_up_names(rng: random.Random, count: int, suffix: str) -> list[str]:
+    names: set[str] = set()
+    while len(names) < count:
+        names.add("".join(rng.sample(_SYLLABLES, 2)) + suffix)
+    return sorted(names)
+
+
+COUNTRIES = _made_up_names(random.Random(1), 24, "ia")
+CITIES = _made_up_names(random.Random(2), 24, "burg")
+
+
+def synthetic_example(rng: random.Random, task: str) -> dict[str, str]:
+    """One example of ``task``. Tokens are space separated so a word-level tokenizer round-trips them."""
+    if task == "copy":
+        words = rng.choices(WORDS, k=rng.randint(1, 10))
+        return {"task": task, "prompt": "repeat the words : " + " ".join(words), "answer": " ".join(words)}
+    if task == "reverse":
+        words = rng.choices(WORDS, k=rng.randint(1, 6))
+        return {"task": task, "prompt": "reverse the words : " + " ".join(words), "answer": " ".join(words[::-1])}
+    if task == "lookup":
+        countries = rng.sample(COUNTRIES, rng.randint(2, 8))
+        cities = rng.sample(CITIES, len(countries))
+        table = " ; ".join(f"{c} = {t}" for c, t in zip(countries, cities))
+        asked = rng.randrange(len(countries))
+        prompt = f"capitals : {table} . what is the capital of {countries[asked]} ?"
+        return {"task": task, "prompt": prompt, "answer": cities[asked]}
+    if task == "last":
+        words = rng.choices(WORDS, k=rng.randint(2, 14))
+        return {"task": task, "prompt": "last word of : " + " ".join(words), "answer": words[-1]}
+    raise ValueError(f"unknown synthetic task {task!r}; known: {TASKS}")
+
+
+def synthetic_rows(num_examples: int, seed: int) -> list[dict[str, str]]:
+    """``num_examples`` rows cycling through the tasks, fully determined by ``seed``."""
+    rng = random.Random(seed)
+    return [synthetic_example(rng, TASKS[i % len(TASKS)]) for i in range(num_examples)]
+
+
+def synthetic_splits(num_train: int, num_eval: int, seed: int) -> dict[str, list[dict[str, str]]]:
+    """Train and held-out splits; held-out rows that also occur in train are replaced, so the
+    metric measures generalisation, not memorisation."""
+    train = synthetic_rows(num_train, seed)
+    seen = {(r["prompt"], r["answer"]) for r in train}
+    rng = random.Random(seed + 10_007)
+    held_out: list[dict[str, str]] = []
+    while len(held_out) < num_eval:
+        row = synthetic_example(rng, TASKS[len(held_out) % len(TASKS)])
+        if (row["prompt"], row["answer"]) not in seen:
+            held_out.append(row)
+    return {"train": train, "test": held_out}
+
+
+def synthetic_corpus() -> list[str]:
+    """Every word the synthetic tasks can produce (the default tokenizer's vocabulary source)."""
+    fixed = "repeat reverse the words : capitals ; = . what is capital of ? last word".split()
+    return fixed + WORDS + COUNTRIES + CITIES
+
+
+# ----------------------------------------------------------------------------------------------
+# The tokenizer
+# ----------------------------------------------------------------------------------------------
+
+
+def tiny_vocabulary(texts: Iterable[str], limit: int) -> list[str]:
+    """The ``limit`` most frequent words of ``texts`` (ties: first seen first), split exactly as the
+    tiny tokenizer splits them. Rarer words will be ``<unk>``; the data loader counts them."""
+    splitter = word_splitter()
+    # The tokenizer matches its special tokens before splitting words; so does the count.
+    specials = re.compile("|".join(re.escape(token) for token in SPECIAL_TOKENS))
+    counts: Counter[str] = Counter()
+    for text in texts:
+        for part in specials.split(text):
+            counts.update(word for word, _ in splitter.pre_tokenize_str(part))
+    return [word for word, _ in counts.most_common(limit)]
+
+
+def tiny_tokenizer(corpus: Iterable[str] | None = None, chat_template: str | None = None):
+    """The embedded model's tokenizer: over the words of ``corpus`` (the user's texts, the
+    :data:`TINY_VOCAB_LIMIT` most frequent) when given, else over the synthetic tasks' words."""
+    words = tiny_vocabulary(corpus, TINY_VOCAB_LIMIT) if corpus is not None else synthetic_corpus()
+    tokenizer = build_tiny_tokenizer(words)
+    if chat_template:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+# ----------------------------------------------------------------------------------------------
+# The model
+# ----------------------------------------------------------------------------------------------
+
+
+def recipe_tiny_config(tokenizer, overrides: dict[str, Any] | None = None):
+    """The embedded default model's config: the tokenizer's vocabulary and special ids, plus
+    ``model.config_overrides``."""
+    return tiny_llama_config(
+        vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None, **(overrides or {}),
+    )
+
+
+def build_tiny_llama(tokenizer, seed: int = 0, overrides: dict[str, Any] | None = None):
+    """A randomly initialised tiny Llama; the same ``seed`` gives the same weights."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(recipe_tiny_config(tokenizer, overrides))
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model

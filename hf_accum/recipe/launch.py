@@ -1,0 +1,393 @@
+"""Launch policy of the recipe: what the launcher and the config ask for, checked against what would
+really run; DeepSpeed config files; the loop engine's Accelerator.
+
+A run that asks for FSDP or DeepSpeed and silently gets something else (plain DDP, one process)
+is found out on the cluster, by an out-of-memory error or by an effective batch W times too small.
+The recipe therefore calls, in this order:
+
+1. :func:`check_launch` -- before loading any model (then :func:`start_process_group` sets up the
+   process group, and DeepSpeed's comm on it, before anything else can, and checks it spans every
+   process): from the training section
+   (``TrainingArguments`` fields: ``deepspeed``, ``fsdp``, ``use_cpu``, the batch arithmetic) and
+   the launcher's environment, returns the :class:`Launch` that will run, or raises
+   :class:`LaunchError` naming what was asked, what would run instead, and a command that works;
+2. engine ``loop``: :func:`loop_accelerator` builds the ``Accelerator`` (under DeepSpeed with the
+   config's ``"auto"`` values filled from the recipe, and around two Accelerate traps on CPU);
+   :func:`check_offload_optimizer` before ``prepare`` (ZeRO-Offload swaps the optimizer);
+   engine ``trainer`` passes ``training.deepspeed`` to ``TrainingArguments`` unchanged (under ZeRO-3
+   transformers then partitions the model as it loads);
+3. :func:`check_engine` -- once the ``Accelerator`` (``trainer.accelerator`` for the Trainer)
+   exists: the distributed type and process count it really got (``loop_accelerator`` calls it).
+
+Saving under ZeRO-3 (every rank gathers) and the node layout are library helpers:
+:mod:`hf_accum.distributed`.
+
+The DeepSpeed JSON files in ``recipes/deepspeed/`` leave the batch keys ``"auto"``: the recipe
+states the batch arithmetic once and Trainer/Accelerate fill them in. :func:`load_deepspeed_config`
+refuses a config that would contradict it (numbers that differ from the recipe's) or replace the
+update-counted LR schedule (a ``"scheduler"`` section).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from hf_accum.distributed import num_nodes
+from hf_accum.errors import InputError
+
+DEEPSPEED = "deepspeed"
+FSDP = "fsdp"
+DDP = "ddp"  # plain data parallel, one process included
+
+ZERO3_CONFIG = "recipes/deepspeed/zero3.json"
+
+
+class LaunchError(InputError):
+    """The run would not be what the launcher or the config asked for; raised before any model is loaded."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What this run will use, once :func:`check_launch` has accepted it."""
+
+    backend: str
+    """``deepspeed``, ``fsdp`` or ``ddp`` (which includes a single process)."""
+    source: str
+    """Where the request came from (a config key or the launcher), for messages."""
+    world_size: int
+    num_nodes: int
+    deepspeed_config: dict | None = None
+    """The DeepSpeed config (``"auto"`` values still unfilled) when ``backend == 'deepspeed'``."""
+
+
+# -- 1. before the model: what was asked vs what would run ---------------------------------------
+
+
+def check_launch(training: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> Launch:
+    """The backend this run will really use; raises :class:`LaunchError` when it is not the one asked for.
+
+    ``training``: the recipe's training section (``TrainingArguments`` field names) with the batch
+    arithmetic resolved (``per_device_train_batch_size``, ``gradient_accumulation_steps``).
+    ``environ``: the process environment (the launcher's trace), ``os.environ`` by default.
+    """
+    environ = os.environ if environ is None else environ
+    _check_started_processes(environ)
+    backend, source = requested_backend(training, environ)
+    world_size = launched_world_size(environ) or 1
+    if backend == FSDP:
+        _check_fsdp_device(training, environ, source)
+    ds_config = None
+    if backend == DEEPSPEED:
+        _check_deepspeed_installed(source)
+        ds_config = load_deepspeed_config(_deepspeed_source(training, environ))
+        check_deepspeed_batch(
+            ds_config,
+            micro_batch_size=int(training.get("per_device_train_batch_size", 8)),
+            accumulation_steps=int(training.get("gradient_accumulation_steps", 1)),
+            world_size=world_size,
+            max_grad_norm=float(training.get("max_grad_norm", 1.0)),
+        )
+    return Launch(backend, source, world_size, num_nodes(environ), ds_config)
+
+
+def requested_backend(training: Mapping[str, Any], environ: Mapping[str, str]) -> tuple[str, str]:
+    """``(backend, where it was asked)`` from the config and from ``accelerate launch``'s environment."""
+    asked = []
+    if training.get("deepspeed"):
+        asked.append((DEEPSPEED, f"training.deepspeed={training['deepspeed']}"))
+    elif _flag(environ, "ACCELERATE_USE_DEEPSPEED"):
+        asked.append((DEEPSPEED, "accelerate launch (distributed_type: DEEPSPEED)"))
+    if training.get("fsdp"):
+        asked.append((FSDP, f"training.fsdp={training['fsdp']}"))
+    elif _flag(environ, "ACCELERATE_USE_FSDP"):
+        asked.append((FSDP, "accelerate launch (distributed_type: FSDP)"))
+    if len(asked) > 1:
+        raise LaunchError(
+            f"both DeepSpeed ({asked[0][1]}) and FSDP ({asked[1][1]}) were asked for; they are two ways of "
+            "sharding the same model: keep one"
+        )
+    return asked[0] if asked else (DDP, "the launcher")
+
+
+def _check_started_processes(environ: Mapping[str, str]) -> None:
+    """``accelerate launch --num_processes N`` without a multi-process launcher (``--cpu``, or no GPU
+    and no ``--multi_gpu``) starts the script ONCE. The trace it leaves: its simple launcher always
+    exports ``ACCELERATE_USE_CPU``, and exports ``MASTER_ADDR``/``MASTER_PORT`` only when more than
+    one process or machine was asked -- but no world size, which every multi-process launcher sets
+    (torchrun and Accelerate's launchers built on it: ``WORLD_SIZE``; mpirun: its own variable)."""
+    from_simple_launcher = "ACCELERATE_USE_CPU" in environ and launched_world_size(environ) is None
+    if from_simple_launcher and "MASTER_ADDR" in environ and "MASTER_PORT" in environ:
+        asked = _asked_process_count()
+        raise LaunchError(
+            f"accelerate launch was asked for {asked or 'several'} processes but started only this one (its "
+            "--cpu / no-GPU launcher runs the script once): the run would train on 1 process with an effective "
+            f"batch {asked or 'N'} times smaller than planned. Start the processes with torchrun: "
+            f"torchrun --nproc_per_node {asked or 'N'} {_script()} ..."
+        )
+
+
+# The world-size variables Accelerate reads for CPU processes (accelerate.utils.get_cpu_distributed_information).
+_WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def launched_world_size(environ: Mapping[str, str]) -> int | None:
+    """Processes the launcher started, as it announces them; None when no launcher announced any."""
+    for name in _WORLD_SIZE_VARIABLES:
+        if environ.get(name, "").isdigit():
+            return int(environ[name])
+    return None
+
+
+def _asked_process_count() -> int | None:
+    """``--num_processes N`` of the ``accelerate launch`` that started us, when its command line is
+    readable (Linux); only used to make the message exact."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as handle:
+            argv = handle.read().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    for index, arg in enumerate(argv):
+        value = arg.split("=", 1)[1] if arg.startswith("--num_processes=") else None
+        if arg == "--num_processes" and index + 1 < len(argv):
+            value = argv[index + 1]
+        if value is not None and value.isdigit():
+            return int(value)
+    return None
+
+
+def _check_fsdp_device(training: Mapping[str, Any], environ: Mapping[str, str], source: str) -> None:
+    """Accelerate turns FSDP on only for GPU-like devices (CUDA, XPU, NPU, ...); on CPU it trains plain
+    DDP, every process holding the whole model, and says nothing."""
+    use_cpu = bool(training.get("use_cpu")) or _flag(environ, "ACCELERATE_USE_CPU")
+    if not use_cpu and gpu_like_device_available():
+        return
+    where = "use_cpu is set" if use_cpu else "this machine has no GPU"
+    raise LaunchError(
+        f"FSDP was asked for ({source}) but {where}: Accelerate enables FSDP only on GPUs (CUDA/XPU/NPU/...), so "
+        "this run would train with plain DDP, every process holding the whole model and its optimizer states. "
+        f"On GPUs: accelerate launch --config_file recipes/accelerate/fsdp.yaml {_script()} ...; to shard on CPU "
+        f"use DeepSpeed ZeRO-3: torchrun --nproc_per_node 2 {_script()} ... training.deepspeed={ZERO3_CONFIG} "
+        "(and no training.fsdp)"
+    )
+
+
+def gpu_like_device_available() -> bool:
+    """A device on which Accelerate's distributed types enable FSDP (its MULTI_* GPU-like types)."""
+    import accelerate.utils as accelerate_utils
+
+    probes = ("is_cuda_available", "is_xpu_available", "is_npu_available", "is_mlu_available",
+              "is_musa_available", "is_sdaa_available", "is_hpu_available", "is_neuron_available")
+    return any(getattr(accelerate_utils, name, lambda: False)() for name in probes)
+
+
+def _check_deepspeed_installed(source: str) -> None:
+    if importlib.util.find_spec("deepspeed") is None:
+        raise LaunchError(
+            f"DeepSpeed was asked for ({source}) but is not installed, so the run could not shard anything. "
+            "Install it: pip install 'hf_accum[deepspeed]' (or pip install deepspeed), or drop the DeepSpeed "
+            "config to train with plain DDP"
+        )
+
+
+def _flag(environ: Mapping[str, str], name: str) -> bool:
+    return environ.get(name, "false").strip().lower() in ("1", "true", "yes")
+
+
+def _script() -> str:
+    script = sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else "recipes/finetune_llama.py"
+    return os.path.relpath(script) if os.path.isabs(script) else script
+
+
+# -- DeepSpeed config files -----------------------------------------------------------------------
+
+# DeepSpeed key -> the recipe's (TrainingArguments) name for the same number. "auto" takes the recipe's.
+_BATCH_KEYS = {
+    "train_micro_batch_size_per_gpu": "per_device_train_batch_size",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "train_batch_size": "per_device_train_batch_size x gradient_accumulation_steps x processes",
+    "gradient_clipping": "max_grad_norm",
+}
+
+
+def load_deepspeed_config(source: str | Mapping[str, Any]) -> dict:
+    """A DeepSpeed config (path to a JSON file, or a dict) checked for what hf_accum needs."""
+    if isinstance(source, Mapping):
+        config = json.loads(json.dumps(source))  # a private deep copy; "auto" values get filled in place later
+        where = "the DeepSpeed config"
+    else:
+        where = f"DeepSpeed config {source}"
+        try:
+            with open(source) as handle:
+                config = json.load(handle)
+        except FileNotFoundError:
+            raise LaunchError(f"{where}: no such file (ready ones: recipes/deepspeed/zero2.json, zero3.json, "
+                              "zero3_offload.json)") from None
+        except json.JSONDecodeError as error:
+            raise LaunchError(f"{where}: not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise LaunchError(f"{where}: must be a JSON object, got {type(config).__name__}")
+    stage = config.get("zero_optimization", {}).get("stage") if isinstance(config.get("zero_optimization"), dict) else None
+    if stage not in (0, 1, 2, 3):
+        raise LaunchError(f"{where}: zero_optimization.stage={stage!r}; allowed: 0, 1, 2, 3 (hf_accum ships 2 and 3)")
+    if "scheduler" in config:
+        raise LaunchError(
+            f"{where} has a 'scheduler' section: DeepSpeed's scheduler would replace hf_accum's, whose horizon is "
+            "counted in optimizer updates (the big batch's LR at every update). Remove it and set "
+            "training.lr_scheduler_type / warmup instead"
+        )
+    return config
+
+
+def check_deepspeed_batch(
+    config: Mapping[str, Any], micro_batch_size: int, accumulation_steps: int, world_size: int, max_grad_norm: float
+) -> None:
+    """Numbers in the DeepSpeed config must be the recipe's (``"auto"`` always is): the batch arithmetic
+    is stated once. Accelerate would otherwise let a numeric ``gradient_accumulation_steps`` win silently."""
+    recipe = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": accumulation_steps,
+        "train_batch_size": micro_batch_size * accumulation_steps * world_size,
+        "gradient_clipping": max_grad_norm,
+    }
+    for key, ours in recipe.items():
+        value = config.get(key, "auto")
+        if value != "auto" and float(value) != float(ours):
+            raise LaunchError(
+                f"DeepSpeed config {key}={value} but the recipe has {_BATCH_KEYS[key]} = {ours}; set it to \"auto\" "
+                "(filled from the recipe) or change the recipe"
+            )
+
+
+def _deepspeed_source(training: Mapping[str, Any], environ: Mapping[str, str]) -> str | Mapping[str, Any]:
+    if training.get("deepspeed"):
+        return training["deepspeed"]
+    path = environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    if path == "none":
+        raise LaunchError(
+            "accelerate launch asked for DeepSpeed without deepspeed_config_file: point the launcher config's "
+            "deepspeed_config.deepspeed_config_file at a JSON (recipes/deepspeed/zero2.json, zero3.json, "
+            "zero3_offload.json) or set training.deepspeed"
+        )
+    return path
+
+
+# -- 2. the loop engine's Accelerator ---------------------------------------------------------------
+
+
+def loop_accelerator(
+    launch: Launch, accumulation_steps: int, max_grad_norm: float, mixed_precision: str = "no", use_cpu: bool = False
+):
+    """The ``Accelerator`` of the loop engine for ``launch``, checked with :func:`check_engine`.
+
+    Under DeepSpeed it carries a ``DeepSpeedPlugin`` whose ``"auto"`` values take the recipe's
+    accumulation steps and clipping (Accelerate would otherwise clip at 1.0 whatever
+    ``max_grad_norm`` says). Two traps of Accelerate 1.15 on a machine without GPU are avoided the
+    way ``TrainingArguments(use_cpu=True, deepspeed=...)`` avoids them: ``Accelerator(cpu=True)``
+    drops DeepSpeed, and without ``cpu`` Accelerate counts 1 process whatever torchrun started.
+    So the process group is set up first as multi-CPU (``PartialState(cpu=True)``: gloo, the real
+    world size), then the Accelerator is built without ``cpu`` and DeepSpeed runs on its CPU
+    accelerator.
+    """
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import DeepSpeedPlugin
+
+    kwargs: dict[str, Any] = {"gradient_accumulation_steps": accumulation_steps, "mixed_precision": mixed_precision}
+    if launch.backend != DEEPSPEED:
+        accelerator = Accelerator(cpu=use_cpu, **kwargs)
+    else:
+        if use_cpu or not gpu_like_device_available():
+            PartialState(cpu=True)
+        plugin = DeepSpeedPlugin(
+            hf_ds_config=json.loads(json.dumps(launch.deepspeed_config)),  # filled in place: keep ours unfilled
+            gradient_accumulation_steps=accumulation_steps,
+            gradient_clipping=max_grad_norm,
+        )
+        accelerator = Accelerator(deepspeed_plugin=plugin, **kwargs)
+    check_engine(accelerator, launch)
+    return accelerator
+
+
+def start_process_group(args, launch: Launch) -> None:
+    """Set up the process group as ``TrainingArguments`` does (gloo with ``use_cpu``), before any model
+    loads; check that it spans every process the launcher started; under DeepSpeed, start DeepSpeed's
+    communication layer on it.
+
+    Accelerate keeps one shared state per process, made by whoever asks first. A quantized load
+    (``from_pretrained(device_map=...)``) asks with default arguments, which on a machine without GPU
+    yields ONE process whatever torchrun started -- every rank would then train alone, silently.
+    And with a ZeRO-3 config alive (trainer engine) transformers builds the model inside
+    ``deepspeed.zero.Init``, which reads the world size from DeepSpeed's comm: left uninitialized it
+    counts 1 process and refuses the batch arithmetic ("32 != 8 * 2 * 1").
+    """
+    from accelerate import PartialState
+
+    args.device  # noqa: B018 -- TrainingArguments creates the process group on first use
+    processes = PartialState().num_processes
+    if processes != launch.world_size:
+        hint = ("this machine has no GPU, and without training.use_cpu=true Accelerate counts one process: add it"
+                if not gpu_like_device_available() else "check the launcher's environment (WORLD_SIZE, RANK)")
+        raise LaunchError(
+            f"the launcher started {launch.world_size} processes but the process group holds {processes}; {hint}"
+        )
+    if launch.backend == DEEPSPEED:
+        import deepspeed
+
+        backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
+        deepspeed.init_distributed(dist_backend=backend)  # wraps the existing group
+
+
+def check_offload_optimizer(optimizer: torch.optim.Optimizer, launch: Launch) -> None:
+    """ZeRO-Offload steps on the CPU with DeepSpeed's own optimizers: Accelerate swaps a torch optimizer
+    for ``DeepSpeedCPUAdam`` (``DeepSpeedCPUAdagrad`` for Adagrad) keeping only its lr and weight decay
+    -- an SGD becomes Adam, other betas/eps become (0.9, 0.999)/1e-8, without a word. Refuse those."""
+    config = launch.deepspeed_config or {}
+    offload = config.get("zero_optimization", {}).get("offload_optimizer") or {}
+    if launch.backend != DEEPSPEED or offload.get("device", "none") == "none":
+        return
+    if not config.get("zero_force_ds_cpu_optimizer", True):
+        return  # the torch optimizer itself runs on the CPU
+    name = type(optimizer).__name__
+    if isinstance(optimizer, torch.optim.Adagrad):
+        return
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        defaults = optimizer.defaults
+        if tuple(defaults["betas"]) == (0.9, 0.999) and defaults["eps"] == 1e-8 and not defaults.get("amsgrad"):
+            return
+        change = f"betas={tuple(defaults['betas'])}, eps={defaults['eps']} by DeepSpeedCPUAdam's (0.9, 0.999), 1e-8"
+    else:
+        change = f"{name} by DeepSpeedCPUAdam"
+    raise LaunchError(
+        f"ZeRO-Offload ({launch.source}) would replace {change} (Accelerate keeps only lr and weight_decay). "
+        "Use AdamW with the default betas/eps, or set \"zero_force_ds_cpu_optimizer\": false in the DeepSpeed "
+        "config to step this optimizer itself on the CPU (slower)"
+    )
+
+
+# -- 3. after the Accelerator exists: what it really got ------------------------------------------
+
+
+def check_engine(accelerator: Any, launch: Launch) -> None:
+    """Compare the ``Accelerator`` (``trainer.accelerator`` for the Trainer) with the accepted launch."""
+    from accelerate.utils import DistributedType
+
+    expected = {DEEPSPEED: DistributedType.DEEPSPEED, FSDP: DistributedType.FSDP}.get(launch.backend)
+    actual = accelerator.distributed_type
+    if expected is not None and actual != expected:
+        raise LaunchError(
+            f"{launch.backend} was asked for ({launch.source}) but the Accelerator runs {actual.value}; "
+            + ("for the loop engine build it with hf_accum.recipe.launch.loop_accelerator (Accelerate drops "
+               "DeepSpeed when cpu=True)" if launch.backend == DEEPSPEED else "FSDP needs GPUs")
+        )
+    if accelerator.num_processes != launch.world_size:
+        raise LaunchError(
+            f"the launcher started {launch.world_size} processes but the Accelerator sees {accelerator.num_processes}"
+        )
+
+
