@@ -77,6 +77,7 @@ from hf_accum.loss import (
     model_problem_type,
     unwrap_model,
 )
+from hf_accum.run_lock import locks_output_dir
 from hf_accum.schedule import (
     BatchPlan,
     create_update_scheduler,
@@ -223,6 +224,9 @@ class TrainResult:
         return [u.step for u in self.updates if u.nonfinite]
 
 
+@locks_output_dir(  # one run per output directory (hf_accum.run_lock), for the whole call
+    lambda a: ((a["config"] or LoopConfig()).output_dir, a["accelerator"].is_main_process), "LoopConfig.output_dir"
+)
 def train(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,

@@ -60,6 +60,7 @@ from hf_accum.accumulation import (
 )
 from hf_accum.checkpoint import (
     PLAN_FILE,
+    check_checkpoint_files,
     check_resume_engine,
     check_resume_plan,
     checkpoint_path,
@@ -90,6 +91,7 @@ from hf_accum.loss import (
     resolve_loss_kind,
     token_loss_sum,
 )
+from hf_accum.run_lock import locks_output_dir
 from hf_accum.schedule import BatchPlan, planned_updates, repeated_examples_warning
 
 logger = logging.getLogger(__name__)
@@ -595,6 +597,7 @@ class AccumTrainer(Trainer):
         save_update_history(staged, [asdict(update) for update in history])
         save_batch_plan(staged, self.batch_plan)
 
+    @locks_output_dir(lambda a: (a["self"].args.output_dir, a["self"].args.process_index == 0), "output_dir")
     def train(self, resume_from_checkpoint=None, *args: Any, **kwargs: Any):
         """``resume_from_checkpoint=True``: the latest complete checkpoint of ``output_dir``. Raises
         :class:`~hf_accum.control.TrainingStopped` after a stop signal or request (checkpoint written) and
@@ -603,6 +606,7 @@ class AccumTrainer(Trainer):
         if checkpoint is True:
             checkpoint = resolve_resume_checkpoint(True, self.args.output_dir)
         if isinstance(checkpoint, str):
+            check_checkpoint_files(checkpoint)  # its manifest, before anything loads
             self._check_resume_plan(checkpoint)
         self._resume_checkpoint = checkpoint if isinstance(checkpoint, str) else None
         self._halt, self._skip_step, self._save_requested = None, False, False
