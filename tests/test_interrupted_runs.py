@@ -33,6 +33,7 @@ from hf_accum.checkpoint import (
     latest_complete_checkpoint,
 )
 from hf_accum.control import EXIT_PREEMPTED
+from hf_accum.run_lock import LOCK_NAME
 from interruptions import assert_same_run, parse_args, read_records, run_dir, stitched
 
 HERE = os.path.dirname(__file__)
@@ -49,7 +50,7 @@ def run_worker(engine: str, out, tag: str, *injections: str) -> subprocess.Compl
 
 
 def names(out) -> list[str]:
-    return sorted(os.listdir(run_dir(str(out))))
+    return sorted(name for name in os.listdir(run_dir(str(out))) if name != LOCK_NAME)  # a SIGKILLed run leaves it
 
 
 @pytest.fixture(scope="module", params=["loop", "trainer"])
