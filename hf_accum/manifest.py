@@ -97,8 +97,14 @@ _verified: set[tuple] = set()
 
 
 def _cache_key(manifest: str) -> tuple:
-    stat = os.stat(manifest)
-    return os.path.realpath(manifest), stat.st_ino, stat.st_mtime_ns, stat.st_size
+    """Every file's identity, size and modification time (stat calls only): any write since invalidates it."""
+    folder = os.path.dirname(manifest)
+    stats = []
+    for root, _, names in os.walk(folder):
+        for name in sorted(names):
+            stat = os.stat(os.path.join(root, name))
+            stats.append((os.path.relpath(os.path.join(root, name), folder), stat.st_ino, stat.st_size, stat.st_mtime_ns))
+    return os.path.realpath(folder), tuple(sorted(stats))
 
 
 def _compare(checkpoint: str, path: str) -> Verdict:

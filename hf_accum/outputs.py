@@ -95,7 +95,9 @@ def check_output_dir(config: config_module.RecipeConfig, resume: bool) -> str:
             f"output dir {out!r} is not empty and holds no {config_module.RESOLVED_CONFIG_NAME} (not a recipe run); "
             "choose another training.output_dir or set overwrite_output_dir: true"
         )
-    diff = config_module.differences(config_module.load_yaml(saved_path), config.to_dict())
+    # Where the directory is is not part of the run: a run moved (or copied) elsewhere resumes in place.
+    diff = [line for line in config_module.differences(config_module.load_yaml(saved_path), config.to_dict())
+            if not line.startswith("training.output_dir:")]
     if diff:
         raise OutputDirError(
             f"output dir {out!r} holds a different run ({'; '.join(diff[:5])}); choose another "
