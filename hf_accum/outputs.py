@@ -351,7 +351,7 @@ def is_disk_full(error: BaseException) -> bool:
     while error is not None and seen < 5:
         if isinstance(error, OSError) and error.errno in _DISK_FULL_ERRNOS:
             return True
-        if isinstance(error, (OSError, RuntimeError)) and any(t in str(error).lower() for t in _DISK_FULL_TEXT):
+        if any(text in str(error).lower() for text in _DISK_FULL_TEXT):  # SafetensorError is neither
             return True
         error, seen = error.__cause__ or error.__context__, seen + 1
     return False

@@ -337,7 +337,7 @@ def test_a_full_disk_ends_in_one_line_with_exit_3(where, small_disk):
     out = small_disk / "run"
     overrides = ["training.max_steps=4", "training.save_steps=2" if where == "second_checkpoint" else "training.save_steps=4"]
     if where == "final_files":  # leave less room than the final adapter needs after checkpoint-4
-        (small_disk / "ballast").write_bytes(b"\0" * (900 << 10))
+        (small_disk / "ballast").write_bytes(b"\0" * (1200 << 10))
     proc = run(out, *overrides)
     assert proc.returncode == EXIT_DISK_FULL, proc.stderr[-3000:]
     line = last_line(proc.stderr)
