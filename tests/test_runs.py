@@ -123,20 +123,23 @@ def test_lock_is_reentrant_in_one_process_and_leaves_no_directory_it_created(tmp
 @pytest.mark.slow
 def test_a_second_run_on_a_running_runs_directory_is_refused_and_the_first_is_unharmed(tmp_path):
     out = tmp_path / "run"
-    first = subprocess.Popen(command(out, "training.max_steps=30", "training.save_steps=10",
+    first = subprocess.Popen(command(out, "training.max_steps=6", "training.save_steps=2",
                                      "training.learning_rate=0.001"),
                              cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
     while not (out / run_lock.LOCK_NAME).exists() and first.poll() is None and time.time() < deadline:
-        time.sleep(0.1)
-    assert first.poll() is None, first.communicate()[1][-3000:]
-    # Another learning rate; then the same with overwrite_output_dir: neither may touch the running run.
-    seconds = [run(out, "training.max_steps=30", "training.learning_rate=0.002"),
-               run(out, "training.max_steps=30", "training.learning_rate=0.002", "overwrite_output_dir=true")]
-    still_running = first.poll() is None
+        time.sleep(0.05)
+    # SIGSTOP keeps the first run alive (holding its lock) however slow this machine is; SIGCONT lets it go on.
+    first.send_signal(signal.SIGSTOP)
+    try:
+        assert first.poll() is None, "the first run ended before it could be paused"
+        # Another learning rate; then the same with overwrite_output_dir: neither may touch the running run.
+        seconds = [run(out, "training.max_steps=6", "training.learning_rate=0.002"),
+                   run(out, "training.max_steps=6", "training.learning_rate=0.002", "overwrite_output_dir=true")]
+    finally:
+        first.send_signal(signal.SIGCONT)
     stdout, stderr = first.communicate(timeout=300)
     assert first.returncode == 0, stderr[-3000:]
-    assert still_running, "the first run ended before the second was refused: make it longer"
     for second in seconds:
         assert second.returncode == EXIT_BAD_INPUT, second.stderr[-3000:]
         line = last_line(second.stderr)
@@ -144,9 +147,9 @@ def test_a_second_run_on_a_running_runs_directory_is_refused_and_the_first_is_un
         assert f"pid {first.pid} on " in line
         assert "resolved config:" not in second.stdout  # stopped before anything was loaded or written
     metrics = json.loads((out / run_outputs.METRICS_NAME).read_text())
-    assert len(metrics["updates"]) == 30
+    assert len(metrics["updates"]) == 6
     assert "learning_rate: 0.001" in (out / "resolved_config.yaml").read_text()
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-10", "checkpoint-20", "checkpoint-30"]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
     assert not (out / run_lock.LOCK_NAME).exists()
 
 
