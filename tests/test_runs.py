@@ -380,3 +380,36 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_and_torchrun_exits_1(tmp_pat
     succeeded(resumed)
     assert f"resuming from {latest}" in resumed.stdout
     assert len(json.loads((out / run_outputs.METRICS_NAME).read_text())["updates"]) == 30
+
+
+# -- using a trained run ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_generate_rebuilds_the_tiny_base_and_puts_the_runs_adapter_on_it(finished_pair, tmp_path, capsys):
+    """The embedded default's base is built in-process (its adapter names no base on disk): generate rebuilds it
+    from resolved_config.yaml. Without the adapter it must answer as the run's base did before training, with it
+    as the trained model did after (the recipe's own held-out samples, in metrics.json)."""
+    from hf_accum import cli
+    from hf_accum.generate import complete, load_trained
+
+    reference, _, _ = finished_pair
+    metrics = json.loads((reference / run_outputs.METRICS_NAME).read_text())
+    model, tokenizer, config = load_trained(str(reference))
+    budget = config.data.eval_max_new_tokens
+    before = metrics["eval_before"]["samples"]
+    assert any(sample["generated"] for sample in before)  # the random base says something: a real comparison
+    with model.disable_adapter():
+        assert [complete(model, tokenizer, s["prompt"], budget) for s in before] == [s["generated"] for s in before]
+    after = metrics["eval_after"]["samples"]
+    assert [complete(model, tokenizer, s["prompt"], budget) for s in after] == [s["generated"] for s in after]
+
+    assert cli.main(["generate", "--run", str(reference), before[0]["prompt"]]) == 0
+    assert capsys.readouterr().out == after[0]["generated"] + "\n"
+    unfinished = as_unfinished(reference, tmp_path / "unfinished")
+    for run_dir, message in ((tmp_path / "missing", "no such directory"),
+                             (tmp_path, "holds no resolved_config.yaml: not a recipe run's output directory"),
+                             (unfinished, "holds no adapter/ or model/: the run has not finished")):
+        assert cli.main(["generate", "--run", str(run_dir), "hello"]) == 2
+        line = capsys.readouterr().err.strip()
+        assert line.startswith("hf-accum generate: error: --run ") and message in line and "\n" not in line
