@@ -120,6 +120,65 @@ def test_lock_is_reentrant_in_one_process_and_leaves_no_directory_it_created(tmp
     assert not os.path.exists(tmp_path / "a")
 
 
+@pytest.fixture
+def held_by_another_process(tmp_path):
+    """``tmp_path/run`` locked by a live process; yields (directory, that process's pid)."""
+    out = str(tmp_path / "run")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from hf_accum import run_lock; run_lock.acquire(sys.argv[1]); "
+         "print('held', flush=True); time.sleep(600)", out],
+        env=ENV, stdout=subprocess.PIPE, text=True,
+    )
+    assert holder.stdout.readline().strip() == "held"
+    yield out, holder.pid
+    holder.kill()
+    holder.wait()
+
+
+@pytest.mark.parametrize("front_end", ["loop", "trainer"])
+def test_both_engines_refuse_an_output_dir_another_run_holds(front_end, held_by_another_process):
+    from torch.utils.data import DataLoader
+
+    from hf_accum import AccumTrainer, LoopConfig, train
+    from hf_accum.batching import PaddingCollator
+    from hf_accum.testing import PAD, Scenario, fresh_accelerator, tiny_causal_lm, training_args
+
+    out, pid = held_by_another_process
+    model = tiny_causal_lm(dtype=torch.float32)
+    rows = [{"input_ids": list(range(3, 9))} for _ in range(4)]
+    with pytest.raises(run_lock.OutputDirInUse, match=rf"output_dir='{out}' is in use by another run \(pid {pid} on "):
+        if front_end == "loop":
+            accelerator = fresh_accelerator(2)
+            loader = DataLoader(rows, batch_size=2, collate_fn=PaddingCollator(PAD))
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+            model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+            train(model, optimizer, loader, accelerator, LoopConfig(disable_tqdm=True, output_dir=out))
+        else:
+            scenario = Scenario("locked", None, rows, PaddingCollator(PAD), micro_batch=2, accumulation=2)
+            AccumTrainer(model=model, args=training_args(scenario, out), train_dataset=rows,
+                         data_collator=scenario.collator).train()
+    assert sorted(os.listdir(out)) == [run_lock.LOCK_NAME]  # nothing written by the refused run
+
+
+def test_the_write_probe_has_no_name_a_kill_could_leave_behind(tmp_path, monkeypatch):
+    import tempfile
+
+    from hf_accum.checkpoint import check_output_dir_writable
+
+    seen = []
+    original = tempfile.TemporaryFile
+
+    def probe(*args, **kwargs):  # the moment a kill could strike: the probe file is open
+        handle = original(*args, **kwargs)
+        seen.append(os.listdir(kwargs["dir"]))
+        return handle
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", probe)
+    run_outputs.probe_writable(str(tmp_path / "recipe"))
+    check_output_dir_writable(str(tmp_path / "loop"))
+    assert seen == [[], []]
+
+
 @pytest.mark.slow
 def test_a_second_run_on_a_running_runs_directory_is_refused_and_the_first_is_unharmed(tmp_path):
     out = tmp_path / "run"
