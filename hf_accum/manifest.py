@@ -102,8 +102,9 @@ def _cache_key(manifest: str) -> tuple:
     stats = []
     for root, _, names in os.walk(folder):
         for name in sorted(names):
-            stat = os.stat(os.path.join(root, name))
-            stats.append((os.path.relpath(os.path.join(root, name), folder), stat.st_ino, stat.st_size, stat.st_mtime_ns))
+            path = os.path.join(root, name)
+            stat = os.stat(path)
+            stats.append((os.path.relpath(path, folder), stat.st_ino, stat.st_size, stat.st_mtime_ns))
     return os.path.realpath(folder), tuple(sorted(stats))
 
 

@@ -385,7 +385,8 @@ def small_disk(tmp_path):
     """A tmpfs of 4 MiB (room for the output directory and about one checkpoint of the tiny default)."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    tried = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True, text=True)
+    tried = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True,
+                           text=True)
     if tried.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({tried.stderr.strip() or tried.returncode}): covered by "
                     "test_disk_full_is_one_line_naming_the_last_good_checkpoint only")
@@ -397,7 +398,8 @@ def small_disk(tmp_path):
 @pytest.mark.parametrize("where", ["second_checkpoint", "final_files"])
 def test_a_full_disk_ends_in_one_line_with_exit_3(where, small_disk):
     out = small_disk / "run"
-    overrides = ["training.max_steps=4", "training.save_steps=2" if where == "second_checkpoint" else "training.save_steps=4"]
+    every = 2 if where == "second_checkpoint" else 4
+    overrides = ["training.max_steps=4", f"training.save_steps={every}"]
     if where == "final_files":  # leave less room than the final adapter needs after checkpoint-4
         (small_disk / "ballast").write_bytes(b"\0" * (1200 << 10))
     proc = run(out, *overrides)
