@@ -10,7 +10,9 @@ Shared by both engines:
   save); the previous checkpoints stay complete. Old checkpoints are deleted (``save_total_limit``) only
   after the new one is in place.
 * **Finding** (:func:`latest_complete_checkpoint`): the ``checkpoint-<n>`` with the largest ``n`` that holds
-  the marker; incomplete ones are skipped.
+  the marker; incomplete ones are skipped. To resume (:func:`resolve_resume_checkpoint`,
+  :func:`verified_resume_checkpoint`), the newest one whose files match the manifest written with it
+  (:mod:`hf_accum.manifest`); a damaged one named explicitly is refused before anything loads.
 * **The batch plan** (:func:`check_resume_plan`): a checkpoint trained with another micro-batch,
   accumulation or world size is refused, naming the difference -- the effective batch and the data
   position would silently change.
