@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import time
 from dataclasses import dataclass
 from functools import cached_property
@@ -319,6 +320,10 @@ class _SavedRef:
 def measure_memory(device: torch.device, parameters: Iterable[torch.Tensor] = ()):
     """Yield a :class:`MemoryReading`, filled in when the block ends (see the module docstring)."""
     from torch.profiler import ProfilerActivity, profile
+
+    # Kineto prints a "USDT: ... profiler_start/stop" line per window at every log level up to 5 (ERROR is 4);
+    # read when the profiler first starts, so setting it here (before the first window) silences them.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
     reading = MemoryReading()
     saved = SavedActivations(parameters)

@@ -28,20 +28,22 @@ def _library_logger() -> None:
 
 _library_logger()
 
-from hf_accum.accumulation import WindowTally, WindowTotals, exact_mean_factor  # noqa: E402
-from hf_accum.batching import PackingCollator, PaddingCollator  # noqa: E402
-from hf_accum.checkpoint import latest_complete_checkpoint  # noqa: E402
-from hf_accum.control import (  # noqa: E402
-    EXIT_INTERRUPTED,
-    EXIT_PREEMPTED,
-    NonFiniteLossError,
-    TrainingControl,
-    TrainingStopped,
-)
-from hf_accum.fused_loss import linear_cross_entropy_sum  # noqa: E402
-from hf_accum.loop import LoopConfig, TrainResult, UpdateLog, train  # noqa: E402
-from hf_accum.loss import count_targets, infer_loss_kind, token_loss_sum  # noqa: E402
-from hf_accum.schedule import BatchPlan, create_update_scheduler, plan_global_batch, planned_updates  # noqa: E402
+# Every public name is imported on first use (PEP 562): `import hf_accum` and `hf-accum plan` stay light
+# (no torch, transformers or accelerate for arithmetic); `from hf_accum import train` imports the loop.
+_LAZY = {
+    "WindowTally": "accumulation", "WindowTotals": "accumulation", "exact_mean_factor": "accumulation",
+    "PackingCollator": "batching", "PaddingCollator": "batching",
+    "latest_complete_checkpoint": "checkpoint",
+    "EXIT_INTERRUPTED": "control", "EXIT_PREEMPTED": "control", "NonFiniteLossError": "control",
+    "TrainingControl": "control", "TrainingStopped": "control",
+    "linear_cross_entropy_sum": "fused_loss",
+    "count_targets": "loss", "infer_loss_kind": "loss", "token_loss_sum": "loss",
+    "LoopConfig": "loop", "TrainResult": "loop", "UpdateLog": "loop", "train": "loop",
+    "BatchPlan": "schedule", "create_update_scheduler": "schedule", "plan_global_batch": "schedule",
+    "planned_updates": "schedule",
+    # The trainers import transformers.Trainer (heavy) and TRL (optional).
+    "AccumTrainer": "trainer", "AccumSFTTrainer": "sft",
+}
 
 __version__ = "0.1.0"
 
@@ -73,13 +75,11 @@ __all__ = [
 
 
 def __getattr__(name):
-    # The trainers import transformers.Trainer (heavy) and TRL (optional); load them only when asked for.
-    if name == "AccumTrainer":
-        from hf_accum.trainer import AccumTrainer
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hf_accum' has no attribute {name!r}")
+    import importlib
 
-        return AccumTrainer
-    if name == "AccumSFTTrainer":
-        from hf_accum.sft import AccumSFTTrainer
-
-        return AccumSFTTrainer
-    raise AttributeError(name)
+    value = getattr(importlib.import_module(f"hf_accum.{module}"), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value

@@ -10,7 +10,9 @@ Shared by both engines:
   save); the previous checkpoints stay complete. Old checkpoints are deleted (``save_total_limit``) only
   after the new one is in place.
 * **Finding** (:func:`latest_complete_checkpoint`): the ``checkpoint-<n>`` with the largest ``n`` that holds
-  the marker; incomplete ones are skipped.
+  the marker; incomplete ones are skipped. To resume (:func:`resolve_resume_checkpoint`,
+  :func:`verified_resume_checkpoint`), the newest one whose files match the manifest written with it
+  (:mod:`hf_accum.manifest`); a damaged one named explicitly is refused before anything loads.
 * **The batch plan** (:func:`check_resume_plan`): a checkpoint trained with another micro-batch,
   accumulation or world size is refused, naming the difference -- the effective batch and the data
   position would silently change.
@@ -40,6 +42,7 @@ import numpy as np
 import torch
 
 from hf_accum.errors import InputError
+from hf_accum.manifest import check_named_checkpoint, newest_verified_checkpoint, write_manifest
 from hf_accum.schedule import BatchPlan
 
 logger = logging.getLogger(__name__)
@@ -108,6 +111,13 @@ def resolve_resume_checkpoint(resume_from_checkpoint: str | bool | None, output_
         if not output_dir:
             raise ValueError("resume_from_checkpoint=True needs an output directory to look for checkpoints in")
         latest = latest_complete_checkpoint(output_dir)
+        if latest is not None:
+            latest = verified_resume_checkpoint(output_dir)
+            if latest is None:
+                raise ValueError(
+                    f"resume_from_checkpoint=True: no checkpoint in {output_dir!r} verifies (every one was skipped "
+                    "above): start fresh, without resume_from_checkpoint"
+                )
         if latest is None:
             raise ValueError(  # a ValueError, like Trainer's for the same case
                 f"resume_from_checkpoint=True: no complete {CHECKPOINT_PREFIX}-<n> in {output_dir!r} (a complete "
@@ -123,7 +133,39 @@ def resolve_resume_checkpoint(resume_from_checkpoint: str | bool | None, output_
             f"resume_from_checkpoint={path!r} is incomplete (no {PLAN_FILE}: its write was interrupted); "
             f"resume from latest_complete_checkpoint({os.path.dirname(os.path.normpath(path))!r}) instead"
         )
+    check_checkpoint_files(path)
     return path
+
+
+def check_checkpoint_files(checkpoint: str) -> None:
+    """Refuse (:class:`hf_accum.manifest.CheckpointCorrupt`) a named checkpoint whose files do not match its
+    manifest, naming the bad file and the newest checkpoint beside it that verifies."""
+    check_named_checkpoint(checkpoint, lambda: _newest_good_sibling(checkpoint))
+
+
+def verified_resume_checkpoint(output_dir: str, report: Callable[[str], None] | None = None) -> str | None:
+    """The newest complete checkpoint of ``output_dir`` whose files match its manifest (None: none does, or
+    there is none); each newer one skipped is reported (``report``, default: a logged warning) with why."""
+    checkpoint, _ = newest_verified_checkpoint(complete_checkpoints(output_dir), report)
+    return checkpoint
+
+
+def _newest_good_sibling(path: str) -> str | None:
+    """The newest verified checkpoint beside ``path`` (for the advice when ``path`` is damaged)."""
+    others = [c for c in complete_checkpoints(os.path.dirname(os.path.normpath(path)))
+              if os.path.normpath(c) != os.path.normpath(path)]
+    checkpoint, _ = newest_verified_checkpoint(others, report=lambda line: None)
+    return checkpoint
+
+
+def remove_staging_debris(output_dir: str) -> list[str]:
+    """Remove what killed checkpoint writes left in ``output_dir`` (hidden staging directories, probes);
+    returns their names. Only for the run that holds the directory's lock (:mod:`hf_accum.run_lock`)."""
+    if not os.path.isdir(output_dir):
+        return []
+    names = sorted(name for name in os.listdir(output_dir) if name.startswith(STAGING_PREFIX))
+    _remove_stale_staging(output_dir)
+    return names
 
 
 # -- the batch plan ------------------------------------------------------------------------------------
@@ -305,8 +347,16 @@ def staged_checkpoint(
     seal: Callable[[str], None],
 ) -> Iterator[str]:
     """:func:`atomic_directory` for ``output_dir/checkpoint-<update>``; ``seal`` writes the completion marker
-    (:data:`PLAN_FILE`). Also removes staging directories that killed writes left in ``output_dir``."""
-    with atomic_directory(checkpoint_path(output_dir, update), commits=commits, barrier=barrier, seal=seal) as staged:
+    (:data:`PLAN_FILE`), then the manifest of every file is written last (:mod:`hf_accum.manifest`). Also
+    removes staging directories that killed writes left in ``output_dir``."""
+
+    def seal_and_list(folder: str) -> None:
+        seal(folder)
+        write_manifest(folder)
+
+    with atomic_directory(
+        checkpoint_path(output_dir, update), commits=commits, barrier=barrier, seal=seal_and_list
+    ) as staged:
         yield staged
     if commits:
         _remove_stale_staging(output_dir)
@@ -329,7 +379,12 @@ def _move_into_place(staged: str, final: str) -> None:
 def _remove_stale_staging(output_dir: str) -> None:
     for name in os.listdir(output_dir):
         if name.startswith(STAGING_PREFIX):
-            shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+            path = os.path.join(output_dir, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:  # a killed atomic_file's temporary
+                with contextlib.suppress(OSError):
+                    os.remove(path)
 
 
 def _fsync_tree(root: str) -> None:
@@ -364,13 +419,14 @@ def rotate_checkpoints(output_dir: str, save_total_limit: int | None) -> None:
 
 
 def check_output_dir_writable(output_dir: str, label: str = "output_dir") -> None:
-    """Create ``output_dir`` and a probe file in it, before training: a checkpoint must not fail hours later."""
-    probe = os.path.join(output_dir, f"{STAGING_PREFIX}write-probe-{os.getpid()}")
+    """Create ``output_dir`` and a probe file in it, before training: a checkpoint must not fail hours later.
+    The probe is an unnamed temporary file (``O_TMPFILE`` where supported): a kill leaves nothing behind."""
+    import tempfile
+
     try:
         os.makedirs(output_dir, exist_ok=True)
-        with open(probe, "w") as handle:
-            handle.write("probe")
-        os.remove(probe)
+        with tempfile.TemporaryFile(dir=output_dir, prefix=STAGING_PREFIX) as handle:
+            handle.write(b"probe")
     except OSError as error:
         raise ValueError(f"{label}={output_dir!r} is not a writable directory ({error.strerror or error})") from None
 

@@ -7,6 +7,8 @@
   local model directory) under :class:`hf_accum.verify.BigBatchAuditor` and report, per update,
   how far the applied gradient is from the big-batch gradient -- for hf_accum's loop and for the
   naive ``loss / K`` loop side by side.
+* ``hf-accum generate --run <output_dir> "prompt"`` -- the completion of a trained recipe run (its base
+  model loaded or rebuilt as it was trained, its adapter on top, the chat template applied).
 * ``hf-accum bench`` -- run the repository's benchmarks (``benchmarks/``, not part of the installed
   library: the accumulation trade-off, the speed/memory targets, the loss at real vocabularies),
   ratios taken side by side; the same as ``python -m benchmarks`` in the checkout hf_accum is
@@ -73,6 +75,13 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--examples", type=int, default=22, help="synthetic rows of uneven length")
     check.add_argument("--tolerance", type=float, default=1e-8, help="max relative gradient error to pass")
     check.set_defaults(run=_run_check)
+
+    generate = commands.add_parser("generate", help="complete a prompt with a trained recipe run's model")
+    generate.add_argument("--run", dest="run_dir", required=True, help="the run's training.output_dir (holding adapter/ or model/)")
+    generate.add_argument("prompt", help="the user message")
+    generate.add_argument("--max-new-tokens", type=int, help="default: the run's data.eval_max_new_tokens")
+    generate.add_argument("--system", help="a system message before the prompt")
+    generate.set_defaults(run=_run_generate)
 
     # Everything after "bench" goes to the benchmarks' own parser (python -m benchmarks --help lists it).
     bench = commands.add_parser(
@@ -146,6 +155,19 @@ def _run_check(args: argparse.Namespace) -> int:
     print(report.table())
     print(report.verdict())
     return 0 if report.passed else 1
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from hf_accum.generate import complete, load_trained, trained_model_dir  # heavy imports only for this command
+
+    trained_model_dir(args.run_dir)  # a bad directory: one line, before torch and transformers load
+    from hf_accum.outputs import quiet_third_party_warnings
+
+    quiet_third_party_warnings()
+    model, tokenizer, config = load_trained(args.run_dir)
+    max_new_tokens = args.max_new_tokens or config.data.eval_max_new_tokens
+    print(complete(model, tokenizer, args.prompt, max_new_tokens, args.system))
+    return 0
 
 
 def _run_bench(args: argparse.Namespace) -> int:

@@ -14,7 +14,9 @@ EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 """A config value, file, model directory or launch setting was refused before (or instead of) training."""
 EXIT_NONFINITE = 3
-"""Too many inf/NaN updates in a row: a checkpoint was written and the run stopped."""
+"""The run stopped and cannot go on by itself: too many inf/NaN updates in a row (a checkpoint was written),
+or a write failed for lack of disk space (:data:`EXIT_DISK_FULL`; the last good checkpoint is named)."""
+EXIT_DISK_FULL = EXIT_NONFINITE
 EXIT_PREEMPTED = 75
 """SIGTERM/SIGUSR1 (preemption): the update finished and a checkpoint was written; ``EX_TEMPFAIL``: try again."""
 EXIT_INTERRUPTED = 130

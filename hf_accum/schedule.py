@@ -13,8 +13,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-from transformers import get_scheduler
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch and transformers only where a scheduler is built: `hf-accum plan` is arithmetic
+    import torch
 
 
 def updates_per_epoch(micro_batches_per_epoch: int, accumulation_steps: int) -> int:
@@ -56,6 +58,8 @@ def create_update_scheduler(
     process per call. Step it once per applied update (see ``hf_accum.loop``).
     """
     warmup = warmup_steps if warmup_steps > 0 else math.ceil(warmup_ratio * total_updates)
+    from transformers import get_scheduler
+
     return get_scheduler(
         name,
         optimizer,

@@ -26,7 +26,8 @@ from torch.utils.data import DataLoader  # noqa: E402
 from hf_accum import AccumTrainer, LoopConfig, train  # noqa: E402
 from hf_accum.batching import PackingCollator, PaddingCollator  # noqa: E402
 from hf_accum.checkpoint import (  # noqa: E402
-    ResumeMismatchError, check_resume_engine, check_resume_plan, resolve_resume_checkpoint,
+    ResumeMismatchError, check_resume_engine, check_resume_plan, remove_staging_debris, resolve_resume_checkpoint,
+    verified_resume_checkpoint,
 )
 from hf_accum.control import NonFiniteLossError, TrainingStopped  # noqa: E402
 from hf_accum.distributed import is_partitioned  # noqa: E402
@@ -39,9 +40,11 @@ from hf_accum.recipe.launch import (  # noqa: E402
 )
 from hf_accum.recipe.modeling import build_model, trainable_summary  # noqa: E402
 from hf_accum.recipe.outputs import (  # noqa: E402
-    RunRecord, barrier, check_output_dir, claim_output_dir, describe_trainable, leave_process_group, percent,
-    quiet_third_party_warnings, run_cli, save_outputs, say,
+    DiskFullError, RunRecord, barrier, check_output_dir, claim_output_dir, describe_trainable, disk_full_is_one_line,
+    is_main_process, leave_process_group, percent, probe_writable, quiet_third_party_warnings, run_cli, save_outputs,
+    say,
 )
+from hf_accum.run_lock import run_lock  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------
@@ -116,7 +119,7 @@ LOOP_READS = LoopConfig.training_argument_names() | {
     "output_dir", "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate", "weight_decay",
     "adam_beta1", "adam_beta2", "adam_epsilon", "seed", "data_seed", "bf16", "fp16", "use_cpu",
     "dataloader_num_workers", "logging_steps", "per_device_eval_batch_size", "report_to", "run_name",
-    "activation_checkpointing", "gradient_checkpointing", "deepspeed",
+    "activation_checkpointing", "gradient_checkpointing", "deepspeed", "resume_from_checkpoint",
 }
 # engine name -> (train function, the TrainingArguments fields it honours; None: all of them).
 ENGINES = {
@@ -153,11 +156,27 @@ def data_facts(data) -> dict:
 def main(argv):
     # 1. Config: built-in defaults < YAML < command line; typed and validated, nothing loaded yet.
     config = load_recipe_config(argv, engines=ENGINES)
+    # One run per output directory: its lock (rank 0 takes it for every rank) before anything there is read
+    # or written, held to the end; a full disk ends in one line naming the last good checkpoint.
+    out = config.training["output_dir"]
+    probe_writable(out)  # a file in the way or a read-only place: one line, and nothing created
+    with run_lock(out, "training.output_dir"), disk_full_is_one_line(out):
+        return run(config)
+
+
+def run(config):
     launch = check_launch(config.training)  # no silent fallback (FSDP on CPU, fewer processes...)
-    resume = config.training.get("resume_from_checkpoint")
-    if check_output_dir(config, resume=bool(resume)) == "fresh" and resume is True:
-        say("note: training.resume_from_checkpoint=true but no checkpoint exists yet: starting from scratch")
-        resume = None
+    resume, out = config.training.get("resume_from_checkpoint"), config.training["output_dir"]
+    state = check_output_dir(config, resume=bool(resume))
+    if resume is True:
+        # The newest checkpoint whose files match its manifest (damaged ones are named and skipped). A requeue
+        # passes the same flag every time: with no such checkpoint yet, start afresh, removing unfinished writes.
+        resume = verified_resume_checkpoint(out, report=say) if state == "resume" else None
+        if resume is None:
+            debris = remove_staging_debris(out) if is_main_process() else []
+            cleaned = f" (removed {len(debris)} unfinished checkpoint write(s))" if debris else ""
+            say(f"note: training.resume_from_checkpoint=true but no checkpoint exists yet{cleaned}: "
+                "starting from scratch")
     try:
         resume = resolve_resume_checkpoint(resume, config.training["output_dir"])
     except ValueError as error:  # an incomplete checkpoint, or none where one was named

@@ -164,6 +164,21 @@ def test_measure_memory_sees_a_known_allocation():
     del small
 
 
+def test_measuring_memory_prints_no_profiler_trace_lines():
+    """Kineto's "USDT: ... profiler_start" lines went to the terminal once per measured window."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import torch; from benchmarks.harness import measure_memory\n"
+            "with measure_memory(torch.device('cpu')):\n    torch.ones(1000)")
+    env = {key: value for key, value in os.environ.items() if key != "KINETO_LOG_LEVEL"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "USDT" not in proc.stdout + proc.stderr
+
+
 def test_saved_activations_count_distinct_storages_and_skip_parameters():
     weight = torch.nn.Parameter(torch.randn(100, 100))
     x = torch.randn(50, 100, requires_grad=True)

@@ -34,6 +34,7 @@ from hf_accum.checkpoint import (
     latest_complete_checkpoint,
 )
 from hf_accum.control import EXIT_PREEMPTED
+from hf_accum.run_lock import LOCK_NAME
 
 HERE = os.path.dirname(__file__)
 WORKERS = {engine: os.path.join(HERE, f"{engine}_resume_worker.py") for engine in ("loop", "trainer")}
@@ -49,7 +50,7 @@ def run_worker(engine: str, out, tag: str, *injections: str) -> subprocess.Compl
 
 
 def names(out) -> list[str]:
-    return sorted(os.listdir(run_dir(str(out))))
+    return sorted(name for name in os.listdir(run_dir(str(out))) if name != LOCK_NAME)  # a SIGKILLed run leaves it
 
 
 @pytest.fixture(scope="module", params=["loop", "trainer"])

@@ -24,6 +24,7 @@ import torch
 from interruptions import assert_same_run, parse_args, read_records, run_dir, stitched
 
 from hf_accum.checkpoint import ResumeMismatchError, latest_complete_checkpoint
+from hf_accum.run_lock import LOCK_NAME
 from hf_accum.testing.launch import torchrun
 
 HERE = os.path.dirname(__file__)
@@ -34,7 +35,7 @@ RANDOM = random.Random(20240612)
 
 
 def names(out) -> list[str]:
-    return sorted(os.listdir(run_dir(str(out))))
+    return sorted(name for name in os.listdir(run_dir(str(out))) if name != LOCK_NAME)  # a SIGKILLed run leaves it
 
 
 @pytest.fixture(scope="module", params=["loop", "trainer"])

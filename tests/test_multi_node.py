@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -73,37 +75,62 @@ def test_two_node_run_is_exact_and_logs_its_plan(two_nodes):
 # -- the SLURM script --------------------------------------------------------------------------------
 
 FAKE_SCONTROL = """#!/bin/bash
-# scontrol show hostnames LIST -> one host per line
+# scontrol show hostnames LIST -> one host per line; scontrol requeue JOB -> logged
+[ "$1" = requeue ] && echo "requeue $2" >> "$FAKE_DIR/scontrol.log"
 [ "$1 $2" = "show hostnames" ] && [ "$3" = "gpu[07-08]" ] && printf 'gpu07\\ngpu08\\n'
+exit 0
+"""
+FAKE_SCANCEL = """#!/bin/bash
+# scancel --signal=USR1 JOB: the training processes would checkpoint and stop
+echo "$@" >> "$FAKE_DIR/scancel.log"
+touch "$FAKE_DIR/stop"
 """
 FAKE_SRUN = """#!/bin/bash
 # one task per node, each with its node id (sequentially here)
 for node in $(seq 0 $((SLURM_NNODES - 1))); do SLURM_NODEID=$node SLURM_PROCID=$node "$@"; done
 """
 FAKE_ACCELERATE = """#!/bin/bash
-# record the launcher command instead of launching
+# record the launcher command instead of launching; then act out FAKE_MODE in FAKE_OUT (the run's output dir)
 python3 -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "$@" >> "$FAKE_ACCELERATE_LOG"
+checkpoint() { mkdir -p "$FAKE_OUT/checkpoint-$1" && touch "$FAKE_OUT/checkpoint-$1/hf_accum_plan.json"; }
+case "${FAKE_MODE:-}" in
+  preempted)  # train until scancel's signal, then checkpoint; the launcher reports the 75 as 1
+    touch "$FAKE_DIR/started"
+    for _ in $(seq 600); do [ -e "$FAKE_DIR/stop" ] && break; sleep 0.1; done
+    checkpoint 6; exit 1 ;;
+  crashed_after_a_checkpoint) checkpoint 6; exit 1 ;;
+  crashed) exit 1 ;;
+  finished) checkpoint 8; touch "$FAKE_OUT/metrics.json"; exit 0 ;;
+esac
 """
 
 
 def fake_bin(directory) -> str:
-    for name, text in {"scontrol": FAKE_SCONTROL, "srun": FAKE_SRUN, "accelerate": FAKE_ACCELERATE}.items():
+    fakes = {"scontrol": FAKE_SCONTROL, "srun": FAKE_SRUN, "accelerate": FAKE_ACCELERATE, "scancel": FAKE_SCANCEL}
+    for name, text in fakes.items():
         path = directory / name
         path.write_text(text)
         path.chmod(0o755)
     return str(directory)
 
 
-def run_slurm_script(tmp_path, *overrides: str) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
-    log = tmp_path / "accelerate.log"
-    env = {
+def slurm_env(tmp_path, **extra: str) -> dict[str, str]:
+    return {
         **os.environ,
         # fakes first, then this interpreter's bin (the real hf-accum)
         "PATH": os.pathsep.join([fake_bin(tmp_path), os.path.dirname(sys.executable), os.environ["PATH"]]),
-        "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_NNODES": "2", "FAKE_ACCELERATE_LOG": str(log),
+        "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242",
+        "FAKE_ACCELERATE_LOG": str(tmp_path / "accelerate.log"), "FAKE_DIR": str(tmp_path), **extra,
     }
-    script = os.path.join(ROOT, "recipes", "accelerate", "slurm_multi_node.sh")
-    proc = subprocess.run(["bash", script, *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+SLURM_SCRIPT = os.path.join(ROOT, "recipes", "accelerate", "slurm_multi_node.sh")
+
+
+def run_slurm_script(tmp_path, *overrides: str) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
+    log = tmp_path / "accelerate.log"
+    proc = subprocess.run(["bash", SLURM_SCRIPT, *overrides], cwd=ROOT, env=slurm_env(tmp_path), capture_output=True,
+                          text=True, timeout=120)
     launches = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     return proc, launches
 
@@ -136,3 +163,45 @@ def test_slurm_script_stops_before_launching_when_the_batch_does_not_divide(tmp_
     proc, launches = run_slurm_script(tmp_path, "global_batch_size=100")
     assert proc.returncode != 0 and launches == []
     assert "nearest valid global_batch_size: 64 or 128" in proc.stderr
+
+
+def requeues(tmp_path) -> list[str]:
+    log = tmp_path / "scontrol.log"
+    return log.read_text().splitlines() if log.exists() else []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, requeued, code", [
+    ("crashed_after_a_checkpoint", True, 0),  # progress was made (a node failure, a SIGTERM to the steps): again
+    ("crashed", False, 1),                    # no new checkpoint: a crash that repeats must not loop
+    ("finished", False, 0),
+])
+def test_slurm_script_requeues_on_a_new_checkpoint_not_on_the_launchers_exit_code(mode, requeued, code, tmp_path):
+    out = tmp_path / "run"
+    (out / "checkpoint-2").mkdir(parents=True)  # from an earlier job: not progress of this one
+    (out / "checkpoint-2" / "hf_accum_plan.json").touch()
+    os.utime(out / "checkpoint-2" / "hf_accum_plan.json", (0, 0))
+    env = slurm_env(tmp_path, FAKE_MODE=mode, FAKE_OUT=str(out))
+    proc = subprocess.run(["bash", SLURM_SCRIPT, f"training.output_dir={out}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == code, proc.stderr
+    assert requeues(tmp_path) == (["requeue 4242"] if requeued else [])
+    if requeued:
+        assert f"the run resumes from {out}/checkpoint-6" in proc.stdout
+
+
+@pytest.mark.slow
+def test_slurm_script_told_to_stop_signals_the_training_and_requeues(tmp_path):
+    out = tmp_path / "run"
+    env = slurm_env(tmp_path, FAKE_MODE="preempted", FAKE_OUT=str(out))
+    proc = subprocess.Popen(["bash", SLURM_SCRIPT, f"training.output_dir={out}"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (tmp_path / "started").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@120 sends to the batch script
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    assert (tmp_path / "scancel.log").read_text().split() == ["--signal=USR1", "4242"]
+    assert requeues(tmp_path) == ["requeue 4242"]
+    assert f"srun exited with 1; the run resumes from {out}/checkpoint-6" in stdout

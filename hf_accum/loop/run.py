@@ -28,11 +28,15 @@ from hf_accum.loop.steppers import Step, Stepper, build_stepper, is_deepspeed
 from hf_accum.loop.supervisor import Supervisor, build_checkpointer
 from hf_accum.loss import model_problem_type, unwrap_model
 from hf_accum.records import TrainResult, UpdateLog
+from hf_accum.run_lock import locks_output_dir
 from hf_accum.schedule import create_update_scheduler
 
 logger = logging.getLogger("hf_accum.loop")
 
 
+@locks_output_dir(  # one run per output directory (hf_accum.run_lock), for the whole call
+    lambda a: ((a["config"] or LoopConfig()).output_dir, a["accelerator"].is_main_process), "LoopConfig.output_dir"
+)
 def train(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,

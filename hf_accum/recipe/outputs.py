@@ -11,12 +11,14 @@ This module owns what a recipe run leaves behind and what it prints:
 * **per-update records** from either engine (``hf_accum.UpdateLog``), kept for ``metrics.json`` and
   the loss/LR plot, and printed every ``logging_steps`` updates;
 * **the process edge**: ``run_cli`` turns configuration/data/model errors into one ``error:`` line
-  and exit code 2, and Ctrl-C into one line and exit code 130.
+  and exit code 2, a full disk into one line naming the last good checkpoint and exit code 3, and
+  Ctrl-C into one line and exit code 130.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -27,17 +29,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 from hf_accum.checkpoint import write_text_atomically
-from hf_accum.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NONFINITE, InputError
+from hf_accum.distributed import is_main_process
+from hf_accum.errors import EXIT_BAD_INPUT, EXIT_DISK_FULL, EXIT_INTERRUPTED, EXIT_NONFINITE, InputError
 from hf_accum.recipe import config as config_module
+from hf_accum.run_lock import LOCK_NAME
 
 METRICS_NAME = "metrics.json"
 PLOT_NAME = "training_curves.png"
 ADAPTER_DIR = "adapter"
 MODEL_DIR = "model"
-
-
-def is_main_process() -> bool:
-    return int(os.environ.get("RANK", "0")) == 0
 
 
 def say(*parts: Any) -> None:
@@ -85,15 +85,17 @@ def check_output_dir(config: config_module.RecipeConfig, resume: bool) -> str:
     given = config.training.get("resume_from_checkpoint")
     if isinstance(given, str) and not os.path.isdir(given):
         raise OutputDirError(f"training.resume_from_checkpoint={given!r}: no such checkpoint directory")
-    if config.overwrite_output_dir or not os.path.isdir(out) or not os.listdir(out):
-        return "resume" if resume and os.path.isdir(out) and os.listdir(out) else "fresh"
+    if config.overwrite_output_dir or not _entries(out):
+        return "resume" if resume and _entries(out) else "fresh"
     saved_path = os.path.join(out, config_module.RESOLVED_CONFIG_NAME)
     if not os.path.isfile(saved_path):
         raise OutputDirError(
             f"output dir {out!r} is not empty and holds no {config_module.RESOLVED_CONFIG_NAME} (not a recipe run); "
             "choose another training.output_dir or set overwrite_output_dir: true"
         )
-    diff = config_module.differences(config_module.load_yaml(saved_path), config.to_dict())
+    # Where the directory is is not part of the run: a run moved (or copied) elsewhere resumes in place.
+    diff = [line for line in config_module.differences(config_module.load_yaml(saved_path), config.to_dict())
+            if not line.startswith("training.output_dir:")]
     if diff:
         raise OutputDirError(
             f"output dir {out!r} holds a different run ({'; '.join(diff[:5])}); choose another "
@@ -115,26 +117,31 @@ def check_output_dir(config: config_module.RecipeConfig, resume: bool) -> str:
     return "fresh"  # an earlier attempt died before its first checkpoint: nothing to resume
 
 
+def _entries(out: str) -> list[str]:
+    """What ``out`` holds, this run's own lock file (:mod:`hf_accum.run_lock`) left out."""
+    return [name for name in os.listdir(out) if name != LOCK_NAME] if os.path.isdir(out) else []
+
+
 def probe_writable(path: str) -> None:
-    """Create (and remove) a probe file in ``path``, creating the missing directories for the probe
-    only: a file in the way or a read-only location is found before any training, and nothing stays."""
+    """Write a probe file in ``path``, creating the missing directories for the probe only: a file in the
+    way or a read-only location is found before any training, and nothing stays -- the probe is an unnamed
+    temporary file (``O_TMPFILE``), so even a kill during the probe leaves no file behind."""
+    import tempfile
+
     if os.path.exists(path) and not os.path.isdir(path):
         raise OutputDirError(f"training.output_dir={path!r} is a file, not a directory")
     created = []
-    probe = os.path.join(path, ".hf_accum_write_probe")
     try:
         missing = path
         while missing and not os.path.exists(missing):
             created.append(missing)
             missing = os.path.dirname(missing)
         os.makedirs(path, exist_ok=True)
-        with open(probe, "w") as handle:
-            handle.write("ok")
+        with tempfile.TemporaryFile(dir=path, prefix=".hf_accum_write_probe") as handle:
+            handle.write(b"ok")
     except OSError as error:
         raise OutputDirError(f"training.output_dir={path!r} is not writable: {error.strerror or error}") from None
     finally:
-        if os.path.exists(probe):
-            os.remove(probe)
         for directory in created:  # deepest first
             if os.path.isdir(directory) and not os.listdir(directory):
                 os.rmdir(directory)
@@ -149,7 +156,7 @@ def claim_output_dir(config: config_module.RecipeConfig) -> None:
 
 
 def write_atomically(path: str, text: str) -> None:
-    write_text_atomically(path, text)  # the library's one fsyncing atomic writer
+    write_text_atomically(path, text)  # the library's one fsyncing atomic writer (no temporary left on failure)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -198,10 +205,16 @@ def save_outputs(record: RunRecord, model, tokenizer) -> str:
     target = os.path.join(out, ADAPTER_DIR if config.lora is not None else MODEL_DIR)
     temporary = f"{target}.tmp"
     # Every rank: under ZeRO-3 the sharded parameters are gathered (a collective); the main process writes.
-    save_pretrained(model, temporary, main)
+    try:
+        save_pretrained(model, temporary, main)
+        if main:
+            tokenizer.save_pretrained(temporary)
+    except BaseException:  # a full disk: the unfinished copy goes, the checkpoints stay
+        if main:
+            shutil.rmtree(temporary, ignore_errors=True)
+        raise
     if not main:
         return out
-    tokenizer.save_pretrained(temporary)
     if os.path.isdir(target):
         shutil.rmtree(target)
     os.replace(temporary, target)  # the finished weights appear whole, or not at all
@@ -279,12 +292,14 @@ def percent(result: dict[str, Any] | None) -> str:
 
 
 def run_cli(
-    run: Callable[[Sequence[str]], Any], argv: Sequence[str] | None = None, bad_input=(InputError,), stopped=()
+    run: Callable[[Sequence[str]], Any], argv: Sequence[str] | None = None, bad_input=(), stopped=()
 ) -> int:
     """Run ``run(argv)`` and turn its ends into one line and an exit code:
 
-    * bad input (``bad_input``; by default :class:`hf_accum.errors.InputError`, the base of every
-      configuration, data, model, launch and output-directory error): ``error: ...``, exit 2;
+    * bad input (:class:`hf_accum.errors.InputError`, the base of every configuration, data, model, launch and
+      output-directory error, an output directory in use by another run, a damaged checkpoint; and ``bad_input``):
+      ``error: ...``, exit 2;
+    * a full disk (:class:`DiskFullError`): ``error: ...`` naming the last good checkpoint, exit 3;
     * a stop (``stopped``): a preemption signal (``hf_accum.control.TrainingStopped``: its checkpoint
       is written, exit 75; Ctrl-C exit 130) or too many inf/NaN updates in a row (exit 3);
     * a second Ctrl-C while stopping: exit 130.
@@ -293,16 +308,64 @@ def run_cli(
     """
     try:
         run(sys.argv[1:] if argv is None else argv)
-    except tuple(bad_input) as exc:
+    except (InputError, *bad_input) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return _after_an_early_end(EXIT_BAD_INPUT)
+    except DiskFullError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return _after_an_early_end(EXIT_DISK_FULL)
     except tuple(stopped) as exc:
-        print(f"stopped: {exc}", file=sys.stderr)
+        resume = RESUME_HINT if getattr(exc, "checkpoint", None) else ""
+        print(f"stopped: {exc}{resume}", file=sys.stderr)
         return _after_an_early_end(exc.code if isinstance(exc, SystemExit) else EXIT_NONFINITE)
     except KeyboardInterrupt:
         print("interrupted (Ctrl-C): stopped; final outputs were not written", file=sys.stderr)
         return _after_an_early_end(EXIT_INTERRUPTED)
     return 0
+
+
+RESUME_HINT = "; to continue, run the same command with training.resume_from_checkpoint=true"
+
+
+class DiskFullError(RuntimeError):
+    """A write of the run failed for lack of space: one line naming the last good checkpoint (exit 3)."""
+
+
+# How a failed write for lack of space shows up: OSError's errno; safetensors' and transformers' wrapped
+# "os error 28"; torch.save's C++ writer only says its stream broke ("unexpected pos", "file write failed").
+_DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+_DISK_FULL_TEXT = ("no space left on device", "os error 28", "disk quota exceeded", "file write failed",
+                   "unexpected pos")
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """``error`` (or what it was raised from) is a write that failed for lack of space."""
+    seen = 0
+    while error is not None and seen < 5:
+        if isinstance(error, OSError) and error.errno in _DISK_FULL_ERRNOS:
+            return True
+        if any(text in str(error).lower() for text in _DISK_FULL_TEXT):  # SafetensorError is neither
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
+
+
+@contextlib.contextmanager
+def disk_full_is_one_line(output_dir: str):
+    """Turn a write that failed for lack of space into :class:`DiskFullError`: one line saying what failed and
+    the newest checkpoint that verifies (checkpoints are atomic: a failed write leaves the earlier ones whole)."""
+    try:
+        yield
+    except Exception as error:
+        if not is_disk_full(error):
+            raise
+        from hf_accum.checkpoint import verified_resume_checkpoint
+
+        last = verified_resume_checkpoint(output_dir, report=lambda line: None) if os.path.isdir(output_dir) else None
+        saved = (f"the last good checkpoint is {last}: free space, then run the same command with "
+                 "training.resume_from_checkpoint=true") if last else "no checkpoint written yet: free space and rerun"
+        what = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+        raise DiskFullError(f"no space left on the device of {output_dir!r} ({what}); {saved}") from None
 
 
 def _after_an_early_end(code: int) -> int:

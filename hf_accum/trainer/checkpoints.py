@@ -17,6 +17,7 @@ from transformers.trainer_utils import rotate_checkpoints
 from hf_accum.boundary import Decision
 from hf_accum.checkpoint import (
     PLAN_FILE,
+    check_checkpoint_files,
     check_resume_engine,
     check_resume_plan,
     checkpoint_path,
@@ -49,6 +50,7 @@ class TrainerCheckpoints:
         if checkpoint is True:
             checkpoint = resolve_resume_checkpoint(True, trainer.args.output_dir)
         if isinstance(checkpoint, str):
+            check_checkpoint_files(checkpoint)  # its manifest, before anything loads
             self._check_plan(checkpoint, current, auto_find_batch_size)
         self.resume_checkpoint = checkpoint if isinstance(checkpoint, str) else None
         return checkpoint

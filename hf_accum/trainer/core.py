@@ -37,6 +37,7 @@ from hf_accum.control import DEFAULT_MAX_CONSECUTIVE_NONFINITE, NonFiniteGuard, 
 from hf_accum.fused_loss import MicroBatchLoss
 from hf_accum.loss import LossKind, infer_loss_kind, model_problem_type, resolve_loss_kind, token_loss_sum
 from hf_accum.records import UpdateLog
+from hf_accum.run_lock import locks_output_dir
 from hf_accum.schedule import BatchPlan
 from hf_accum.trainer.batch_plan import BatchPlanner
 from hf_accum.trainer.callbacks import BoundaryActions
@@ -252,6 +253,7 @@ class AccumTrainer(Trainer):
     def _get_output_dir(self, trial) -> str:
         return self._checkpoints.staging_run_dir or super()._get_output_dir(trial)
 
+    @locks_output_dir(lambda a: (a["self"].args.output_dir, a["self"].args.process_index == 0), "output_dir")
     def train(self, resume_from_checkpoint=None, *args: Any, **kwargs: Any):
         """``resume_from_checkpoint=True``: the latest complete checkpoint of ``output_dir``. Raises
         :class:`~hf_accum.control.TrainingStopped` after a stop signal or request (checkpoint written) and

@@ -9,9 +9,15 @@
 # signal) SLURM sends SIGUSR1 to this script; it forwards the signal to the training processes, which
 # finish the update in progress, write checkpoint-<update> into training.output_dir, and exit with code 75
 # (hf_accum.control.EXIT_PREEMPTED). The script then requeues the job; the requeued job runs the same
-# command, and training.resume_from_checkpoint=true continues from the latest complete checkpoint.
+# command, and training.resume_from_checkpoint=true continues from the newest checkpoint that verifies
+# (or starts afresh when there is none yet).
 # 120 s must cover one update plus one checkpoint write: raise it for full fine-tuning (the optimizer
 # state of an 8B model is ~100 GB).
+#
+# The requeue is decided on the run's files, not on srun's exit code: accelerate launch and torchrun report
+# any failing worker -- the 75 of a preemption included -- as 1 (docs/runs.md). So: a finished run
+# (metrics.json) is never requeued; a job told to stop is requeued; a job that failed on its own is requeued
+# only when it wrote a new complete checkpoint (progress was made: a crash that repeats cannot loop).
 #SBATCH --job-name=hf_accum_llama3_lora
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
@@ -32,6 +38,18 @@ CONFIG=${CONFIG:-recipes/configs/llama3_8b_lora.yaml}
 # The batch arithmetic of this job, from the config and the overrides the recipe will get.
 hf-accum plan --config "$CONFIG" --nodes "$SLURM_NNODES" --gpus-per-node "$GPUS_PER_NODE" "$@"
 
+# Where the run writes (as the recipe resolves it), and the moment this job started: checkpoints written
+# by this job are the complete ones (hf_accum_plan.json) newer than JOB_START.
+OUTPUT_DIR=$(python3 - "$CONFIG" "$@" <<'PY'
+import os, sys
+from hf_accum import config as C
+path, overrides = C.parse_overrides(["--config", *sys.argv[1:]])
+name = os.path.splitext(os.path.basename(path))[0]
+print(C.load_config(path, overrides).training.get("output_dir") or os.path.join("outputs", name))
+PY
+)
+JOB_START=$(mktemp)
+
 PREEMPTED=0
 on_usr1() {
     echo "SIGUSR1 (time limit or preemption): asking the training processes to checkpoint and stop"
@@ -41,6 +59,8 @@ on_usr1() {
     scancel --signal=USR1 "$SLURM_JOB_ID"
 }
 trap on_usr1 USR1
+# SLURM's SIGTERM (preemption or time limit without --signal) reaches the training processes directly.
+trap 'PREEMPTED=1' TERM
 
 # srun starts one task per node; each runs accelerate launch with its own node rank. `trap '' USR1` makes
 # accelerate launch (and torchrun's agent inside it) ignore SIGUSR1 -- by default it would kill them --
@@ -62,8 +82,18 @@ while true; do
     kill -0 "$SRUN_PID" 2>/dev/null || break
 done
 
-if [ "$PREEMPTED" = 1 ]; then
-    echo "requeueing job $SLURM_JOB_ID (srun exited with $STATUS)"
+NEW_CHECKPOINT=$(find "$OUTPUT_DIR" -mindepth 2 -maxdepth 2 -path "$OUTPUT_DIR/checkpoint-*/hf_accum_plan.json" \
+    -newer "$JOB_START" 2>/dev/null | sed -n 1p || true)  # no directory yet: none
+LATEST=$(find "$OUTPUT_DIR" -mindepth 2 -maxdepth 2 -path "$OUTPUT_DIR/checkpoint-*/hf_accum_plan.json" 2>/dev/null \
+    | sed 's|/hf_accum_plan.json$||; s|.*checkpoint-||' | sort -n | tail -n 1 || true)
+rm -f "$JOB_START"
+if [ -f "$OUTPUT_DIR/metrics.json" ]; then
+    exit "$STATUS"  # finished
+fi
+if [ "$PREEMPTED" = 1 ] || { [ "$STATUS" != 0 ] && [ -n "$NEW_CHECKPOINT" ]; }; then
+    RESUMES="no checkpoint: it starts afresh"
+    [ -n "$LATEST" ] && RESUMES="$OUTPUT_DIR/checkpoint-$LATEST"
+    echo "requeueing job $SLURM_JOB_ID (srun exited with $STATUS; the run resumes from $RESUMES)"
     scontrol requeue "$SLURM_JOB_ID"
     exit 0
 fi

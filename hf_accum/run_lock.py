@@ -1,0 +1,169 @@
+"""One run per output directory: an exclusive lock held for a whole run.
+
+Two runs writing into one directory mix their checkpoints and leave a ``resolved_config.yaml`` that
+describes neither, so the first thing a run does with its output directory is take :data:`LOCK_NAME`
+in it with ``fcntl.flock`` (exclusive, non-blocking). The lock belongs to the open file, so it is
+released on *any* exit -- normal, exception, SIGKILL -- and a dead holder's lock is free at once: there
+is no stale lock to clean up by hand. The holder writes its pid, host and start time into the file
+so that a second run is refused (:class:`OutputDirInUse`, exit 2) with a message naming the running one.
+
+Only the global main process (rank 0) takes the lock: every process of one run shares it, and the
+other ranks of a second run stop with it (the launcher ends them when rank 0 exits). The lock file is
+removed when its holder releases it; a killed holder leaves it behind, unlocked and harmless.
+
+Within one process the lock is re-entrant: the recipe takes it before anything is written, and the
+engine it calls (``hf_accum.train`` / ``AccumTrainer.train``) taking it again is a no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import functools
+import inspect
+import os
+import socket
+from typing import Any, Callable, Iterator
+
+from hf_accum.errors import InputError
+
+LOCK_NAME = ".hf_accum.lock"
+
+_held: dict[str, "_Held"] = {}  # realpath of the output directory -> this process's lock on it
+
+
+class OutputDirInUse(InputError):
+    """Another live run holds the output directory's lock."""
+
+
+class _Held:
+    def __init__(self, descriptor: int, path: str, created: list[str]) -> None:
+        self.descriptor = descriptor
+        self.path = path
+        self.created = created
+        self.depth = 1
+
+
+def is_main_rank() -> bool:
+    """The global rank 0 of a launcher (torchrun, accelerate launch, srun) or a lone process."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def acquire(output_dir: str, label: str = "output_dir") -> None:
+    """Take ``output_dir``'s lock for this process (creating the directory), or raise :class:`OutputDirInUse`
+    naming the run that holds it. Re-entrant: count on :func:`release` being called as often."""
+    key = os.path.realpath(output_dir)
+    if key in _held:
+        _held[key].depth += 1
+        return
+    created = _make_directories(output_dir)
+    path = os.path.join(output_dir, LOCK_NAME)
+    while True:
+        # No truncation before the lock is ours: the holder's description stays readable for the refusal.
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read(descriptor)
+            os.close(descriptor)
+            _remove_empty(created)
+            raise OutputDirInUse(
+                f"{label}={output_dir!r} is in use by another run ({holder}); wait for it to end, stop it, "
+                "or choose another output directory (overwrite_output_dir does not override a running run)"
+            ) from None
+        # The previous holder may have unlinked the file between our open and our flock: then we hold a lock
+        # on a name nobody sees any more; start again on the current file.
+        if _same_file(descriptor, path):
+            break
+        os.close(descriptor)
+    _describe_holder(descriptor)
+    _held[key] = _Held(descriptor, path, created)
+
+
+def release(output_dir: str) -> None:
+    """Give back this process's lock on ``output_dir`` (the outermost release removes the file)."""
+    key = os.path.realpath(output_dir)
+    held = _held.get(key)
+    if held is None:
+        return
+    held.depth -= 1
+    if held.depth > 0:
+        return
+    del _held[key]
+    with contextlib.suppress(OSError):
+        os.unlink(held.path)  # while still locked: nobody can take the old file after we let go
+    os.close(held.descriptor)
+    _remove_empty(held.created)  # a run refused before writing anything leaves no directory behind
+
+
+def locks_output_dir(where: Callable[[dict[str, Any]], tuple[str | None, bool]], label: str) -> Callable:
+    """Decorator: hold the output directory's lock while the function runs. ``where(arguments)`` -> (the
+    output directory or None, whether this process takes the lock), from the call's bound arguments."""
+
+    def decorate(function: Callable) -> Callable:
+        signature = inspect.signature(function)
+
+        @functools.wraps(function)
+        def locked(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            output_dir, main = where(bound.arguments)
+            with run_lock(output_dir, label, enabled=main):
+                return function(*args, **kwargs)
+
+        return locked
+
+    return decorate
+
+
+@contextlib.contextmanager
+def run_lock(output_dir: str | None, label: str = "output_dir", enabled: bool | None = None) -> Iterator[None]:
+    """Hold ``output_dir``'s lock for the block (on the main rank; ``enabled`` overrides that choice)."""
+    take = bool(output_dir) and (is_main_rank() if enabled is None else enabled)
+    if take:
+        acquire(output_dir, label)
+    try:
+        yield
+    finally:
+        if take:
+            release(output_dir)
+
+
+def holds(output_dir: str) -> bool:
+    return os.path.realpath(output_dir) in _held
+
+
+def _describe_holder(descriptor: int) -> None:
+    since = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    text = f"pid {os.getpid()} on {socket.gethostname()}, since {since}\n"
+    os.ftruncate(descriptor, 0)
+    os.pwrite(descriptor, text.encode(), 0)
+
+
+def _read(descriptor: int) -> str:
+    text = os.pread(descriptor, 4096, 0).decode(errors="replace").strip()
+    return text or "holder unknown: it is still starting"
+
+
+def _same_file(descriptor: int, path: str) -> bool:
+    try:
+        return os.fstat(descriptor).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _make_directories(path: str) -> list[str]:
+    """``os.makedirs(path)``; returns the directories it created, deepest first."""
+    created, missing = [], os.path.abspath(path)
+    while missing and not os.path.exists(missing):
+        created.append(missing)
+        missing = os.path.dirname(missing)
+    os.makedirs(path, exist_ok=True)
+    return created
+
+
+def _remove_empty(directories: list[str]) -> None:
+    for directory in directories:  # deepest first
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)  # fails (and stays) when not empty
