@@ -182,6 +182,9 @@ class UpdateLog:
     """Skipped because a loss or gradient was inf/NaN."""
     eval_loss: float | None = None
     """Exact per-token held-out loss after this update, when it was evaluated (``eval_strategy``)."""
+    aux_loss: float | None = None
+    """MoE models: the router-loss term the update also minimized (``coef`` x the token-weighted mean of its
+    micro-batches' aux losses; ``loss`` stays the cross-entropy). None for models without one."""
 
     def tracked(self) -> dict[str, float]:
         """The numbers an experiment tracker gets for this update (names as Trainer logs them)."""
@@ -192,12 +195,15 @@ class UpdateLog:
             values["train/grad_norm"] = self.grad_norm
         if self.eval_loss is not None:
             values["eval/loss"] = self.eval_loss
+        if self.aux_loss is not None:
+            values["train/aux_loss"] = self.aux_loss
         return values
 
     def line(self) -> str:
         grad = f"{self.grad_norm:.4f}" if self.grad_norm is not None else "-"
         state = "" if self.applied else f" (skipped: {self.skip_reason})"
         state += f" | eval_loss {self.eval_loss:.4f}" if self.eval_loss is not None else ""
+        state += f" | aux_loss {self.aux_loss:.4f}" if self.aux_loss is not None else ""
         return (
             f"update {self.step} | epoch {self.epoch:.2f} | loss {self.loss:.4f} | lr {self.learning_rate:.3e} | "
             f"grad_norm {grad} | tokens {self.targets} | seqs {self.sequences} | "
@@ -311,6 +317,7 @@ def train(
                     applied=not skip_reason,
                     skip_reason=skip_reason,
                     nonfinite=totals.nonfinite,
+                    aux_loss=totals.mean_aux_loss if totals.aux_loss_sum else None,
                 )
                 if _evaluation_due(config, update.step, total_updates, step_in_epoch == micro_batches):
                     update.eval_loss = evaluate_loss(model, eval_dataloader, accelerator, micro_batch_loss)
@@ -495,7 +502,7 @@ def _epoch_updates(
             _, loss_sum, n_targets = micro_batch_loss(model, inputs, labels)
             # Backward of the *sum* (times a constant of the window): the one normalization is at the boundary.
             accelerator.backward(window.scaled(loss_sum, n_targets, accelerator))
-            window.tally.add(loss_sum, n_targets, batch)
+            window.tally.add(loss_sum, n_targets, batch, aux_sum=micro_batch_loss.aux_sum)
             if not accelerator.sync_gradients:
                 continue
             window.mark_boundary(params)
@@ -557,7 +564,7 @@ def _deepspeed_window(model, batches, n_window: int, engine, accelerator, micro_
         labels, inputs = _split_labels(batch)
         _, loss_sum, n_targets = micro_batch_loss(model, inputs, labels)
         accelerator.backward(loss_sum * factor)
-        window.tally.add(loss_sum, n_targets, batch)
+        window.tally.add(loss_sum, n_targets, batch, aux_sum=micro_batch_loss.aux_sum)
     totals = window.tally.reduce(accelerator)
     window.tally.reset()
     _check_window_count(totals, n_window)

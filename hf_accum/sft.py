@@ -52,8 +52,9 @@ class AccumSFTTrainer(AccumTrainer, SFTTrainer):
     AccumTrainer guarantees holds (see :class:`hf_accum.AccumTrainer`); TRL's logged metrics
     ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` (and their ``eval_`` versions) are kept.
 
-    Refused, because AccumTrainer's loss would silently drop them: ``loss_type="dft"`` and a MoE
-    router auxiliary loss (set ``router_aux_loss_coef=0.0``), as well as ``compute_loss_func``.
+    A MoE router auxiliary loss (``output_router_logits=True``) is added as in every front-end
+    (:class:`hf_accum.fused_loss.MicroBatchLoss`) and logged as ``aux_loss``. Refused, because
+    AccumTrainer's loss would silently drop it: ``loss_type="dft"``, as well as ``compute_loss_func``.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -67,11 +68,6 @@ class AccumSFTTrainer(AccumTrainer, SFTTrainer):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_NOT_APPLICABLE_WARNING, category=FutureWarning)
             super().__init__(*args, **kwargs)
-        if self.aux_loss_enabled:
-            raise ValueError(
-                f"AccumSFTTrainer does not add the MoE router auxiliary loss (router_aux_loss_coef="
-                f"{self.router_aux_loss_coef}); set router_aux_loss_coef=0.0 in SFTConfig to train without it"
-            )
         self._stats = {"train": _TokenStats(self.args.device), "eval": _TokenStats(self.args.device)}
 
     def loss_sum_and_count(

@@ -288,7 +288,7 @@ class AccumTrainer(Trainer):
             self._eval_tally.add(loss_sum, n_targets, inputs)
             loss = loss_sum / torch.clamp(torch.as_tensor(n_targets, device=loss_sum.device), min=1)
         else:
-            self._tally.add(loss_sum, n_targets, inputs)
+            self._tally.add(loss_sum, n_targets, inputs, aux_sum=self._micro_batch_loss.aux_sum)
             loss = loss_sum * self._backward_scale(self._window_scale(num_items_in_batch))
         return (loss, outputs) if return_outputs else loss
 
@@ -548,6 +548,7 @@ class AccumTrainer(Trainer):
             grad_norm=float(grad_norm) if grad_norm is not None and applied else None, targets=totals.targets,
             sequences=totals.sequences, padding_fraction=totals.padding_fraction, micro_batches=totals.micro_batches,
             applied=applied, skip_reason=skip_reason, nonfinite=totals.nonfinite, eval_loss=self._eval_loss_of_update,
+            aux_loss=totals.mean_aux_loss if totals.aux_loss_sum else None,
         )
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -746,6 +747,8 @@ class _LogInterval:
             "sequences_per_update": self.totals.sequences / self.updates,
             "padding_fraction": self.totals.padding_fraction,
         }
+        if self.totals.aux_loss_sum:  # MoE router loss, logged apart from the cross-entropy "loss"
+            logs["aux_loss"] = self.totals.mean_aux_loss
         if self.skipped:
             logs["updates_without_targets"] = self.skipped
         if self.skipped_nonfinite:
