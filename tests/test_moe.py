@@ -22,7 +22,14 @@ from hf_accum import AccumTrainer
 from hf_accum.batching import PaddingCollator
 from hf_accum.fused_loss import MicroBatchLoss
 from hf_accum.loss import UnaccountedLossTerm
-from hf_accum.testing import PAD, Scenario, random_rows, run_exact, run_trainer, tiny_causal_lm
+from hf_accum.testing import (
+    PAD,
+    Scenario,
+    random_rows,
+    run_exact,
+    run_trainer,
+    tiny_causal_lm,
+)
 from hf_accum.testing.float64 import float64_arithmetic
 from hf_accum.testing.models import MOE_FAMILIES, router_parameters, tiny_moe_causal_lm
 
