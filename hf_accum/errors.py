@@ -15,6 +15,8 @@ EXIT_BAD_INPUT = 2
 """A config value, file, model directory or launch setting was refused before (or instead of) training."""
 EXIT_NONFINITE = 3
 """Too many inf/NaN updates in a row: a checkpoint was written and the run stopped."""
+EXIT_CANNOT_RUN = 4
+"""``hf-accum check``: the model directory is readable but the check cannot run that model (it says which and why)."""
 EXIT_PREEMPTED = 75
 """SIGTERM/SIGUSR1 (preemption): the update finished and a checkpoint was written; ``EX_TEMPFAIL``: try again."""
 EXIT_INTERRUPTED = 130
