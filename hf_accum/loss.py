@@ -322,7 +322,7 @@ def _probe_rows(inputs: dict[str, Any], labels: torch.Tensor, kind: LossKind) ->
     row = int(has_target.nonzero()[0]) if bool(has_target.any()) else 0
     inputs = {k: v[row : row + 1] if torch.is_tensor(v) else v for k, v in inputs.items()}
     labels = labels[row : row + 1]
-    if labels.dim() != 2 or any(tuple(v.shape[:2]) != tuple(labels.shape) for v in inputs.values() if torch.is_tensor(v)):
+    if not LOSS_KIND_SPECS[kind].per_token or labels.dim() != 2 or any(tuple(v.shape[:2]) != tuple(labels.shape) for v in inputs.values() if torch.is_tensor(v)):
         return inputs, labels
     offset = 1 if kind == "causal_lm" else 0  # the first label a causal LM predicts is at position 1
     found = labels[0, offset:].ne(IGNORE_INDEX).nonzero()

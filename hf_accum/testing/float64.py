@@ -15,7 +15,7 @@ bf16/fp16 requests are left alone (a float64 check holds none).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
