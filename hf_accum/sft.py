@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from hf_accum.accumulation import batch_shape_counts, global_sum
-from hf_accum.loss import IGNORE_INDEX, aligned_targets, compute_dtype, rows_per_chunk
+from hf_accum.loss import IGNORE_INDEX, aligned_targets, compute_dtype, rows_per_chunk, unwrap_model
 from hf_accum.trainer import AccumTrainer
 
 try:
@@ -68,7 +68,16 @@ class AccumSFTTrainer(AccumTrainer, SFTTrainer):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_NOT_APPLICABLE_WARNING, category=FutureWarning)
             super().__init__(*args, **kwargs)
+        self._sync_router_coef()
         self._stats = {"train": _TokenStats(self.args.device), "eval": _TokenStats(self.args.device)}
+
+    def _sync_router_coef(self) -> None:
+        """TRL writes ``SFTConfig.router_aux_loss_coef`` into the model's config, but MoE models read the
+        coefficient they copied at construction (``model.router_aux_loss_coef``), as does the router term every
+        front-end adds (:func:`hf_accum.loss.model_loss_terms`): copy TRL's value there too."""
+        inner = unwrap_model(self.model)
+        if self.aux_loss_enabled and hasattr(inner, "router_aux_loss_coef"):
+            inner.router_aux_loss_coef = self.router_aux_loss_coef
 
     def loss_sum_and_count(
         self, outputs: Any, labels: torch.Tensor, inputs: dict[str, Any]

@@ -125,7 +125,8 @@ class BigBatchAuditor:
         """``coef * aux`` of the big batch, or ``coef * sum_k (n_k / N) aux_k`` over its micro-batches."""
         if self.router_loss == "none":
             return 0.0
-        coef = float(getattr(self._reference, "router_aux_loss_coef", 0.0) or 0.0)
+        # The live model's coefficient: a trainer may set it after the reference was copied (TRL's SFTConfig).
+        coef = float(getattr(self._live, "router_aux_loss_coef", 0.0) or 0.0)
         if self.router_loss == "big_batch":
             return coef * big_outputs.aux_loss
         if self.router_loss != "per_micro_batch":
