@@ -27,7 +27,13 @@ from typing import Any
 import torch
 
 from hf_accum.accumulation import batch_shape_counts, global_sum
-from hf_accum.loss import IGNORE_INDEX, aligned_targets, compute_dtype, rows_per_chunk, unwrap_model
+from hf_accum.loss import (
+    IGNORE_INDEX,
+    aligned_targets,
+    compute_dtype,
+    rows_per_chunk,
+    unwrap_model,
+)
 from hf_accum.trainer import AccumTrainer
 
 try:

@@ -12,7 +12,7 @@ of classes. Chosen over "a control with the same arithmetic" because it measures
 itself at ~1e-15, where the islands would leave a ~1e-7 floor to compare against. MoE models run with
 eager experts (the grouped-mm kernel refuses float64), and when they return a router loss the reference
 includes it as every hf_accum front-end defines it (``coef`` x the token-weighted mean of the update's
-micro-batch router losses).
+micro-batch router losses; ``output_router_logits`` is turned on where ``router_aux_loss_coef`` is set).
 
 Outcomes: :class:`CheckReport` (PASS / FAIL), :class:`hf_accum.errors.InputError` for a ``--model``
 that is not a readable model directory, :class:`ModelCannotRun` for one the check cannot train (not
@@ -139,7 +139,10 @@ def _checked_model(model: str) -> _CheckedModel:
         return loaded
 
     coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
-    router_loss = bool(getattr(config, "output_router_logits", False)) and coef != 0.0
+    # MoE checkpoints ship with output_router_logits=False (inference); fine-tuning turns it on, so does the check.
+    router_loss = hasattr(config, "output_router_logits") and coef != 0.0
+    if router_loss:
+        config.output_router_logits = True
     pad = config.pad_token_id if getattr(config, "pad_token_id", None) is not None else 0
     vocab_size = getattr(config, "vocab_size", None)
     if not vocab_size:
