@@ -322,12 +322,19 @@ def _probe_rows(inputs: dict[str, Any], labels: torch.Tensor, kind: LossKind) ->
     row = int(has_target.nonzero()[0]) if bool(has_target.any()) else 0
     inputs = {k: v[row : row + 1] if torch.is_tensor(v) else v for k, v in inputs.items()}
     labels = labels[row : row + 1]
-    if not LOSS_KIND_SPECS[kind].per_token or labels.dim() != 2 or any(tuple(v.shape[:2]) != tuple(labels.shape) for v in inputs.values() if torch.is_tensor(v)):
+    if not _per_position(inputs, labels, kind):
         return inputs, labels
     offset = 1 if kind == "causal_lm" else 0  # the first label a causal LM predicts is at position 1
     found = labels[0, offset:].ne(IGNORE_INDEX).nonzero()
     end = max(PROBE_POSITIONS, int(found[0]) + offset + 1 if found.numel() else 0)
     return {k: v[:, :end] if torch.is_tensor(v) else v for k, v in inputs.items()}, labels[:, :end]
+
+
+def _per_position(inputs: dict[str, Any], labels: torch.Tensor, kind: LossKind) -> bool:
+    """Labels and every tensor input laid out ``[rows, positions, ...]`` alike (positions can be cut)."""
+    if not LOSS_KIND_SPECS[kind].per_token or labels.dim() != 2:
+        return False
+    return all(tuple(v.shape[:2]) == tuple(labels.shape) for v in inputs.values() if torch.is_tensor(v))
 
 
 @contextlib.contextmanager
