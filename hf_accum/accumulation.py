@@ -117,6 +117,7 @@ class WindowTotals:
     """What one update window held, summed over micro-batches and (after ``reduce``) ranks."""
 
     loss_sum: float = 0.0
+    """Summed cross-entropy (the model's known extra terms, e.g. a MoE router loss, are in ``aux_loss_sum``)."""
     targets: int = 0
     sequences: int = 0
     real_tokens: int = 0
@@ -130,6 +131,8 @@ class WindowTotals:
     """Ranks asked to stop (a signal or :meth:`hf_accum.control.TrainingControl.request_stop`) by the boundary."""
     checkpoint_requests: int = 0
     """Ranks asked for a checkpoint by the boundary."""
+    aux_loss_sum: float = 0.0
+    """Summed ``coef * aux_k * n_k`` of the micro-batches (MoE router losses; hf_accum.fused_loss.MicroBatchLoss)."""
 
     def add(self, other: WindowTotals) -> None:
         """Fold another window in (totals over a logging interval of several updates)."""
@@ -140,6 +143,11 @@ class WindowTotals:
     def mean_loss(self) -> float:
         """Exact per-target mean loss of the window (nan when it had no targets)."""
         return self.loss_sum / self.targets if self.targets else float("nan")
+
+    @property
+    def mean_aux_loss(self) -> float:
+        """The update's router-loss term: ``coef`` x the token-weighted mean of its micro-batches' aux losses."""
+        return self.aux_loss_sum / self.targets if self.targets else float("nan")
 
     @property
     def padding_fraction(self) -> float:
@@ -210,11 +218,17 @@ class WindowTally:
     def device(self) -> torch.device | str:
         return self._sums.device
 
-    def add(self, loss_sum: torch.Tensor, n_targets: torch.Tensor, batch: Mapping[str, Any]) -> None:
+    def add(
+        self, loss_sum: torch.Tensor, n_targets: torch.Tensor, batch: Mapping[str, Any],
+        aux_sum: torch.Tensor | None = None,
+    ) -> None:
+        """One micro-batch; ``aux_sum``: the part of ``loss_sum`` that is the model's extra terms (logged apart)."""
         sequences, real_tokens, total_tokens = batch_shape_counts(batch)
         loss = loss_sum.detach().to(torch.float64).reshape(())
+        aux = aux_sum.detach().to(loss.device, torch.float64).reshape(()) if aux_sum is not None else None
         self._sums.add(
-            loss_sum=loss,
+            loss_sum=loss - aux if aux is not None else loss,
+            aux_loss_sum=aux if aux is not None else 0.0,
             targets=n_targets,
             sequences=sequences,
             real_tokens=real_tokens,
@@ -237,8 +251,8 @@ class WindowTally:
     def reduce(self, accelerator: Any) -> WindowTotals:
         """All ranks' totals of this window (the tally starts over). Every rank must call it (a collective)."""
         values = self._sums.reduce(accelerator)
-        loss_sum = values.pop("loss_sum")  # inf/nan when a micro-batch's loss was: the counts stay exact
-        return WindowTotals(loss_sum=loss_sum, **{name: int(round(value)) for name, value in values.items()})
+        losses = {name: values.pop(name) for name in ("loss_sum", "aux_loss_sum")}  # inf/nan stay: counts are exact
+        return WindowTotals(**losses, **{name: int(round(value)) for name, value in values.items()})
 
     def reset(self) -> None:
         self._sums.reset()

@@ -137,9 +137,11 @@ class UpdateBoundary:
         self.no_targets_note = no_targets_note
         self.tally = WindowTally(device=accelerator.device)
 
-    def add(self, loss_sum: torch.Tensor, n_targets: torch.Tensor, batch: Mapping[str, Any]) -> None:
-        """One micro-batch's summed loss, its target count and its shape (on the device: no host sync)."""
-        self.tally.add(loss_sum, n_targets, batch)
+    def add(self, loss_sum: torch.Tensor, n_targets: torch.Tensor, batch: Mapping[str, Any],
+            aux_sum: torch.Tensor | None = None) -> None:
+        """One micro-batch's summed loss, its target count and its shape (on the device: no host sync);
+        ``aux_sum``: the part of ``loss_sum`` that is the model's extra terms (MoE router loss), logged apart."""
+        self.tally.add(loss_sum, n_targets, batch, aux_sum=aux_sum)
 
     def reset(self) -> None:
         """Forget a half-tallied window (a retry of the training loop)."""
@@ -195,6 +197,7 @@ class UpdateBoundary:
             targets=totals.targets, sequences=totals.sequences, padding_fraction=totals.padding_fraction,
             micro_batches=totals.micro_batches, applied=decision.applied, skip_reason=decision.skip_reason,
             nonfinite=totals.nonfinite, eval_loss=eval_loss,
+            aux_loss=totals.mean_aux_loss if totals.aux_loss_sum else None,
         )
 
 

@@ -6,7 +6,8 @@
 * ``hf-accum check`` -- run a few accumulated updates of a model (the built-in tiny Llama, or a
   local model directory) under :class:`hf_accum.verify.BigBatchAuditor` and report, per update,
   how far the applied gradient is from the big-batch gradient -- for hf_accum's loop and for the
-  naive ``loss / K`` loop side by side.
+  naive ``loss / K`` loop side by side. Exit codes: PASS 0, FAIL 1, a ``--model`` that is not a readable
+  model directory 2, a model the check cannot run 4 (the message says which and why).
 * ``hf-accum generate --run <output_dir> "prompt"`` -- the completion of a trained recipe run (its base
   model loaded or rebuilt as it was trained, its adapter on top, the chat template applied).
 * ``hf-accum bench`` -- run the repository's benchmarks (``benchmarks/``, not part of the installed
@@ -147,14 +148,23 @@ def _num_processes(args: argparse.Namespace) -> int:
 
 
 def _run_check(args: argparse.Namespace) -> int:
-    from hf_accum.testing.check import check_model  # heavy imports only for this command
-
-    report = check_model(
-        args.model, args.micro_batch_size, args.accumulation_steps, args.examples, tolerance=args.tolerance
+    """PASS 0, FAIL 1, a --model that is not a readable model directory 2, a model it cannot run 4."""
+    from hf_accum.errors import EXIT_CANNOT_RUN, EXIT_FAILED, EXIT_OK
+    from hf_accum.testing.check import (  # heavy imports only for this command
+        ModelCannotRun,
+        check_model,
     )
+
+    try:
+        report = check_model(
+            args.model, args.micro_batch_size, args.accumulation_steps, args.examples, tolerance=args.tolerance
+        )
+    except ModelCannotRun as error:
+        print(f"hf-accum check: cannot run {error}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
     print(report.table())
     print(report.verdict())
-    return 0 if report.passed else 1
+    return EXIT_OK if report.passed else EXIT_FAILED
 
 
 def _run_generate(args: argparse.Namespace) -> int:

@@ -17,6 +17,8 @@ EXIT_NONFINITE = 3
 """The run stopped and cannot go on by itself: too many inf/NaN updates in a row (a checkpoint was written),
 or a write failed for lack of disk space (:data:`EXIT_DISK_FULL`; the last good checkpoint is named)."""
 EXIT_DISK_FULL = EXIT_NONFINITE
+EXIT_CANNOT_RUN = 4
+"""``hf-accum check``: the model directory is readable but the check cannot run that model (it says which and why)."""
 EXIT_PREEMPTED = 75
 """SIGTERM/SIGUSR1 (preemption): the update finished and a checkpoint was written; ``EX_TEMPFAIL``: try again."""
 EXIT_INTERRUPTED = 130

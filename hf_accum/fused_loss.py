@@ -58,7 +58,10 @@ from hf_accum.loss import (
     check_label_smoothing,
     compute_dtype,
     count_targets,
+    infer_loss_kind,
     loss_kind_spec,
+    model_loss_terms,
+    probe_model_loss,
     probing,
     resolve_loss_kind,
     token_loss_sum,
@@ -525,6 +528,21 @@ class MicroBatchLoss:
     * ``fused`` -- whether layouts that allow it (causal LMs) may use :class:`FusedCausalLMLoss` while
       training; ``outputs.logits`` then holds the loss, not logits. Pass False when ``loss_sum_fn``
       needs the logits (a custom loss).
+
+    **Terms the model adds to its own loss.** The first micro-batch is probed once
+    (:func:`hf_accum.loss.probe_model_loss`): the model's own ``forward(labels=...)`` loss must equal
+    the cross-entropy from its logits plus its known terms (:data:`hf_accum.loss.MODEL_LOSS_TERMS`, e.g.
+    a MoE router's ``router_aux_loss_coef * aux_loss``), else the run stops naming the model and the
+    difference. While training, the known terms are added to the micro-batch's loss *sum* weighted by its
+    target count: micro-batch ``k`` (``n_k`` targets, router loss ``aux_k``) adds ``coef * aux_k * n_k``.
+    The front-ends divide the update's sum by its ``N`` targets (all micro-batches, all ranks) once, so the
+    update minimizes ``CE mean + coef * sum_k (n_k / N) aux_k``: ``coef`` times the token-weighted mean of
+    the micro-batches' router losses. Its weight does not grow with K or the number of ranks (stock
+    ``Trainer`` adds ``coef * aux_k`` per micro-batch: K times), and when every micro-batch holds the same
+    rows it is the big batch's own term exactly. (A load-balancing loss is not a sum over tokens, so no
+    accumulation equals a big batch of *different* micro-batches without a pre-pass over the window.)
+    :attr:`aux_sum` is the term's detached part of the last training micro-batch's sum (None: none), so
+    the front-ends log the cross-entropy and the term apart. Evaluation sums the cross-entropy alone.
     """
 
     def __init__(
@@ -542,10 +560,27 @@ class MicroBatchLoss:
         self.problem_type = problem_type
         self.loss_sum_fn = loss_sum_fn or self._token_loss_sum
         self.fused = FusedCausalLMLoss(label_smoothing, chunk_bytes) if fused else None
+        self.terms_checked = False
+        self.aux_sum: torch.Tensor | None = None
 
     def __call__(self, model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor, need_logits: bool = False):
+        if not self.terms_checked:
+            self._probe_model_loss(model, inputs, labels)
         if self.kind is None:
             self.kind = resolve_loss_kind(model, inputs, labels)
+        outputs, loss_sum, n_targets = self._cross_entropy(model, inputs, labels, need_logits)
+        self.aux_sum = None
+        terms = model_loss_terms(model, outputs) if model.training else None
+        if terms is not None:
+            # coef * aux_k * n_k: the update's W / N turns it into the token-weighted mean (class docstring).
+            self.aux_sum = terms.to(loss_sum.device, loss_sum.dtype) * torch.as_tensor(
+                n_targets, device=loss_sum.device, dtype=loss_sum.dtype
+            )
+            loss_sum = loss_sum + self.aux_sum
+            self.aux_sum = self.aux_sum.detach()
+        return outputs, loss_sum, n_targets
+
+    def _cross_entropy(self, model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor, need_logits: bool):
         if self._may_fuse(model) and not need_logits:
             fused = self.fused.forward_loss(model, inputs, labels)
             if fused is not None:
@@ -554,6 +589,19 @@ class MicroBatchLoss:
         outputs = model(**inputs)  # no labels: no model-side loss, no wasted (fp32) loss math
         loss_sum, n_targets = self.loss_sum_fn(outputs, labels, inputs)
         return outputs, loss_sum, n_targets
+
+    def _probe_model_loss(self, model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor) -> None:
+        """Once, on the first micro-batch: the layout (when unknown) and no dropped term. Every rank probes
+        its first micro-batch (the forward goes through DDP, whose buffer broadcast is a collective); a
+        micro-batch without targets has no loss to compare, and is not compared."""
+        kind = self.kind
+        if kind is None:
+            try:
+                kind = infer_loss_kind(model)
+            except ValueError:
+                kind = None  # probe_model_loss finds it from the model's own loss
+        self.kind = probe_model_loss(model, inputs, labels, kind).kind
+        self.terms_checked = True
 
     def _may_fuse(self, model: nn.Module) -> bool:
         # Training only: evaluation and prediction want logits, and the fused path computes gradients.

@@ -58,6 +58,8 @@ DEFAULT_CHUNK_BYTES = 256 * 2**20
 
 # Relative agreement between a model's own loss and ours that identifies its target layout.
 PROBE_TOLERANCE = 1e-6
+# Positions of the first micro-batch's row that the model-loss probe runs (more when its first target is later).
+PROBE_POSITIONS = 64
 
 
 @dataclass(frozen=True)
@@ -168,34 +170,171 @@ def infer_loss_kind(model: torch.nn.Module) -> LossKind:
 
 
 def probe_loss_kind(model: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor) -> LossKind:
-    """The per-token layout whose mean equals the model's own loss on this micro-batch (1e-6 relative).
+    """The per-token layout whose mean (plus the model's known extra terms) equals the model's own loss on
+    this micro-batch (1e-6 relative).
 
     For models whose class says nothing (a causal LM inside a custom ``nn.Module``): runs the model
     once with ``labels``, without gradient, and recomputes the mean from its logits under every
     per-token layout of :data:`LOSS_KIND_SPECS`. Raises the ``infer_loss_kind`` error when none or
     more than one matches.
     """
+    return probe_model_loss(model, inputs, labels).kind
+
+
+@dataclass(frozen=True)
+class ModelLossTerm:
+    """A term a model adds to its own loss beyond the cross-entropy: ``coef * outputs[output]``, where
+    ``coef`` is the model's (or its config's) attribute of that name. The front-ends add it back (see
+    :func:`model_loss_terms`); a term not listed here makes :func:`probe_model_loss` stop the run."""
+
+    output: str
+    coef: str
+
+
+# Router losses of mixture-of-experts models (Mixtral, Qwen2/3-MoE, OLMoE, gpt-oss, ...: ``aux_loss``;
+# Switch/NLLB-MoE: encoder/decoder load-balancing and router z-losses). Each is a per-forward scalar.
+MODEL_LOSS_TERMS: tuple[ModelLossTerm, ...] = (
+    ModelLossTerm("aux_loss", "router_aux_loss_coef"),
+    ModelLossTerm("encoder_aux_loss", "router_aux_loss_coef"),
+    ModelLossTerm("decoder_aux_loss", "router_aux_loss_coef"),
+    ModelLossTerm("encoder_z_loss", "router_z_loss_coef"),
+    ModelLossTerm("decoder_z_loss", "router_z_loss_coef"),
+)
+
+# Set this attribute on the model (``model.hf_accum_drop_model_loss_terms = True``) to train on the
+# cross-entropy alone although the model's own loss holds a term hf_accum does not know.
+DROP_TERMS_ATTRIBUTE = "hf_accum_drop_model_loss_terms"
+
+
+def _term_coef(model: torch.nn.Module, name: str) -> float:
+    inner = unwrap_model(model)
+    value = getattr(inner, name, None)
+    if value is None:
+        value = getattr(getattr(inner, "config", None), name, None)
+    return float(value or 0.0)
+
+
+def model_loss_terms(model: torch.nn.Module, outputs: Any) -> torch.Tensor | None:
+    """``sum coef * term`` over the known terms the forward returned (None: none). Computed as the model
+    computes it (the term's dtype times the coefficient), so a probe compares like with like; the graph is
+    kept, so the term's gradient reaches the router weights."""
+    total = None
+    for term in MODEL_LOSS_TERMS:
+        value = outputs.get(term.output) if hasattr(outputs, "get") else getattr(outputs, term.output, None)
+        coef = _term_coef(model, term.coef) if torch.is_tensor(value) else 0.0
+        if coef:
+            total = coef * value if total is None else total + coef * value.to(total.device)
+    return total
+
+
+class UnaccountedLossTerm(ValueError):
+    """The model's own loss holds a term the cross-entropy (plus the known terms) does not explain."""
+
+
+@dataclass(frozen=True)
+class ModelLossProbe:
+    """What the first micro-batch showed about a model's own loss."""
+
+    kind: LossKind
+    own_loss: float | None
+    """The model's ``forward(labels=...)`` loss on the probed rows (None: its forward gives none)."""
+    extra: float = 0.0
+    """The known terms' part of it (``coef * aux_loss`` ...), added back by the front-ends."""
+
+
+def probe_model_loss(
+    model: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor, kind: LossKind | None = None
+) -> ModelLossProbe:
+    """Compare the model's own loss with the cross-entropy from its logits plus its known terms, once.
+
+    One forward with ``labels``, without gradient, on the rows of ``inputs`` that hold targets (the first
+    such row when rows can be sliced, so no extra ``(tokens x vocab)`` logits of a whole micro-batch). With
+    ``kind`` None the layout is found by the comparison (:func:`probe_loss_kind`); with ``kind`` given, a
+    model whose loss differs raises :class:`UnaccountedLossTerm` naming the class and the difference
+    (unless it carries ``hf_accum_drop_model_loss_terms = True``): a term it adds that we would drop.
+    """
     name = type(unwrap_model(model)).__name__
+    inputs, labels = _probe_rows(inputs, labels, kind or "causal_lm")
     try:
         with probing(model):
             outputs = model(**inputs, labels=labels)
         own, logits = outputs["loss"], outputs["logits"]
     except (TypeError, KeyError, ValueError) as error:
+        if kind is not None:  # a forward without a loss of its own adds nothing we could drop
+            return ModelLossProbe(kind, None)
         raise _cannot_place(name, f" (its forward gives no loss and logits with labels=: {error})") from None
-    if own is None or logits is None or logits.dim() != 3:
+    if own is None or logits is None or (kind is None and logits.dim() != 3):
+        if kind is not None:
+            return ModelLossProbe(kind, None)
         raise _cannot_place(name, " (its forward returns no loss or no [B, T, V] logits)")
-    matches = []
-    for kind, spec in LOSS_KIND_SPECS.items():
-        if not spec.per_token or spec.align(labels).shape != logits.shape[:2]:
-            continue
-        loss_sum, n_targets = token_loss_sum(logits, labels, kind)
-        if int(n_targets) > 0 and math.isclose(float(loss_sum) / int(n_targets), float(own), rel_tol=PROBE_TOLERANCE):
-            matches.append(kind)
-    if len(matches) != 1:
-        found = "matches none of" if not matches else f"matches {matches} alike among"
-        raise _cannot_place(name, f" (its own loss {float(own):.6g} on the first micro-batch {found} the layouts)")
-    logger.info("loss layout of %s: %r (its own loss on the first micro-batch equals ours)", name, matches[0])
-    return matches[0]
+    extra_tensor = model_loss_terms(model, outputs)
+    extra = float(extra_tensor) if extra_tensor is not None else 0.0
+    candidates = [kind] if kind is not None else [k for k, spec in LOSS_KIND_SPECS.items() if spec.per_token]
+    means = {k: _probe_mean(logits, labels, k, model) for k in candidates}
+    matches = [k for k, mean in means.items() if mean is not None and _same_loss(mean + extra, float(own))]
+    if kind is None:
+        if len(matches) != 1:
+            found = "matches none of" if not matches else f"matches {matches} alike among"
+            raise _cannot_place(name, f" (its own loss {float(own):.6g} on the first micro-batch {found} the layouts)")
+        logger.info("loss layout of %s: %r (its own loss on the first micro-batch equals ours)", name, matches[0])
+        return ModelLossProbe(matches[0], float(own), extra)
+    if not matches and means[kind] is not None:
+        _unaccounted(model, name, float(own), means[kind], extra)
+    return ModelLossProbe(kind, float(own), extra)
+
+
+def _probe_mean(logits: torch.Tensor, labels: torch.Tensor, kind: LossKind, model: torch.nn.Module) -> float | None:
+    """The plain (unsmoothed) per-target mean of ``kind`` from the logits; None where it does not apply."""
+    spec = LOSS_KIND_SPECS[kind]
+    if spec.per_token and spec.align(labels).shape != logits.shape[:2]:
+        return None
+    loss_sum, n_targets = token_loss_sum(logits, labels, kind, problem_type=model_problem_type(model))
+    return float(loss_sum) / int(n_targets) if int(n_targets) > 0 else None
+
+
+def _same_loss(ours: float, own: float) -> bool:
+    return math.isclose(ours, own, rel_tol=PROBE_TOLERANCE, abs_tol=PROBE_TOLERANCE)
+
+
+def _unaccounted(model: torch.nn.Module, name: str, own: float, mean: float, extra: float) -> None:
+    difference = own - mean - extra
+    where = f"{name}'s own loss {own:.6g} = cross-entropy {mean:.6g}" + (f" + known terms {extra:.6g}" if extra else "")
+    if getattr(unwrap_model(model), DROP_TERMS_ATTRIBUTE, False):
+        logger.warning("%s + %.6g that hf_accum drops (%s=True)", where, difference, DROP_TERMS_ATTRIBUTE)
+        return
+    raise UnaccountedLossTerm(
+        f"{where} + {difference:.6g} from a term hf_accum does not know (its training loss would silently drop it); "
+        "compute the whole loss in loss_sum_and_count (AccumTrainer) / loss_sum_fn (hf_accum.train) and set "
+        f"model.{DROP_TERMS_ATTRIBUTE} = True, or set only that attribute to train on the cross-entropy alone"
+    )
+
+
+def _probe_rows(inputs: dict[str, Any], labels: torch.Tensor, kind: LossKind) -> tuple[dict[str, Any], torch.Tensor]:
+    """A small slice of the micro-batch that holds a target, when every tensor input is laid out per row
+    (else all of it): the first row with a target and, for per-position labels, its first positions up to
+    that target (at least :data:`PROBE_POSITIONS`). The own loss and ours are compared on the same forward,
+    so any slice compares like with like; a small one keeps the probe's logits far below one training chunk."""
+    rows = labels.shape[0] if labels.dim() else 0
+    tensors = [v for v in inputs.values() if torch.is_tensor(v)]
+    if rows == 0 or any(v.dim() == 0 or v.shape[0] != rows for v in tensors):
+        return inputs, labels
+    has_target = aligned_targets(labels, kind).reshape(rows, -1).ne(IGNORE_INDEX).any(1)
+    row = int(has_target.nonzero()[0]) if bool(has_target.any()) else 0
+    inputs = {k: v[row : row + 1] if torch.is_tensor(v) else v for k, v in inputs.items()}
+    labels = labels[row : row + 1]
+    if not _per_position(inputs, labels, kind):
+        return inputs, labels
+    offset = 1 if kind == "causal_lm" else 0  # the first label a causal LM predicts is at position 1
+    found = labels[0, offset:].ne(IGNORE_INDEX).nonzero()
+    end = max(PROBE_POSITIONS, int(found[0]) + offset + 1 if found.numel() else 0)
+    return {k: v[:, :end] if torch.is_tensor(v) else v for k, v in inputs.items()}, labels[:, :end]
+
+
+def _per_position(inputs: dict[str, Any], labels: torch.Tensor, kind: LossKind) -> bool:
+    """Labels and every tensor input laid out ``[rows, positions, ...]`` alike (positions can be cut)."""
+    if not LOSS_KIND_SPECS[kind].per_token or labels.dim() != 2:
+        return False
+    return all(tuple(v.shape[:2]) == tuple(labels.shape) for v in inputs.values() if torch.is_tensor(v))
 
 
 @contextlib.contextmanager

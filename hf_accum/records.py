@@ -31,6 +31,9 @@ class UpdateLog:
     """Skipped because a loss or gradient was inf/NaN."""
     eval_loss: float | None = None
     """Exact per-token held-out loss after this update, when it was evaluated (``eval_strategy``)."""
+    aux_loss: float | None = None
+    """MoE models: the router-loss term the update also minimized (``coef`` x the token-weighted mean of its
+    micro-batches' aux losses; ``loss`` stays the cross-entropy). None for models without one."""
 
     def tracked(self) -> dict[str, float]:
         """The numbers an experiment tracker gets for this update (names as Trainer logs them)."""
@@ -41,12 +44,15 @@ class UpdateLog:
             values["train/grad_norm"] = self.grad_norm
         if self.eval_loss is not None:
             values["eval/loss"] = self.eval_loss
+        if self.aux_loss is not None:
+            values["train/aux_loss"] = self.aux_loss
         return values
 
     def line(self) -> str:
         grad = f"{self.grad_norm:.4f}" if self.grad_norm is not None else "-"
         state = "" if self.applied else f" (skipped: {self.skip_reason})"
         state += f" | eval_loss {self.eval_loss:.4f}" if self.eval_loss is not None else ""
+        state += f" | aux_loss {self.aux_loss:.4f}" if self.aux_loss is not None else ""
         return (
             f"update {self.step} | epoch {self.epoch:.2f} | loss {self.loss:.4f} | lr {self.learning_rate:.3e} | "
             f"grad_norm {grad} | tokens {self.targets} | seqs {self.sequences} | "

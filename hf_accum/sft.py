@@ -28,7 +28,7 @@ import torch
 
 from hf_accum.accumulation import DeviceSums, batch_shape_counts
 from hf_accum.compat import add_trl_train_tokens, trl_metrics, trl_train_tokens
-from hf_accum.loss import IGNORE_INDEX, aligned_targets, compute_dtype, rows_per_chunk
+from hf_accum.loss import IGNORE_INDEX, aligned_targets, compute_dtype, rows_per_chunk, unwrap_model
 from hf_accum.trainer import AccumTrainer
 
 try:
@@ -53,8 +53,9 @@ class AccumSFTTrainer(AccumTrainer, SFTTrainer):
     AccumTrainer guarantees holds (see :class:`hf_accum.AccumTrainer`); TRL's logged metrics
     ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` (and their ``eval_`` versions) are kept.
 
-    Refused, because AccumTrainer's loss would silently drop them: ``loss_type="dft"`` and a MoE
-    router auxiliary loss (set ``router_aux_loss_coef=0.0``), as well as ``compute_loss_func``.
+    A MoE router auxiliary loss (``output_router_logits=True``) is added as in every front-end
+    (:class:`hf_accum.fused_loss.MicroBatchLoss`) and logged as ``aux_loss``. Refused, because
+    AccumTrainer's loss would silently drop it: ``loss_type="dft"``, as well as ``compute_loss_func``.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -68,12 +69,16 @@ class AccumSFTTrainer(AccumTrainer, SFTTrainer):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_NOT_APPLICABLE_WARNING, category=FutureWarning)
             super().__init__(*args, **kwargs)
-        if self.aux_loss_enabled:
-            raise ValueError(
-                f"AccumSFTTrainer does not add the MoE router auxiliary loss (router_aux_loss_coef="
-                f"{self.router_aux_loss_coef}); set router_aux_loss_coef=0.0 in SFTConfig to train without it"
-            )
+        self._sync_router_coef()
         self._stats = {"train": _TokenStats(self.args.device), "eval": _TokenStats(self.args.device)}
+
+    def _sync_router_coef(self) -> None:
+        """TRL writes ``SFTConfig.router_aux_loss_coef`` into the model's config, but MoE models read the
+        coefficient they copied at construction (``model.router_aux_loss_coef``), as does the router term every
+        front-end adds (:func:`hf_accum.loss.model_loss_terms`): copy TRL's value there too."""
+        inner = unwrap_model(self.model)
+        if self.aux_loss_enabled and hasattr(inner, "router_aux_loss_coef"):
+            inner.router_aux_loss_coef = self.router_aux_loss_coef
 
     def loss_sum_and_count(
         self, outputs: Any, labels: torch.Tensor, inputs: dict[str, Any]

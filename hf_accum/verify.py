@@ -7,6 +7,12 @@ weights, the gradient of ONE big batch made of every micro-batch of that update 
 with the loss written out plainly (``torch.nn.functional.cross_entropy``, mean over all
 targets). It records the relative error of the gradient about to be applied and the LR.
 
+MoE models (``router_loss``): the reference adds ``router_aux_loss_coef`` times the router loss either
+of the big batch itself (``"big_batch"``: the true big-batch objective, which accumulation reaches when
+every micro-batch holds the same rows) or as hf_accum defines it for an update, the token-weighted mean
+of each micro-batch's router loss (``"per_micro_batch"``: each micro-batch run alone, weighted by its
+targets over the update's targets).
+
 It shares no code with :mod:`hf_accum.loss` or :mod:`hf_accum.accumulation` on purpose: it is
 the yardstick they are measured against (tests, ``hf-accum check``).
 """
@@ -53,6 +59,9 @@ class BigBatchAuditor:
     """Compute the reference in this dtype (e.g. float64 for a bf16 run); default: the model's."""
     problem_type: str | None = None
     """Sequence heads: as transformers' config.problem_type (inferred like transformers when None)."""
+    router_loss: str = "none"
+    """``"none"``, ``"big_batch"`` or ``"per_micro_batch"``: how the reference adds a MoE model's
+    ``router_aux_loss_coef * aux_loss`` (see the module docstring)."""
     records: list[AuditRecord] = field(default_factory=list)
     _pending: deque = field(default_factory=deque, repr=False)
     _forwards: int = field(default=0, repr=False)
@@ -102,14 +111,34 @@ class BigBatchAuditor:
         big = _concatenate(micro_batches, self.pad_token_id)
         labels = big.pop("labels")
         device = next(reference.parameters()).device
-        logits = reference(**{k: v.to(device) for k, v in big.items()}, use_cache=False).logits
-        logits, labels = _shift(logits, labels.to(device), self.loss_kind)
+        outputs = reference(**{k: v.to(device) for k, v in big.items()}, use_cache=False)
+        logits, labels = _shift(outputs.logits, labels.to(device), self.loss_kind)
         loss, targets = self._mean_loss(logits, labels)
         if targets == 0:
             return {n: torch.zeros_like(p) for n, p in reference.named_parameters() if p.requires_grad}, 0, float("nan")
+        loss = loss + self._router_term(outputs, micro_batches, targets)
         loss.backward()
         grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters() if p.requires_grad}
         return grads, targets, float(loss.detach())
+
+    def _router_term(self, big_outputs: Any, micro_batches: list[dict], targets: int) -> torch.Tensor | float:
+        """``coef * aux`` of the big batch, or ``coef * sum_k (n_k / N) aux_k`` over its micro-batches."""
+        if self.router_loss == "none":
+            return 0.0
+        # The live model's coefficient: a trainer may set it after the reference was copied (TRL's SFTConfig).
+        coef = float(getattr(self._live, "router_aux_loss_coef", 0.0) or 0.0)
+        if self.router_loss == "big_batch":
+            return coef * big_outputs.aux_loss
+        if self.router_loss != "per_micro_batch":
+            raise ValueError(f"router_loss={self.router_loss!r}; allowed: 'none', 'big_batch', 'per_micro_batch'")
+        device = next(self._reference.parameters()).device
+        term = 0.0
+        for batch in micro_batches:
+            batch = {k: v.to(device) for k, v in batch.items()}
+            labels = batch.pop("labels")
+            n_k = int(_shift(labels[..., None], labels, self.loss_kind)[1].ne(-100).sum())
+            term = term + coef * self._reference(**batch, use_cache=False).aux_loss * (n_k / targets)
+        return term
 
     def _mean_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The big batch's loss as transformers defines it: a mean over every target."""

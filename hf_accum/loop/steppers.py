@@ -138,7 +138,7 @@ class AccumulateStepper(Stepper):
                 _, loss_sum, n_targets = self.loss(self.model, inputs, labels)
                 # Backward of the *sum* (times a constant of the window): the one normalization is at the boundary.
                 accelerator.backward(self.magnitude.scaled(loss_sum, n_targets, accelerator))
-                self.boundary.add(loss_sum, n_targets, batch)
+                self.boundary.add(loss_sum, n_targets, batch, aux_sum=self.loss.aux_sum)
                 if not accelerator.sync_gradients:
                     continue
                 done += 1
@@ -251,7 +251,7 @@ class DeepSpeedStepper(Stepper):
             labels, inputs = split_labels(batch)
             _, loss_sum, n_targets = self.loss(self.model, inputs, labels)
             self.accelerator.backward(loss_sum * factor)
-            self.boundary.add(loss_sum, n_targets, batch)
+            self.boundary.add(loss_sum, n_targets, batch, aux_sum=self.loss.aux_sum)
 
     def _step_scheduler(self, decision: Decision) -> Decision:
         if self.accelerator.optimizer_step_was_skipped:  # fp16 overflow: the engine skipped the step

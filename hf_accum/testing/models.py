@@ -65,6 +65,40 @@ def keep_norm_dtype(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+MOE_FAMILIES = ("mixtral", "qwen2_moe")
+
+
+def tiny_moe_causal_lm(
+    family: str = "mixtral", seed: int = 0, router_aux_loss_coef: float = 0.02, dtype: torch.dtype = torch.float64,
+    **overrides,
+) -> torch.nn.Module:
+    """A tiny Mixtral or Qwen2-MoE (4 experts, top-2) returning its router loss (``output_router_logits``),
+    with eager experts: the grouped-mm kernel refuses float64."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    shape = dict(
+        vocab_size=VOCAB, pad_token_id=PAD, bos_token_id=1, eos_token_id=2, hidden_size=16, intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=router_aux_loss_coef,
+        experts_implementation="eager",
+    )
+    shape.update(overrides)
+    torch.manual_seed(seed)
+    if family == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(num_local_experts=4, **shape))
+    elif family == "qwen2_moe":
+        config = Qwen2MoeConfig(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=32, **shape)
+        model = Qwen2MoeForCausalLM(config)
+    else:
+        raise ValueError(f"family={family!r}; allowed: {MOE_FAMILIES}")
+    return keep_norm_dtype(model.to(dtype))
+
+
+def router_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The routers' weights (``...mlp.gate.weight``): the parameters the router loss is about."""
+    return {name: p for name, p in model.named_parameters() if name.endswith("mlp.gate.weight")}
+
+
 class NoKwargsForCausalLM(nn.Module):
     """A causal LM whose forward takes no ``**kwargs`` (stock Trainer then averages micro-batch means)."""
 

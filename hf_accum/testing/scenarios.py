@@ -48,11 +48,13 @@ class Scenario:
     """Loop runs only: extra ``LoopConfig`` fields."""
     args: dict = field(default_factory=dict)
     """Trainer runs only: extra ``TrainingArguments`` fields."""
+    router_loss: str = "none"
+    """MoE models: how the audit's reference adds the router loss (:class:`hf_accum.verify.BigBatchAuditor`)."""
 
     def auditor(self) -> BigBatchAuditor:
         return BigBatchAuditor(
             loss_kind=self.loss_kind, label_smoothing=self.label_smoothing, pad_token_id=self.pad_token_id,
-            reference_dtype=self.reference_dtype,
+            reference_dtype=self.reference_dtype, router_loss=self.router_loss,
         )
 
     def big_batch_learning_rates(self, total_updates: int) -> list[float]:

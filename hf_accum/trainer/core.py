@@ -183,7 +183,7 @@ class AccumTrainer(Trainer):
             self._eval_tally.add(loss_sum, n_targets, inputs)
             loss = loss_sum / torch.clamp(torch.as_tensor(n_targets, device=loss_sum.device), min=1)
         else:
-            self._window.boundary.add(loss_sum, n_targets, inputs)
+            self._window.boundary.add(loss_sum, n_targets, inputs, aux_sum=self._micro_batch_loss.aux_sum)
             loss = loss_sum * self._window.loss_factor(num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
 

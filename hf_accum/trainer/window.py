@@ -215,6 +215,8 @@ class LogInterval:
             "sequences_per_update": self.totals.sequences / self.updates,
             "padding_fraction": self.totals.padding_fraction,
         }
+        if self.totals.aux_loss_sum:  # MoE router loss, logged apart from the cross-entropy "loss"
+            logs["aux_loss"] = self.totals.mean_aux_loss
         if self.skipped:
             logs["updates_without_targets"] = self.skipped
         if self.skipped_nonfinite:

@@ -1,0 +1,82 @@
+"""torchrun worker (2 CPU processes, gloo): the MoE router loss under DDP (launched by tests/test_moe_ddp.py).
+
+For Mixtral and Qwen2-MoE, float64 without float32 islands, with the loop and AccumTrainer on the fused and
+logits paths: every update against the rule's reference (the token-weighted mean of every micro-batch's
+router loss, all ranks), and with every micro-batch on both ranks holding the same rows, against the big
+batch's own gradient and router loss -- its weight does not grow with the number of ranks. Rank 0 writes a
+JSON report to ``argv[1]``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from accelerate import DistributedDataParallelKwargs
+
+from hf_accum import AccumTrainer
+from hf_accum.batching import PaddingCollator
+from hf_accum.testing import PAD, Scenario, random_rows, run_exact, run_trainer
+from hf_accum.testing.float64 import float64_arithmetic
+from hf_accum.testing.models import MOE_FAMILIES, tiny_moe_causal_lm
+
+COEF = 0.02
+UNEVEN = random_rows(24, seed=21, min_len=3, max_len=40, prompt_masking=True, long_rows=lambda i: (i // 2) % 2 == 0)
+SAME = random_rows(2, seed=4, prompt_masking=True) * 12  # every micro-batch of both ranks: the same 2 rows
+
+
+def scenario(family: str, rows, router_loss: str, fused: bool) -> Scenario:
+    factory = functools.partial(tiny_moe_causal_lm, family, router_aux_loss_coef=COEF)
+    return Scenario(
+        f"moe_ddp:{family}", factory, rows, PaddingCollator(PAD), micro_batch=2, accumulation=3,
+        router_loss=router_loss, loop_kwargs={"fused_loss": fused},
+        # An expert no token of a micro-batch picks gets no gradient.
+        accelerator_kwargs={"kwargs_handlers": [DistributedDataParallelKwargs(find_unused_parameters=True)]},
+    )
+
+
+def _run(front_end: str, family: str, rows, router_loss: str, out_dir: str) -> dict:
+    fused = front_end.endswith("fused")
+    run_scenario = scenario(family, rows, router_loss, fused)
+    if front_end.startswith("loop"):
+        result, auditor = run_exact(run_scenario)
+        updates = result.updates
+    else:
+        directory = os.path.join(out_dir, f"{front_end}-{family}-{router_loss}")
+        run = run_trainer(run_scenario, directory, AccumTrainer, trainer_kwargs={"fused_loss": fused})
+        auditor, updates = run.auditor, run.trainer.updates
+    return {"errors": [r.relative_error for r in auditor.records], "aux_loss": [u.aux_loss for u in updates],
+            "loss": [u.loss for u in updates], "reference_loss": [r.reference_loss for r in auditor.records]}
+
+
+def one_copy_router_term(family: str) -> float:
+    """``coef * aux`` of one micro-batch of SAME, at the initial weights."""
+    batch = PaddingCollator(PAD)(SAME[:2])
+    batch.pop("labels")
+    with torch.no_grad():
+        return float(COEF * tiny_moe_causal_lm(family, router_aux_loss_coef=COEF)(**batch).aux_loss)
+
+
+def main(report_path: str) -> None:
+    out_dir = os.path.dirname(report_path)
+    report = {}
+    with float64_arithmetic():
+        for family in MOE_FAMILIES:
+            for front_end in ("loop_fused", "loop_logits", "trainer_fused", "trainer_logits"):
+                report[f"{family}:{front_end}:uneven"] = _run(front_end, family, UNEVEN, "per_micro_batch", out_dir)
+            for front_end in ("loop_fused", "trainer_fused"):
+                report[f"{family}:{front_end}:same"] = _run(front_end, family, SAME, "big_batch", out_dir)
+            report[f"{family}:one_copy_router_term"] = one_copy_router_term(family)
+    report["world_size"] = dist.get_world_size()
+    if dist.get_rank() == 0:
+        with open(report_path, "w") as handle:
+            json.dump(report, handle)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,45 @@
+"""The MoE router loss on 2 real CPU processes (torchrun, gloo): see tests/moe_ddp_worker.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from hf_accum.testing.launch import run_torchrun
+from hf_accum.testing.models import MOE_FAMILIES
+
+HERE = os.path.dirname(__file__)
+EXACT = 1e-10
+FRONT_ENDS = ("loop_fused", "loop_logits", "trainer_fused", "trainer_logits")
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    path = tmp_path_factory.mktemp("moe_ddp") / "report.json"
+    return run_torchrun(os.path.join(HERE, "moe_ddp_worker.py"), path, timeout=600)
+
+
+@pytest.mark.slow
+def test_two_processes_really_started(report):
+    assert report["world_size"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("front_end", FRONT_ENDS)
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_updates_are_exact_with_the_router_loss_of_every_rank(report, family, front_end):
+    run = report[f"{family}:{front_end}:uneven"]
+    assert len(run["errors"]) >= 2 and max(run["errors"]) < EXACT, run["errors"]
+    for loss, aux, reference in zip(run["loss"], run["aux_loss"], run["reference_loss"]):
+        assert abs(loss + aux - reference) < 1e-12 * reference
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("front_end", ["loop_fused", "trainer_fused"])
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_the_router_term_does_not_grow_with_the_ranks(report, family, front_end):
+    """Same rows everywhere: the big batch's gradient, and the logged term is one micro-batch's."""
+    run = report[f"{family}:{front_end}:same"]
+    assert len(run["errors"]) == 2 and max(run["errors"]) < EXACT, run["errors"]
+    assert run["aux_loss"][0] == pytest.approx(report[f"{family}:one_copy_router_term"], rel=1e-12)
