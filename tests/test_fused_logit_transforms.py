@@ -23,9 +23,23 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from hf_accum import AccumTrainer
 from hf_accum.batching import PaddingCollator
-from hf_accum.fused_loss import IDENTITY, LinearHead, LogitTransform, MicroBatchLoss, linear_cross_entropy_sum
+from hf_accum.fused_loss import (
+    IDENTITY,
+    LinearHead,
+    LogitTransform,
+    MicroBatchLoss,
+    linear_cross_entropy_sum,
+)
 from hf_accum.loss import token_loss_sum
-from hf_accum.testing import PAD, VOCAB, Scenario, random_rows, run_exact, run_naive, run_trainer
+from hf_accum.testing import (
+    PAD,
+    VOCAB,
+    Scenario,
+    random_rows,
+    run_exact,
+    run_naive,
+    run_trainer,
+)
 from hf_accum.testing.models import TEST_SHAPE
 
 EXACT = 1e-10

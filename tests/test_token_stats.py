@@ -19,11 +19,11 @@ import torch.nn.functional as F
 
 pytest.importorskip("trl")
 
-from trl import SFTConfig  # noqa: E402
-from trl.trainer.utils import entropy_from_logits  # noqa: E402
+from trl import SFTConfig
+from trl.trainer.utils import entropy_from_logits
 
-from hf_accum import AccumSFTTrainer  # noqa: E402
-from hf_accum.fused_loss import (  # noqa: E402
+from hf_accum import AccumSFTTrainer
+from hf_accum.fused_loss import (
     LinearHead,
     LogitTransform,
     MicroBatchLoss,
@@ -31,8 +31,8 @@ from hf_accum.fused_loss import (  # noqa: E402
     linear_cross_entropy_sum,
     logits_token_stats,
 )
-from hf_accum.testing import Scenario, run_trainer  # noqa: E402
-from hf_accum.testing.sft import sft_model_factory, sft_rows, sft_tokenizer  # noqa: E402
+from hf_accum.testing import Scenario, run_trainer
+from hf_accum.testing.sft import sft_model_factory, sft_rows, sft_tokenizer
 
 EXACT = 1e-10
 FUSED_ON = "fused linear cross-entropy on"
