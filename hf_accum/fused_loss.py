@@ -23,7 +23,8 @@ This module owns the fused loss and the choice between it and the logits path:
    ``find_unused_parameters=True`` (``Trainer``'s default) every parameter that receives a gradient
    must be reachable from that forward's outputs -- the output layer included. So for one call the
    head module's ``forward`` is replaced by one that computes the loss from the hidden states it is
-   given; the model returns that loss where the logits would be.
+   given; the model returns it (as a ``[1, 1, 1]`` tensor, through whatever it does to logits) where
+   the logits would be, and the loss is taken as the head computed it.
 
    Before fusing anything, the first micro-batch of a run is *probed* (a short slice, no gradient):
    the head must be called once, on hidden states of every position, its output must equal
@@ -36,8 +37,8 @@ This module owns the fused loss and the choice between it and the logits path:
    optionally with :class:`TokenStats` (entropy and arg-max accuracy sums, TRL's metrics) from the
    same chunks.
 
-Sums are taken in :func:`hf_accum.loss.compute_dtype` (at least fp32; fp64 stays fp64), except the
-output layer's weight gradient, summed in the weight's dtype (see :class:`_GradientSums`); the targets
+Sums are taken in :func:`hf_accum.loss.compute_dtype` (at least fp32; fp64 stays fp64), except a bf16
+output layer's weight gradient within one chunk, summed in bf16 (see :class:`_GradientSums`); the targets
 are the causal ones of :func:`hf_accum.loss.aligned_targets`, so the count is that of
 :func:`hf_accum.loss.count_targets`; label smoothing is torch's definition, as in the logits path.
 """
