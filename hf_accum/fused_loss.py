@@ -12,7 +12,9 @@ This module owns the fused loss and the choice between it and the logits path:
    FusedLinearCrossEntropy and Apple's Cut Cross-Entropy. On CUDA with ``liger-kernel`` installed,
    Liger's kernel does the same job (``reduction="sum"``).
 2. :func:`resolve_head` -- what a model's output layer computes, as tensors (:class:`LinearHead`):
-   ``logits = h W^T + b + scale * (h A^T) B^T``. It knows ``nn.Linear``, PEFT's
+   ``logits = h W^T + b + scale * (h A^T) B^T``, and then what the model does to those logits
+   (:class:`LogitTransform`: a constant scale, a ``c * tanh(z / c)`` soft-cap), folded into each
+   chunk's forward and gradient. It knows ``nn.Linear``, PEFT's
    ``ModulesToSaveWrapper`` (the active trainable copy) and PEFT's LoRA ``Linear`` (one adapter,
    dropout off); anything else raises :class:`NotFusable` and the caller keeps the logits path.
 3. :class:`FusedCausalLMLoss` -- running a model so that its head *returns the loss*. Why inside the
@@ -21,17 +23,22 @@ This module owns the fused loss and the choice between it and the logits path:
    ``find_unused_parameters=True`` (``Trainer``'s default) every parameter that receives a gradient
    must be reachable from that forward's outputs -- the output layer included. So for one call the
    head module's ``forward`` is replaced by one that computes the loss from the hidden states it is
-   given; the model returns that loss where the logits would be.
+   given; the model returns it (as a ``[1, 1, 1]`` tensor, through whatever it does to logits) where
+   the logits would be, and the loss is taken as the head computed it.
 
    Before fusing anything, the first micro-batch of a run is *probed* (a short slice, no gradient):
    the head must be called once, on hidden states of every position, its output must equal
-   :meth:`LinearHead.logits` of its input, and the model must return that output unchanged (no
-   soft-capping, no logit scale). If any of this fails the run keeps the logits path and says why,
-   once.
+   :meth:`LinearHead.logits` of its input, and the model must return that output unchanged or
+   transformed exactly as its configuration declares (Gemma 2/3 ``final_logit_softcapping``, Cohere
+   ``logit_scale``, Granite ``logits_scaling``), bit for bit. If any of this fails the run keeps the
+   logits path and says why, once.
 4. :class:`MicroBatchLoss` -- what both front-ends call per micro-batch: the fused path for causal
-   LMs while training, the logits path (``hf_accum.loss.token_loss_sum`` or a custom loss) otherwise.
+   LMs while training, the logits path (``hf_accum.loss.token_loss_sum`` or a custom loss) otherwise;
+   optionally with :class:`TokenStats` (entropy and arg-max accuracy sums, TRL's metrics) from the
+   same chunks.
 
-Sums are taken in :func:`hf_accum.loss.compute_dtype` (at least fp32; fp64 stays fp64); the targets
+Sums are taken in :func:`hf_accum.loss.compute_dtype` (at least fp32; fp64 stays fp64), except a bf16
+output layer's weight gradient within one chunk, summed in bf16 (see :class:`_GradientSums`); the targets
 are the causal ones of :func:`hf_accum.loss.aligned_targets`, so the count is that of
 :func:`hf_accum.loss.count_targets`; label smoothing is torch's definition, as in the logits path.
 """
@@ -39,6 +46,7 @@ are the causal ones of :func:`hf_accum.loss.aligned_targets`, so the count is th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import logging
@@ -64,6 +72,7 @@ from hf_accum.loss import (
     probe_model_loss,
     probing,
     resolve_loss_kind,
+    rows_per_chunk,
     token_loss_sum,
     unwrap_model,
 )
@@ -80,22 +89,111 @@ PROBE_POSITIONS = 16
 
 
 @dataclass(frozen=True)
+class LogitTransform:
+    """What a model does to its output layer's logits before the loss, elementwise:
+    ``y = softcap * tanh(z * multiply / divide / softcap)`` (each step only when set).
+
+    Cohere multiplies (``logit_scale``), Granite divides (``logits_scaling``), Gemma 2/3 soft-cap
+    (``final_logit_softcapping``). The ops are applied in the model's own order, so in float64 the
+    transformed logits are bit-identical to the model's (the probe checks it).
+    """
+
+    multiply: float | None = None
+    divide: float | None = None
+    softcap: float | None = None
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """The model's logits from its output layer's (a new tensor; the probe's reference)."""
+        return self.apply_(logits.clone())[0]
+
+    def apply_(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(y, t)``: the transformed logits, computed in ``z``'s storage unless soft-capped; for a
+        soft-cap also ``t = tanh(.)`` (in ``z``'s storage), which its derivative needs."""
+        if self.multiply is not None:
+            z.mul_(self.multiply)
+        if self.divide is not None:
+            z.div_(self.divide)
+        if self.softcap is None:
+            return z, None
+        tanh = z.div_(self.softcap).tanh_()
+        return tanh * self.softcap, tanh
+
+    def chain_(self, grad: torch.Tensor, tanh: torch.Tensor | None) -> torch.Tensor:
+        """d(loss)/dz from d(loss)/dy, in place in ``grad`` (``tanh`` is overwritten).
+
+        The chain rule through each step: a constant factor for the scale, and for the soft-cap
+        d/du [c tanh(u / c)] = 1 - tanh^2(u / c), written with the tanh kept from the forward.
+        """
+        if tanh is not None:
+            grad.mul_(tanh.square_().neg_().add_(1.0))
+        if self.multiply is not None:
+            grad.mul_(self.multiply)
+        if self.divide is not None:
+            grad.div_(self.divide)
+        return grad
+
+    @property
+    def buffers(self) -> int:
+        """Chunk-sized logit buffers the chunk math needs (a soft-cap keeps tanh beside the logits)."""
+        return 1 if self.softcap is None else 2
+
+
+IDENTITY = LogitTransform()
+
+
+@dataclass(frozen=True)
 class LinearHead:
-    """An output layer as tensors: ``logits = h W^T + b + lora_scale * (h A^T) B^T``."""
+    """An output layer as tensors: ``logits = h W^T + b + lora_scale * (h A^T) B^T``, then what the
+    model does to them before its loss (``transform``, identity for most models)."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None = None
     lora_a: torch.Tensor | None = None
     lora_b: torch.Tensor | None = None
     lora_scale: float = 1.0
+    transform: LogitTransform = IDENTITY
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The logits this head computes (the probe's reference; training never calls it on all rows)."""
+        """The output layer's logits (the probe's reference; training never calls it on all rows)."""
         base = F.linear(hidden, self.weight, self.bias)
         if self.lora_a is None:
             return base
         low_rank = F.linear(F.linear(hidden.to(self.lora_a.dtype), self.lora_a), self.lora_b) * self.lora_scale
         return (base + low_rank).to(base.dtype)
+
+    def model_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits the model's loss sees: :meth:`logits` through ``transform``."""
+        return self.transform(self.logits(hidden))
+
+
+@dataclass
+class TokenStats:
+    """Per-target statistics of the predicted distribution, as sums (exact across micro-batches and
+    ranks when summed): the number of targets, the summed entropy of ``softmax(logits)`` (in the loss
+    dtype) and how many targets are the first arg-max of their logits (TRL's ``entropy`` and
+    ``mean_token_accuracy`` are ``entropy_sum / targets`` and ``top1_hits / targets``)."""
+
+    targets: torch.Tensor
+    entropy_sum: torch.Tensor
+    top1_hits: torch.Tensor
+
+    @classmethod
+    def zeros(cls, dtype: torch.dtype, device: torch.device | str) -> TokenStats:
+        def zero(kind):
+            return torch.zeros((), dtype=kind, device=device)
+
+        return cls(zero(torch.int64), zero(dtype), zero(torch.int64))
+
+    def add_(self, other: TokenStats) -> None:
+        self.targets += other.targets.to(self.targets.device)
+        self.entropy_sum += other.entropy_sum.to(self.entropy_sum)
+        self.top1_hits += other.top1_hits.to(self.top1_hits.device)
+
+
+# Bytes at a time for the entropy's sum_c exp(x_c) x_c: a small block of rows, so that the extra exp
+# it needs adds ~nothing to the chunk's memory (measured: 32 rows at vocab 32000 showed as +0.5% of a
+# whole SFT run's peak).
+_ENTROPY_BLOCK_BYTES = 2**20
 
 
 def linear_cross_entropy_sum(
@@ -104,37 +202,42 @@ def linear_cross_entropy_sum(
     targets: torch.Tensor,
     label_smoothing: float = 0.0,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    stats: TokenStats | None = None,
 ) -> torch.Tensor:
-    """Summed cross-entropy of ``head.logits(hidden)`` against ``targets`` (``-100``: no target).
+    """Summed cross-entropy of ``head.model_logits(hidden)`` against ``targets`` (``-100``: no target).
 
     ``hidden`` is ``[..., H]`` and ``targets`` holds one entry per position of ``hidden`` (already
     aligned: for a causal LM, :func:`hf_accum.loss.aligned_targets`). Returns a 0-dim tensor in
     :func:`~hf_accum.loss.compute_dtype`; its gradient is exact (no recomputation, no approximation).
-    ``chunk_bytes`` bounds one chunk's logits, in the loss dtype.
+    ``chunk_bytes`` bounds the chunk's logit buffers, in the loss dtype. ``stats``, when given, gets
+    this call's :class:`TokenStats` added (computed from the same chunks: no extra logits).
     """
     check_label_smoothing(label_smoothing)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_targets = targets.reshape(-1).to(hidden.device)
     if flat_hidden.shape[0] != flat_targets.shape[0]:
         raise ValueError(f"{flat_targets.shape[0]} targets for {flat_hidden.shape[0]} hidden positions")
-    if _use_liger(flat_hidden, head):
+    if stats is None and head.transform == IDENTITY and _use_liger(flat_hidden, head):
         return _liger_loss_sum(flat_hidden, head, flat_targets, label_smoothing)
     vocab = head.weight.shape[0]
-    chunk_rows = max(1, chunk_bytes // (vocab * compute_dtype(head.weight.dtype).itemsize))
+    row_bytes = vocab * compute_dtype(head.weight.dtype).itemsize * head.transform.buffers
+    chunk_rows = max(1, chunk_bytes // row_bytes)
     return _LinearCrossEntropySum.apply(
         flat_hidden, flat_targets, head.weight, head.bias, head.lora_a, head.lora_b, head.lora_scale,
-        label_smoothing, chunk_rows,
+        label_smoothing, chunk_rows, head.transform, stats,
     )
 
 
 class _LinearCrossEntropySum(torch.autograd.Function):
     """Loss and all gradients in one chunked pass; backward scales the stored gradients.
 
-    Per target row with logits ``z``, target ``t``, smoothing ``eps`` over ``V`` classes (torch's
-    definition: ``(1 - eps) * nll + eps * mean_c(-log p_c)``)::
+    Per target row with head output ``z``, model logits ``y = T(z)`` (:class:`LogitTransform`),
+    target ``t``, smoothing ``eps`` over ``V`` classes (torch's definition:
+    ``(1 - eps) * nll + eps * mean_c(-log p_c)``)::
 
-        loss = lse(z) - (1 - eps) * z_t - eps / V * sum_c z_c
-        dloss/dz_c = softmax(z)_c - (1 - eps) * [c == t] - eps / V
+        loss = lse(y) - (1 - eps) * y_t - eps / V * sum_c y_c
+        dloss/dy_c = softmax(y)_c - (1 - eps) * [c == t] - eps / V
+        dloss/dz_c = dloss/dy_c * T'(z_c)
 
     and ``dz`` is multiplied back through the head: ``dh = dz W (+ scale * dz B A)``,
     ``dW += dz^T h``, ``db += sum dz``, ``dB += scale * dz^T (h A^T)``, ``dA += scale * (dz B)^T h``.
@@ -142,18 +245,26 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, targets, weight, bias, lora_a, lora_b, lora_scale, label_smoothing, chunk_rows):
+    def forward(ctx, hidden, targets, weight, bias, lora_a, lora_b, lora_scale, label_smoothing, chunk_rows,
+                transform, stats):
         needs = ctx.needs_input_grad
         rows = targets.ne(IGNORE_INDEX).nonzero().squeeze(1)
         accumulators = _GradientSums(hidden, weight, bias, lora_a, lora_b, needs)
         total = torch.zeros((), dtype=compute_dtype(weight.dtype), device=hidden.device)
+        chunk_stats = TokenStats.zeros(total.dtype, hidden.device) if stats is not None else None
         for start in range(0, rows.shape[0], chunk_rows):
             chunk = rows[start : start + chunk_rows]
             h = hidden.index_select(0, chunk)
             logits, low_rank_input = _chunk_logits(h, weight, bias, lora_a, lora_b, lora_scale, total.dtype)
-            chunk_loss, grad_logits = _loss_and_logit_gradient(logits, targets.index_select(0, chunk), label_smoothing)
+            chunk_loss, grad_logits = _loss_and_logit_gradient(
+                logits, targets.index_select(0, chunk), label_smoothing, transform, chunk_stats
+            )
             total += chunk_loss
             accumulators.add_chunk(chunk, h, grad_logits, low_rank_input, lora_scale)
+            del logits, grad_logits  # the next chunk's buffers reuse this memory
+        if stats is not None:
+            chunk_stats.targets += rows.shape[0]
+            stats.add_(chunk_stats)
         ctx.gradients = accumulators
         return total
 
@@ -165,12 +276,12 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                 "the fused linear cross-entropy frees its gradients after one backward; retain_graph=True "
                 "is not supported (use the logits path: fused_loss=False)"
             )
-        return (sums.hidden_grad(grad_total), None, *sums.head_grads(grad_total), None, None, None)
+        return (sums.hidden_grad(grad_total), None, *sums.head_grads(grad_total), None, None, None, None, None)
 
 
 def _chunk_logits(h, weight, bias, lora_a, lora_b, lora_scale, loss_dtype):
-    """One chunk's logits in the loss dtype, computed with the same ops (and autocast) as the head;
-    also ``h A^T`` when the head has a LoRA adapter (its gradients need it)."""
+    """One chunk's output-layer logits in the loss dtype, computed with the same ops (and autocast) as
+    the head; also ``h A^T`` when the head has a LoRA adapter (its gradients need it)."""
     logits = F.linear(h, weight, bias)
     if lora_a is None:
         return logits.to(loss_dtype), None
@@ -179,39 +290,84 @@ def _chunk_logits(h, weight, bias, lora_a, lora_b, lora_scale, loss_dtype):
     return logits, low_rank_input
 
 
-def _loss_and_logit_gradient(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float):
-    """Summed loss of a chunk and d(loss)/d(logits), computed in place in ``logits`` (softmax in 4 passes,
-    no temporary of the chunk's size)."""
-    vocab = logits.shape[-1]
-    picked = logits.gather(1, targets[:, None]).squeeze(1)
-    smooth_sum = logits.sum(1) if label_smoothing else None
-    row_max = logits.amax(1, keepdim=True)
-    exp_sum = logits.sub_(row_max).exp_().sum(1, keepdim=True)
+def _loss_and_logit_gradient(
+    z: torch.Tensor, targets: torch.Tensor, label_smoothing: float, transform: LogitTransform,
+    stats: TokenStats | None,
+):
+    """Summed loss of a chunk and d(loss)/dz, computed in place in the chunk's buffers (softmax in a
+    few passes, no other temporary of the chunk's size; a soft-cap needs a second buffer, which the
+    chunk size accounts for). ``stats``, when given, gets the chunk's entropy and arg-max hits added."""
+    vocab = z.shape[-1]
+    y, tanh = transform.apply_(z)
+    picked = y.gather(1, targets[:, None]).squeeze(1)
+    smooth_sum = y.sum(1) if label_smoothing else None
+    row_max, argmax = y.max(1, keepdim=True)  # argmax: the first maximum, as torch.argmax (TRL) counts ties
+    shifted = y.sub_(row_max)
+    dot = _exp_dot(shifted) if stats is not None else None
+    exp_sum = shifted.exp_().sum(1, keepdim=True)
     log_sum_exp = (row_max + exp_sum.log()).squeeze(1)
     loss = (log_sum_exp - (1.0 - label_smoothing) * picked).sum()
     if smooth_sum is not None:
         loss = loss - label_smoothing / vocab * smooth_sum.sum()
-    grad = logits.div_(exp_sum)  # softmax
+    if stats is not None:
+        # entropy = -sum_c p_c log p_c = log S - sum_c e_c x_c / S, with x = y - max, e = exp(x), S = sum e
+        stats.entropy_sum += (exp_sum.log() - dot[:, None] / exp_sum).sum()
+        stats.top1_hits += argmax.squeeze(1).eq(targets).sum()
+    grad = shifted.div_(exp_sum)  # softmax
     grad[torch.arange(grad.shape[0], device=grad.device), targets] -= 1.0 - label_smoothing
     if label_smoothing:
         grad.sub_(label_smoothing / vocab)
-    return loss, grad
+    return loss, transform.chain_(grad, tanh)
+
+
+def _exp_dot(x: torch.Tensor) -> torch.Tensor:
+    """``sum_c exp(x_c) * x_c`` per row, a few rows at a time (no temporary of ``x``'s size)."""
+    dots = []
+    rows = max(1, _ENTROPY_BLOCK_BYTES // (x.shape[1] * x.element_size()))
+    for start in range(0, x.shape[0], rows):
+        block = x[start : start + rows]
+        dots.append(torch.bmm(block.exp().unsqueeze(1), block.unsqueeze(2)).reshape(-1))
+    return torch.cat(dots) if dots else x.new_zeros(0)
+
+
+# Rows of the weight gradient per matmul when its product cannot run in place (autocast, mixed
+# dtypes): bounds the temporary to a slice instead of the weight's size.
+_WEIGHT_SLICE_BYTES = 32 * 2**20
 
 
 class _GradientSums:
-    """The gradients of the summed loss, summed over chunks in at least fp32 (the matmuls run in the
-    head's own dtype, as autograd would run them); rounded to each input's dtype once, in backward."""
+    """The gradients of the summed loss, summed over chunks (the matmuls run in the head's own dtype,
+    as autograd would run them); rounded to each input's dtype once, in backward.
+
+    Where they are summed: the hidden states' gradient and the small head tensors (bias, LoRA) in at
+    least fp32. The output layer's weight gradient -- the one tensor as large as the weight -- starts
+    in the weight's own dtype, i.e. in the tensor autograd hands to ``.grad``: a micro-batch that fits
+    one chunk (512 positions at a 128k vocabulary) gets autograd's result with no copy at all (an fp32
+    copy of a bf16 weight's gradient would triple the memory the weight's gradient needs; where a
+    front-end accumulates bf16 gradients in fp32 over a window it keeps that sum itself:
+    :class:`hf_accum.accumulation.Fp32GradientAccumulator`). From a bf16 micro-batch's second chunk
+    on, the chunks are summed in fp32 (summed in bf16, 4 chunks added ~11% and 16 chunks ~40% to the
+    head's bf16 gradient error, measured): that costs one fp32 buffer the weight's size, only while
+    the micro-batch is larger than a chunk -- when a full-logits loss would hold several times more.
+    """
 
     def __init__(self, hidden, weight, bias, lora_a, lora_b, needs_input_grad):
-        def zeros_if(needed: bool, like: torch.Tensor | None):
-            return torch.zeros_like(like, dtype=compute_dtype(like.dtype)) if needed and like is not None else None
+        def zeros_if(needed: bool, like: torch.Tensor | None, dtype=None):
+            if not needed or like is None:
+                return None
+            return torch.zeros_like(like, dtype=dtype or compute_dtype(like.dtype))
 
         self.dtypes = [t.dtype if t is not None else None for t in (hidden, weight, bias, lora_a, lora_b)]
         self.weight, self.lora_a, self.lora_b = weight, lora_a, lora_b
         self.hidden = zeros_if(needs_input_grad[0], hidden)
-        self.head = [zeros_if(needs_input_grad[i], t) for i, t in zip((2, 3, 4, 5), (weight, bias, lora_a, lora_b))]
+        self._chunks_added = 0
+        self.head = [
+            zeros_if(needs_input_grad[2], weight, weight.dtype),
+            *[zeros_if(needs_input_grad[i], t) for i, t in zip((3, 4, 5), (bias, lora_a, lora_b))],
+        ]
 
     def add_chunk(self, rows, h, grad_logits, low_rank_input, lora_scale) -> None:
+        self._widen_weight_sum()
         grad_weight, grad_bias, grad_a, grad_b = self.head
         base = grad_logits.to(self.weight.dtype) if grad_logits.dtype != self.weight.dtype else grad_logits
         if self.hidden is not None:
@@ -220,6 +376,7 @@ class _GradientSums:
             _add_product_(grad_weight, base.t(), h.to(self.weight.dtype))
         if grad_bias is not None:
             grad_bias.add_(grad_logits.sum(0))
+        del base
         if self.lora_a is None:
             return
         low = grad_logits.to(self.lora_b.dtype)
@@ -231,6 +388,13 @@ class _GradientSums:
         if grad_a is not None:
             _add_product_(grad_a, grad_low_rank_input.t(), h.to(self.lora_a.dtype))
 
+    def _widen_weight_sum(self) -> None:
+        """Before a second chunk is added: a low-precision weight's gradient sum moves to fp32."""
+        grad_weight = self.head[0]
+        if self._chunks_added == 1 and grad_weight is not None and grad_weight.dtype.itemsize < 4:
+            self.head[0] = grad_weight.to(compute_dtype(grad_weight.dtype))  # the bf16 partial is freed
+        self._chunks_added += 1
+
     def hidden_grad(self, grad_total: torch.Tensor) -> torch.Tensor | None:
         return _scaled(self.hidden, grad_total, self.dtypes[0])
 
@@ -239,18 +403,23 @@ class _GradientSums:
 
 
 def _add_product_(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``total += a @ b``; in place (no temporary the size of ``total``) when the dtypes allow it."""
+    """``total += a @ b`` without a temporary the size of ``total``: in place when the dtypes allow it,
+    else (a bf16 / autocast matmul summed into a wider total) a slice of ``total``'s rows at a time."""
     if total.dtype == a.dtype == b.dtype and not torch.is_autocast_enabled(total.device.type):
         total.addmm_(a, b)
-    else:  # bf16 / autocast matmul, summed into the fp32 total
-        total.add_(torch.mm(a, b))
+        return
+    rows = max(1, _WEIGHT_SLICE_BYTES // max(1, total.shape[1] * total.element_size()))
+    for start in range(0, total.shape[0], rows):
+        total[start : start + rows].add_(torch.mm(a[start : start + rows], b))
 
 
 def _scaled(grad: torch.Tensor | None, grad_total: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor | None:
-    """``grad * d(output)/d(loss)`` in the sum's precision, then rounded once to the input's dtype."""
+    """``grad * d(output)/d(loss)``, in place in the sum, then rounded once to the input's dtype (a no-op
+    for the weight gradient, summed in the weight's dtype)."""
     if grad is None:
         return None
-    return grad.mul_(grad_total.to(grad.dtype)).to(dtype)
+    # A bf16 sum is multiplied by the fp32 scalar in fp32 arithmetic and rounded once (x * 1 stays x).
+    return grad.mul_(grad_total.to(grad.dtype) if grad.dtype.itemsize >= 4 else grad_total).to(dtype)
 
 
 # -- CUDA: Liger-Kernel -------------------------------------------------------------------------
@@ -371,6 +540,7 @@ class FusedCausalLMLoss:
         self.label_smoothing = label_smoothing
         self.chunk_bytes = chunk_bytes
         self.head_module: nn.Module | None = None
+        self.transform: LogitTransform = IDENTITY  # what the model does to the head's logits (probed)
         self.reason: str | None = None  # why not fused, once decided
         self._decided = False
 
@@ -378,15 +548,19 @@ class FusedCausalLMLoss:
     def active(self) -> bool:
         return self._decided and self.head_module is not None
 
-    def forward_loss(self, model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor):
-        """``(outputs, loss_sum)`` from one forward whose head returned the summed loss, or None."""
+    def forward_loss(
+        self, model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor, stats: TokenStats | None = None
+    ):
+        """``(outputs, loss_sum)`` from one forward whose head returned the summed loss, or None.
+        ``stats``, when given, gets the micro-batch's :class:`TokenStats` added."""
         if not self._decided:
             self._decide(model, inputs)
         if self.head_module is None:
             return None
         targets = aligned_targets(labels, "causal_lm")
-        head = resolve_head(self.head_module)  # read per call: the active adapter may change between calls
-        with _head_returns_loss(self.head_module, self._loss_of(head, targets)) as calls:
+        # Read per call: the active adapter may change between calls.
+        head = dataclasses.replace(resolve_head(self.head_module), transform=self.transform)
+        with _head_returns_loss(self.head_module, self._loss_of(head, targets, stats)) as calls:
             outputs = model(**inputs)
         marker = outputs["logits"]
         if len(calls) != 1 or marker.shape != (1, 1, 1):
@@ -394,24 +568,27 @@ class FusedCausalLMLoss:
                 f"the model called its output layer {len(calls)} times / returned logits of shape "
                 f"{tuple(marker.shape)} although the probe saw one plain call; pass fused_loss=False"
             )
-        return outputs, marker.reshape(())
+        # The loss as the head computed it: what the model returns went through its logit transform
+        # (x scale, soft-cap), which applies to the logits, not to a loss. The returned marker still
+        # depends on it, so every parameter with a gradient is reachable from the outputs (DDP).
+        return outputs, calls[0]
 
     def disable(self, reason: str) -> None:
         """Decide for the logits path (e.g. a custom loss needs the logits)."""
         self._decided, self.head_module, self.reason = True, None, reason
 
-    def _loss_of(self, head: LinearHead, targets: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    def _loss_of(self, head: LinearHead, targets: torch.Tensor, stats: TokenStats | None):
         def loss(hidden: torch.Tensor) -> torch.Tensor:
             if hidden.shape[:-1] != targets.shape:
                 raise RuntimeError(f"hidden states {tuple(hidden.shape)} do not match labels {tuple(targets.shape)}")
-            return linear_cross_entropy_sum(hidden, head, targets, self.label_smoothing, self.chunk_bytes)
+            return linear_cross_entropy_sum(hidden, head, targets, self.label_smoothing, self.chunk_bytes, stats)
 
         return loss
 
     def _decide(self, model: nn.Module, inputs: dict[str, Any]) -> None:
         self._decided = True
         try:
-            self.head_module = probe_fusable_head(model, inputs)
+            self.head_module, self.transform = probe_fusable_head(model, inputs)
         except NotFusable as reason:
             self.reason = str(reason)
             if is_main_process():  # every rank decides alike: say it once
@@ -419,13 +596,19 @@ class FusedCausalLMLoss:
             return
         vocab = resolve_head(self.head_module).weight.shape[0]
         if is_main_process():
-            logger.info("fused linear cross-entropy on (vocabulary %d, at most %d MiB of logits per chunk)",
-                        vocab, self.chunk_bytes // 2**20)
+            logger.info("fused linear cross-entropy on (vocabulary %d, at most %d MiB of logits per chunk%s)",
+                        vocab, self.chunk_bytes // 2**20, _describe(self.transform))
 
 
-def probe_fusable_head(model: nn.Module, inputs: dict[str, Any]) -> nn.Module:
-    """The output-layer module to fuse, after checking on a short slice of ``inputs`` that the model
-    returns exactly what that layer computes from every position's hidden state."""
+def _describe(transform: LogitTransform) -> str:
+    steps = [f"{name} {value:g}" for name, value in (("logits x", transform.multiply), ("logits /", transform.divide),
+                                                      ("soft-capped at", transform.softcap)) if value is not None]
+    return "; " + ", ".join(steps) if steps else ""
+
+
+def probe_fusable_head(model: nn.Module, inputs: dict[str, Any]) -> tuple[nn.Module, LogitTransform]:
+    """The output-layer module to fuse and what the model does to its logits, after checking on a short
+    slice of ``inputs`` that the model returns exactly that from every position's hidden state."""
     if isinstance(model, nn.DataParallel):
         raise NotFusable("nn.DataParallel replicates modules per call (use DDP)")
     inner = unwrap_model(model)
@@ -448,9 +631,43 @@ def probe_fusable_head(model: nn.Module, inputs: dict[str, Any]) -> nn.Module:
     returned = seen["logits"]
     if returned is None or returned.dtype.itemsize < head_output.dtype.itemsize:
         raise NotFusable("the model does not return its output layer's logits")
-    _require_equal(returned.to(head_output.dtype), head_output, "the model changes the logits after its output "
-                   "layer (e.g. final_logit_softcapping, logit_scale)", exact=True)
-    return head_module
+    return head_module, _proven_transform(inner, head_output, returned.to(head_output.dtype))
+
+
+def _proven_transform(inner: nn.Module, head_output: torch.Tensor, returned: torch.Tensor) -> LogitTransform:
+    """What the model does between its output layer and the logits it returns: nothing, or the
+    soft-cap / scale its configuration declares -- each accepted only if applying it to the output
+    layer's logits gives the returned logits bit for bit (same ops, same order)."""
+    if torch.equal(returned, head_output):
+        return IDENTITY
+    declared = declared_transform(inner)
+    if declared != IDENTITY and torch.equal(declared(head_output), returned):
+        return declared
+    raise NotFusable(
+        "the model changes the logits after its output layer in a way the fused loss does not reproduce "
+        f"(configured: {_describe(declared).lstrip('; ') or 'nothing'}; e.g. final_logit_softcapping, logit_scale)"
+    )
+
+
+def declared_transform(inner: nn.Module) -> LogitTransform:
+    """The logit soft-cap and scale a model's configuration declares (transformers' names: Gemma 2/3
+    ``final_logit_softcapping``, Cohere ``logit_scale`` (also a model attribute), Granite
+    ``logits_scaling``, which divides); a hypothesis for the probe to prove, never trusted alone."""
+    config = getattr(inner, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+
+    def number(*owners_and_names) -> float | None:
+        for owner, name in owners_and_names:
+            value = getattr(owner, name, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+        return None
+
+    return LogitTransform(
+        multiply=number((inner, "logit_scale"), (text_config, "logit_scale")),
+        divide=number((text_config, "logits_scaling")),
+        softcap=number((text_config, "final_logit_softcapping")),
+    )
 
 
 def _probe_forward(model: nn.Module, head_module: nn.Module, inputs: dict[str, Any]) -> dict:
@@ -480,28 +697,27 @@ def _probe_slice(inputs: dict[str, Any]) -> dict[str, Any]:
     return {k: v[:1, :PROBE_POSITIONS] if k in tensors else v for k, v in inputs.items()}
 
 
-def _require_equal(ours: torch.Tensor, theirs: torch.Tensor, message: str, exact: bool = False) -> None:
+def _require_equal(ours: torch.Tensor, theirs: torch.Tensor, message: str) -> None:
     if ours.shape != theirs.shape:
         raise NotFusable(message)
-    if exact:
-        same = torch.equal(ours, theirs)
-    else:
-        tolerance = max(1e-6, 4 * torch.finfo(theirs.dtype).eps) * float(theirs.abs().max().clamp_min(1.0))
-        same = bool((ours.to(theirs.dtype) - theirs).abs().max() <= tolerance)
+    tolerance = max(1e-6, 4 * torch.finfo(theirs.dtype).eps) * float(theirs.abs().max().clamp_min(1.0))
+    same = bool((ours.to(theirs.dtype) - theirs).abs().max() <= tolerance)
     if not same:
         raise NotFusable(message)
 
 
 @contextlib.contextmanager
 def _head_returns_loss(head_module: nn.Module, loss: Callable[[torch.Tensor], torch.Tensor]):
-    """For one forward: the head returns ``loss(hidden_states)`` as a ``[1, 1, 1]`` tensor."""
+    """For one forward: the head returns ``loss(hidden_states)`` as a ``[1, 1, 1]`` tensor (the losses
+    it computed are in the yielded list)."""
     calls: list[torch.Tensor] = []
 
     def forward(hidden_states, *args, **kwargs):
         if args or kwargs:
             raise RuntimeError(f"the output layer was called with extra arguments {list(kwargs) or len(args)}")
         calls.append(loss(hidden_states))
-        return calls[-1].reshape(1, 1, 1)
+        # A copy: a model that transforms its logits in place must not change the loss.
+        return calls[-1].reshape(1, 1, 1).clone()
 
     head_module.forward = forward  # an instance attribute: nn.Module.__call__ finds it first
     try:
@@ -528,6 +744,8 @@ class MicroBatchLoss:
     * ``fused`` -- whether layouts that allow it (causal LMs) may use :class:`FusedCausalLMLoss` while
       training; ``outputs.logits`` then holds the loss, not logits. Pass False when ``loss_sum_fn``
       needs the logits (a custom loss).
+    * ``token_stats`` -- also compute each micro-batch's :class:`TokenStats` (entropy, arg-max hits) into
+      :attr:`last_token_stats`: inside the fused pass, else from the logits (per-token loss kinds).
 
     **Terms the model adds to its own loss.** The first micro-batch is probed once
     (:func:`hf_accum.loss.probe_model_loss`): the model's own ``forward(labels=...)`` loss must equal
@@ -553,6 +771,7 @@ class MicroBatchLoss:
         loss_sum_fn: LossSumFn | None = None,
         fused: bool = True,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        token_stats: bool = False,
     ):
         check_label_smoothing(label_smoothing)
         self.kind = kind
@@ -562,6 +781,8 @@ class MicroBatchLoss:
         self.fused = FusedCausalLMLoss(label_smoothing, chunk_bytes) if fused else None
         self.terms_checked = False
         self.aux_sum: torch.Tensor | None = None
+        self.token_stats = token_stats
+        self.last_token_stats: TokenStats | None = None
 
     def __call__(self, model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor, need_logits: bool = False):
         if not self.terms_checked:
@@ -581,13 +802,17 @@ class MicroBatchLoss:
         return outputs, loss_sum, n_targets
 
     def _cross_entropy(self, model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor, need_logits: bool):
+        stats = TokenStats.zeros(torch.float64, labels.device) if self.token_stats else None
+        self.last_token_stats = stats
         if self._may_fuse(model) and not need_logits:
-            fused = self.fused.forward_loss(model, inputs, labels)
+            fused = self.fused.forward_loss(model, inputs, labels, stats)
             if fused is not None:
                 outputs, loss_sum = fused
                 return outputs, loss_sum, count_targets(labels, self.kind)
         outputs = model(**inputs)  # no labels: no model-side loss, no wasted (fp32) loss math
         loss_sum, n_targets = self.loss_sum_fn(outputs, labels, inputs)
+        if stats is not None and loss_kind_spec(self.kind).per_token:
+            stats.add_(logits_token_stats(outputs.logits, labels, self.kind))
         return outputs, loss_sum, n_targets
 
     def _probe_model_loss(self, model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor) -> None:
@@ -611,3 +836,25 @@ class MicroBatchLoss:
 
     def _token_loss_sum(self, outputs, labels, inputs):
         return token_loss_sum(outputs.logits, labels, self.kind, self.label_smoothing, problem_type=self.problem_type)
+
+
+@torch.no_grad()
+def logits_token_stats(logits: torch.Tensor, labels: torch.Tensor, kind: LossKind = "causal_lm") -> TokenStats:
+    """:class:`TokenStats` of a micro-batch from its materialized logits (the logits path's counterpart of
+    the fused pass's): entropy ``-sum_c p_c log p_c`` and first-arg-max hits over the prediction targets,
+    one chunk of upcast logits at a time. Every position is evaluated and non-targets are masked
+    afterwards, so no data-dependent shape forces a host sync."""
+    targets = aligned_targets(labels, kind).reshape(-1).to(logits.device)
+    flat_logits = logits.detach().reshape(-1, logits.shape[-1])
+    is_target = targets.ne(IGNORE_INDEX)
+    stats = TokenStats.zeros(compute_dtype(flat_logits.dtype), logits.device)
+    stats.targets += is_target.sum()
+    rows = rows_per_chunk(flat_logits.shape[-1], flat_logits.dtype)
+    for start in range(0, flat_logits.shape[0], rows):
+        chunk = flat_logits[start : start + rows].to(compute_dtype(flat_logits.dtype))
+        chunk_is_target = is_target[start : start + rows]
+        log_p = chunk.log_softmax(-1)
+        entropy = -(log_p.exp() * log_p).sum(-1)
+        stats.entropy_sum += entropy.masked_fill(~chunk_is_target, 0).sum()
+        stats.top1_hits += (chunk.argmax(-1).eq(targets[start : start + rows]) & chunk_is_target).sum()
+    return stats

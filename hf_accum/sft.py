@@ -10,12 +10,14 @@ choice in ``labels`` (-100), so AccumTrainer's target count is TRL's.
 
 What the composition has to repair: ``AccumTrainer.compute_loss`` replaces
 ``SFTTrainer.compute_loss``, where TRL records its training metrics (``entropy``,
-``mean_token_accuracy``, ``num_tokens``). :meth:`AccumSFTTrainer.loss_sum_and_count` recomputes
-them, without gradient, from the same logits the loss is computed from, with TRL's own entropy
-helper. Overriding ``loss_sum_and_count`` is also what asks AccumTrainer for the logits path: the
-metrics need the ``(tokens x vocab)`` logits. They are summed per rank on the device and reduced
-over ranks with one all-reduce per update (stock TRL gathers three scalars and syncs the host on
-every micro-batch), and logged as token-weighted means over the logged updates (stock TRL averages
+``mean_token_accuracy``, ``num_tokens``). The micro-batch loss computes them as sums with a count
+(:class:`hf_accum.fused_loss.TokenStats`: entropy of ``softmax(logits)`` and first-arg-max hits over
+the prediction targets, TRL's definitions) in the same pass as the loss: inside the fused linear
+cross-entropy's chunks while training (no ``(tokens x vocab)`` logits, so the fused path stays on),
+from the logits on the logits path (evaluation, DeepSpeed, heads that are not fused).
+:meth:`AccumSFTTrainer.compute_loss` collects them. They are summed per rank on the device and
+reduced over ranks with one all-reduce per update (stock TRL gathers three scalars and syncs the host
+on every micro-batch), and logged as token-weighted means over the logged updates (stock TRL averages
 per-micro-batch ratios; the two agree when a log line covers one micro-batch).
 """
 
@@ -28,12 +30,11 @@ import torch
 
 from hf_accum.accumulation import DeviceSums, batch_shape_counts
 from hf_accum.compat import add_trl_train_tokens, trl_metrics, trl_train_tokens
-from hf_accum.loss import IGNORE_INDEX, aligned_targets, compute_dtype, rows_per_chunk, unwrap_model
+from hf_accum.loss import unwrap_model
 from hf_accum.trainer import AccumTrainer
 
 try:
     from trl import SFTTrainer
-    from trl.trainer.utils import entropy_from_logits
 except ImportError as error:  # TRL is an optional extra
     raise ImportError("AccumSFTTrainer needs TRL: pip install 'hf_accum[trl]'") from error
 
@@ -71,6 +72,7 @@ class AccumSFTTrainer(AccumTrainer, SFTTrainer):
             super().__init__(*args, **kwargs)
         self._sync_router_coef()
         self._stats = {"train": _TokenStats(self.args.device), "eval": _TokenStats(self.args.device)}
+        self._micro_batch_loss.token_stats = True  # TRL's metrics, from the loss's own pass (fused or not)
 
     def _sync_router_coef(self) -> None:
         """TRL writes ``SFTConfig.router_aux_loss_coef`` into the model's config, but MoE models read the
@@ -80,16 +82,15 @@ class AccumSFTTrainer(AccumTrainer, SFTTrainer):
         if self.aux_loss_enabled and hasattr(inner, "router_aux_loss_coef"):
             inner.router_aux_loss_coef = self.router_aux_loss_coef
 
-    def loss_sum_and_count(
-        self, outputs: Any, labels: torch.Tensor, inputs: dict[str, Any]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """AccumTrainer's summed loss, plus TRL's metrics from the same logits (no gradient)."""
-        loss_sum, n_targets = super().loss_sum_and_count(outputs, labels, inputs)
-        entropy_sum, top1_hits = target_entropy_and_hits(outputs.logits, labels, self.loss_kind)
-        _, real_tokens, _ = batch_shape_counts(inputs)
-        mode = "train" if self.model.training else "eval"
-        self._stats[mode].add(n_targets, entropy_sum, top1_hits, real_tokens)
-        return loss_sum, n_targets
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """AccumTrainer's loss; TRL's metric sums of the same micro-batch are recorded on the side."""
+        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        stats = self._micro_batch_loss.last_token_stats
+        if stats is not None:
+            _, real_tokens, _ = batch_shape_counts(inputs)
+            mode = "train" if self.model.training else "eval"
+            self._stats[mode].add(stats.targets, stats.entropy_sum, stats.top1_hits, real_tokens)
+        return result
 
     def get_train_dataloader(self):
         # Called at the start of every (re)try of the training loop: an auto_find_batch_size retry
@@ -122,31 +123,6 @@ class AccumSFTTrainer(AccumTrainer, SFTTrainer):
             trl_logged.update({name: [value] for name, value in metrics.items()})
             trl_logged["num_tokens"] = [trl_train_tokens(self)]
         super().log(logs, start_time)
-
-
-@torch.no_grad()
-def target_entropy_and_hits(
-    logits: torch.Tensor, labels: torch.Tensor, kind: str = "causal_lm"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed entropy of the predicted distribution, and the number of targets that are its arg-max
-    (first maximum, as TRL counts ties), over a micro-batch's prediction targets.
-
-    Chunked like :func:`hf_accum.loss.token_loss_sum`: only one chunk of upcast logits exists at a
-    time. Every position is evaluated and non-targets are masked afterwards, so no data-dependent
-    shape forces a host sync.
-    """
-    targets = aligned_targets(labels, kind).reshape(-1).to(logits.device)
-    flat_logits = logits.detach().reshape(-1, logits.shape[-1])
-    is_target = targets.ne(IGNORE_INDEX)
-    entropy_sum = torch.zeros((), dtype=torch.float64, device=logits.device)
-    top1_hits = torch.zeros((), dtype=torch.int64, device=logits.device)
-    rows = rows_per_chunk(flat_logits.shape[-1], flat_logits.dtype)
-    for start in range(0, flat_logits.shape[0], rows):
-        chunk = flat_logits[start : start + rows].to(compute_dtype(flat_logits.dtype))
-        chunk_is_target = is_target[start : start + rows]
-        entropy_sum += entropy_from_logits(chunk).masked_fill(~chunk_is_target, 0).sum()
-        top1_hits += (chunk.argmax(-1).eq(targets[start : start + rows]) & chunk_is_target).sum()
-    return entropy_sum, top1_hits
 
 
 class _TokenStats:

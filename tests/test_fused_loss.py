@@ -7,8 +7,8 @@
   scenarios of the exactness suites (padding, prompt masking, short windows, smoothing, checkpointing,
   LoRA, packing, DDP) run on it too -- checked here to really take the fused path.
 * No (tokens x vocab) tensor exists while training (an allocation hook sees one on the logits path).
-* It falls back, logged, where it cannot be proved equal (soft-capping, logit scale, LoRA dropout on
-  the head, custom losses).
+* It falls back, logged, where it cannot be proved equal (LoRA dropout on the head, custom losses);
+  soft-capped and scaled heads are fused once the probe has proved them (tests/test_fused_logit_transforms.py).
 """
 
 from __future__ import annotations
@@ -336,11 +336,12 @@ def _two_micro_batches(step, model, caplog):
 
 
 @pytest.mark.parametrize("factory", [lambda: _gemma2(30.0), _cohere], ids=["gemma2_softcapping", "cohere_logit_scale"])
-def test_logits_changed_after_the_output_layer_keep_the_logits_path(factory, caplog):
+def test_soft_capped_and_scaled_logits_are_fused_once_proven(factory, caplog):
+    """The probe recognises what these models do after their head (tests/test_fused_logit_transforms.py
+    has the families' exactness and the probe's negative controls)."""
     step = MicroBatchLoss()
     _two_micro_batches(step, factory().train(), caplog)
-    assert not step.fused.active and "changes the logits after its output layer" in step.fused.reason
-    assert caplog.text.count(FUSED_OFF) == 1  # logged once per run, not per micro-batch
+    assert step.fused.active and caplog.text.count(FUSED_ON) == 1
 
 
 def test_gemma2_without_softcapping_is_fused(caplog):
@@ -389,3 +390,34 @@ def test_overriding_loss_sum_and_count_is_logged_and_unfused(tmp_path, caplog):
                               train_dataset=scenario.examples, data_collator=scenario.collator)
     assert trainer._micro_batch_loss.fused is None
     assert "overrides loss_sum_and_count" in caplog.text
+
+
+# -- bf16: the weight gradient's memory --------------------------------------------------------------
+
+
+class WeightSizedFp32(TorchDispatchMode):
+    """The fp32 storages holding as many elements as the output layer's weight, forward and backward."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.storages = numel, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32 and tensor.numel() == self.numel:
+                self.storages.add(tensor.untyped_storage().data_ptr())  # views and in-place ops: one storage
+        return out
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_bf16_weight_gradient_needs_no_fp32_copy_within_one_chunk(chunks):
+    """One chunk: the bf16 weight's gradient is summed in bf16, where autograd hands it to .grad (no
+    fp32 copy the weight's size); from a second chunk on, in fp32 (the negative control: one copy)."""
+    h, head, targets = _head_and_inputs("plain", dtype=torch.bfloat16, rows=24, hidden=16, vocab=300)
+    rows = int(targets.ne(-100).sum())
+    chunk_bytes = -(-rows // chunks) * 300 * 4
+    with WeightSizedFp32(head.weight.numel()) as watch:
+        linear_cross_entropy_sum(h, head, targets, chunk_bytes=chunk_bytes).backward()
+    assert head.weight.grad.dtype == torch.bfloat16
+    assert len(watch.storages) == (0 if chunks == 1 else 1)
