@@ -205,3 +205,47 @@ def test_bench_help_lists_every_section_option(capsys):
     for flag in ("--global-batch-size", "--accumulation-steps", "--padding-repeats", "--loss-vocab", "--vocab-sizes",
                  "--only", "--strict"):
         assert flag in printed
+
+
+SFT_TINY = ["--sft-vocab-sizes", "64", "--sft-rows", "8", "--sft-prompt-words", "4", "--sft-completion-words", "3",
+            "--sft-max-words", "8", "--sft-micro-batch", "2", "--sft-accumulation", "2", "--sft-rounds", "2",
+            "--sft-layers", "1", "--sft-hidden-size", "32", "--sft-lora-r", "2", "--threads", "1"]
+SFT_LABELS = ["stock Trainer, padded", "TRL SFTTrainer, padding_free=True", "TRL SFTTrainer, packing=True",
+              "AccumTrainer, padded", "AccumSFTTrainer, padding_free=True", "AccumSFTTrainer, packing=True",
+              "hf_accum.train + PackingCollator"]
+
+
+def test_sft_section_prints_every_front_end_and_ratio(tmp_path, capsys):
+    out = tmp_path / "only-sft"
+    assert main(["bench", "--only", "sft", *SFT_TINY, "--no-progress", "--output-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    sft = json.loads((out / "bench.json").read_text())["sections"]["sft"]
+
+    (row,) = sft["rows"]
+    assert row["vocab_size"] == 64 and len(row["runs"]) == 7
+    tokens = {runs[0]["real_tokens"] for runs in row["runs"].values()}
+    assert len(tokens) == 1 and tokens.pop() > 0  # every front-end trained on the same real tokens
+    for name, runs in row["runs"].items():
+        assert len(runs) == 2, name  # one run per round
+        for run in runs:
+            assert _positive_finite(run["seconds"]) and _positive_finite(run["peak_bytes"]), (name, run)
+            assert run["path"] in ({"fused", "logits"} if name in ("accum_trainer", "accum_sft_padding_free",
+                                                                   "accum_sft_packing", "loop_packing") else {"-"})
+    ratios = sft["ratios"]["64"]
+    for name in row["runs"]:
+        assert set(ratios[name]) == {"trainer", "trl_padding_free", "trl_packing"}
+        for by_baseline in ratios[name].values():
+            assert len(by_baseline["tokens_per_s"]) == len(by_baseline["memory"]) == 2
+            assert all(_positive_finite(r) for r in by_baseline["tokens_per_s"] + by_baseline["memory"])
+
+    # Two tables (tokens/s, memory), each with a row per front-end and a ratio column per baseline.
+    for header in ("real tokens/s", "peak memory"):
+        assert re.search(rf"front-end\s+path\s+{header}\s+/ stock Trainer\s+/ TRL padding-free\s+/ TRL packing",
+                         printed)
+    for label in SFT_LABELS:
+        lines = [line for line in printed.splitlines() if line.strip().startswith(label)]
+        assert len(lines) == 2, label
+        for line in lines:
+            assert len(re.findall(r"\d+\.\d\d \(\d+\.\d\d-\d+\.\d\d\)", line)) == 3, line  # median (min-max) x 3
+    summary = [r for r in json.loads((out / "bench.json").read_text())["summary"] if r["target"].startswith("sft")]
+    assert len(summary) == 3 and {r["verdict"] for r in summary} == {"n/a (small)"}
