@@ -50,8 +50,27 @@ def test_bench_writes_table_plot_and_json(tmp_path, capsys):
                     "peak_saved_activation_bytes"):
             assert _positive_finite(row[key]), (key, row)
         assert 0.0 <= row["padding_fraction"] < 1.0
-    table_rows = [re.match(r"\s*(\d+)\s+(\d+)\s+\d+\s+\(\d+-\d+\)", line) for line in printed.splitlines()]
-    assert [(int(m[1]), int(m[2])) for m in table_rows if m] == [(1, 4), (2, 2), (4, 1)]  # one row per K
+    # Two tables (variable-length rows, then equal-length rows), one row per K, every column filled:
+    # K, micro-batch, pad, tokens/s (min-max), % of K=1 (min-max), peak memory, x K=1, fixed part, activations.
+    assert re.search(r"K micro\s+pad\s+tokens/s\s+\(min-max\)\s+% of K=1\s+\(min-max\)\s+peak memory\s+x K=1\s+"
+                     r"fixed part\s+activations", printed)
+    table_rows = [re.match(r"\s*(\d+)\s+(\d+)\s+(\d+\.\d)%\s+\d+\s+\(\d+-\d+\)\s+(\d+)%\s+\(\d+-\d+%\)\s+[\d.]+ MiB\s+"
+                           r"([\d.]+)x\s+[\d.]+ MiB\s+[\d.]+ MiB", line) for line in printed.splitlines()]
+    parsed = [(int(m[1]), int(m[2])) for m in table_rows if m]
+    assert parsed == [(1, 4), (2, 2), (4, 1)] * 2  # one row per K, in each sweep
+    first_rows = [m for m in table_rows if m and m[1] == "1"]
+    assert [(m[4], m[5]) for m in first_rows] == [("100", "1.00")] * 2  # K=1 is the reference: 100%, 1.00x
+    equal = sections["sweep"]["equal_length"]
+    assert [r["accumulation_steps"] for r in equal["rows"]] == [1, 2, 4]
+    assert all(r["padding_fraction"] == 0.0 for r in equal["rows"])  # equal lengths: no padding at any K
+    for row in rows + equal["rows"]:
+        assert 0 < row["fixed_bytes"] <= row["peak_memory_bytes"]
+        assert row["activation_bytes"] == row["peak_memory_bytes"] - row["fixed_bytes"]
+        assert _positive_finite(row["tokens_per_s_percent"]) and _positive_finite(row["memory_multiple"])
+    conclusion = sections["sweep"]["conclusion"]
+    assert conclusion[0].startswith("Accumulation saves activation memory only")
+    assert any("At equal padding" in line for line in conclusion)
+    assert all(f"=> {line}" in printed for line in conclusion)
 
     assert _positive_finite(sections["overhead"]["ratio"]) and len(sections["overhead"]["ratios"]) == 2
     memory = sections["memory"]
