@@ -22,7 +22,6 @@ is read from hf_accum's own log line, so the table says what the library actuall
 
 from __future__ import annotations
 
-import logging
 import math
 import random
 import statistics
@@ -35,7 +34,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.hf_argparser import HfArg
 
-from benchmarks.harness import Bench, synchronize
+from benchmarks.harness import Bench, LossPathLog, synchronize
 from benchmarks.report import BenchError, SectionResult, judge, median_interval, mib, require_positive, summary_row
 from benchmarks.workers import Workers, peak_memory, reset_peak
 
@@ -229,21 +228,6 @@ class _Counting:
         return batch
 
 
-class _PathLog(logging.Handler):
-    """Reads hf_accum's log line saying which loss path a run takes."""
-
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.path = "-"
-
-    def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        if "fused linear cross-entropy on" in message:
-            self.path = "fused"
-        elif "logits path" in message or "not the fused loss" in message:
-            self.path = "logits"
-
-
 class _Meter:
     """Clocks and peak memory of one ``train`` (started and stopped by the front-end's runner)."""
 
@@ -369,9 +353,8 @@ def run_here(**spec: Any) -> RunResult:
         torch.set_num_threads(spec["threads"])
     warnings.filterwarnings("ignore")  # the child's output goes to a log nobody reads unless it fails
     device = torch.device(spec["device"])
-    meter, path_log = _Meter(device), _PathLog()
-    logging.getLogger("hf_accum").addHandler(path_log)
-    with tempfile.TemporaryDirectory(prefix="hf_accum_bench_") as tmp:
+    meter = _Meter(device)
+    with tempfile.TemporaryDirectory(prefix="hf_accum_bench_") as tmp, LossPathLog.watching() as path_log:
         counting = RUNNERS[spec["variant"]](spec, meter, tmp)
     seconds = meter.cpu if device.type == "cpu" else meter.wall
     path = path_log.path if spec["variant"] in HF_ACCUM_VARIANTS else "-"

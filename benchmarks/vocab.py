@@ -38,7 +38,7 @@ import torch
 from transformers.hf_argparser import HfArg
 
 from benchmarks.harness import (
-    BENCH_POSITIONS, Bench, bench_llama, bench_scenario, build_trainer, prepare_loop, synchronize,
+    BENCH_POSITIONS, Bench, LossPathLog, bench_llama, bench_scenario, build_trainer, prepare_loop, synchronize,
 )
 from benchmarks.report import (
     BenchError, SectionResult, judge, median_interval, mib, require_positive, summary_row, verdict,
@@ -119,6 +119,10 @@ class RunSpec:
     device: str
     dtype: str
     threads: int | None
+    family: str = "llama"
+    """``llama`` (:func:`benchmarks.harness.bench_llama`) or ``gemma2`` (soft-capped logits, tied head)."""
+    softcap: float | None = None
+    """Gemma 2's ``final_logit_softcapping`` (``c * tanh(logits / c)``)."""
 
 
 @dataclass
@@ -131,6 +135,8 @@ class RunMeasure:
     """Peak memory during training minus the memory when it started."""
     updates: int
     """Optimizer steps seen (must equal the updates asked for)."""
+    path: str = "-"
+    """hf_accum front-ends: the loss path taken, ``fused`` or ``logits`` (from hf_accum's log line)."""
 
 
 class Measurement:
@@ -214,24 +220,45 @@ TARGETED = {("accum_trainer", "trainer"), ("hf_accum_train", "accelerate_loop")}
 """Comparisons with a target (the paths our front-ends replace); the one against Liger is reported only."""
 
 
+def build_model(spec: RunSpec) -> torch.nn.Module:
+    """The randomly initialised model of ``spec`` (same seed: same weights in every run)."""
+    dtype = getattr(torch, spec.dtype)
+    positions = max(spec.max_length, BENCH_POSITIONS)
+    if spec.family == "llama":
+        return bench_llama(spec.vocab_size, dtype, spec.seed, hidden_size=spec.hidden_size,
+                           intermediate_size=3 * spec.hidden_size, num_hidden_layers=spec.layers,
+                           max_position_embeddings=positions)
+    if spec.family == "gemma2":
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        # Gemma 2's shape scaled down; its head as shipped: tied to the embedding, logits soft-capped.
+        config = Gemma2Config(
+            vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=3 * spec.hidden_size,
+            num_hidden_layers=spec.layers, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=spec.hidden_size // 4, query_pre_attn_scalar=spec.hidden_size // 4,
+            max_position_embeddings=positions, sliding_window=positions, final_logit_softcapping=spec.softcap,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
+        )
+        torch.manual_seed(spec.seed)
+        return Gemma2ForCausalLM(config).to(dtype)
+    raise ValueError(f"family={spec.family!r}; allowed: 'llama', 'gemma2'")
+
+
 def run_here(spec: RunSpec) -> RunMeasure:
     """Build the model and rows of ``spec`` and measure its front-end in this process."""
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
     device = torch.device(spec.device)
-    model = bench_llama(
-        spec.vocab_size, getattr(torch, spec.dtype), spec.seed, hidden_size=spec.hidden_size,
-        intermediate_size=3 * spec.hidden_size, num_hidden_layers=spec.layers,
-        max_position_embeddings=max(spec.max_length, BENCH_POSITIONS),
-    ).to(device)
+    model = build_model(spec).to(device)
     rows = random_rows(spec.micro_batch * spec.accumulation * spec.updates, seed=spec.seed, min_len=spec.min_length,
                        max_len=spec.max_length, vocab_size=spec.vocab_size, pad_token_id=0, lowest_id=0)
     scenario = bench_scenario(spec.variant, lambda: model, rows, PaddingCollator(0), spec.micro_batch,
                               spec.accumulation)
     measurement = Measurement(device)
-    with tempfile.TemporaryDirectory(prefix="hf_accum_bench_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="hf_accum_bench_") as tmp, LossPathLog.watching() as path_log:
         VARIANTS[spec.variant].run(scenario, device, measurement, tmp)
     result = measurement.result()
+    result.path = path_log.path
     if result.updates != spec.updates:
         raise RuntimeError(f"{spec.variant}: {result.updates} optimizer steps seen, {spec.updates} expected")
     return result
@@ -310,7 +337,9 @@ class VocabResult(SectionResult):
             for name, runs in row.runs.items():
                 seconds = statistics.median(getattr(r, self.clock) for r in runs)
                 peak = statistics.median(r.peak_bytes for r in runs)
-                lines.append(f"    {VARIANTS[name].label:<58} {seconds:8.3f} s/update  peak {mib(int(peak)):>12}")
+                path = "/".join(sorted({r.path for r in runs} - {"-"}))
+                lines.append(f"    {VARIANTS[name].label:<58} {seconds:8.3f} s/update  peak {mib(int(peak)):>12}"
+                             + (f"  ({path} loss path)" if path else ""))
             for c in row.comparisons:
                 lines.append(
                     f"    {VARIANTS[c.ours].label} / {VARIANTS[c.baseline].label}: time {_spread(c.time_ratios)}, "

@@ -124,6 +124,8 @@ def test_vocab_section_prints_its_ratios(tmp_path, capsys):
     assert "stock Trainer + Liger (use_liger_kernel=True): skipped (Liger's kernels need CUDA" in printed
     assert vocab["skipped"] == {"trainer_liger": "Liger's kernels need CUDA; this run is on cpu"}
     assert "n/a (small)" in printed  # 8-token rows: the 512-1024-token targets are not judged
+    assert {r["path"] for r in row["runs"]["accum_trainer"] + row["runs"]["hf_accum_train"]} <= {"fused", "logits"}
+    assert {r["path"] for r in row["runs"]["trainer"] + row["runs"]["accelerate_loop"]} == {"-"}
 
 
 def test_padding_section_writes_its_numbers(tmp_path, capsys):
