@@ -62,6 +62,7 @@ class SweepRow:
     accumulation_steps: int
     micro_batch: int
     tokens_per_s: float
+    """Real tokens per second of process CPU time (CPU device) or wall time (CUDA), median over rounds."""
     tokens_per_s_min: float
     tokens_per_s_max: float
     peak_memory_bytes: int
@@ -139,6 +140,9 @@ class SweepResult(SectionResult):
     repeats: int
     device: str
     model: str
+    clock: str = "wall"
+    """The time tokens/s are counted in: 'cpu' (process CPU seconds: the work done, not the time other jobs held
+    the cores; CPU device) or 'wall' (CUDA)."""
     rows: list[SweepRow] = field(default_factory=list)
     """The sweep on variable-length rows (the data as it comes)."""
     equal_length: Sweep | None = None
@@ -156,7 +160,7 @@ class SweepResult(SectionResult):
         lines = [
             f"\nAccumulation trade-off: global batch {self.global_batch_size} sequences = micro-batch x K, "
             f"{self.updates} updates per run, median of {self.repeats} rounds (K order rotated per round)",
-            f"tokens/s counts real (non-pad) tokens; % of K=1: per-round ratio to K=1's run of the same round; "
+            f"tokens/s counts real (non-pad) tokens per second of {self.clock} time; % of K=1: per-round ratio to K=1's run of the same round; "
             f"memory: {MEMORY_MEANING[self.device]}",
             "fixed part = parameters + gradients (fp32) + AdamW state (2 per trainable parameter): kept at every K; "
             "activations = peak - fixed part (activations, batch, logits, temporaries)",
@@ -184,7 +188,7 @@ def measure(bench: Bench, options: Options) -> SweepResult:
     """The sweep on variable-length rows, then (unless turned off) on equal-length rows."""
     common, work = bench.options, bench.workload
     result = SweepResult(common.global_batch_size, common.min_length, common.max_length, common.updates,
-                         options.repeats, common.device, work.description)
+                         options.repeats, common.device, work.description, bench.clock)
     result.rows = sweep_rows(bench, options, common.min_length, common.max_length, "sweep")
     if options.equal_length_sweep:
         # The rows' mean length, so both sweeps move about as many real tokens per update.
@@ -220,8 +224,9 @@ def sweep_rows(bench: Bench, options: Options, min_length: int, max_length: int,
     fixed = fixed_bytes(work.model)
     rows = []
     for k in sorted(ks):
-        rates = [tokens / t.wall for t in seconds[k]]
-        relative = [a.wall / b.wall for a, b in zip(seconds[reference], seconds[k])]  # same tokens: time ratio
+        rates = [tokens / t.on(bench.clock) for t in seconds[k]]
+        # Same tokens at every K: the tokens/s ratio is the inverse time ratio, taken within a round.
+        relative = [a.on(bench.clock) / b.on(bench.clock) for a, b in zip(seconds[reference], seconds[k])]
         rows.append(SweepRow(
             k, micro[k], statistics.median(rates), min(rates), max(rates), memory[k].peak_bytes,
             memory[k].peak_saved_bytes, padding_fraction(examples, micro[k]), relative, fixed,
@@ -284,6 +289,12 @@ def conclusion(result: SweepResult) -> list[str]:
 # ----------------------------------------------------------------------------------------------
 
 
+PANEL_NOTES = {
+    "variable": "tokens/s mix two effects: less padding at small micro-batches (helps), accumulation (costs)",
+    "equal": "same padding at every K: the cost of accumulation itself",
+}
+
+
 def _tick_labels(sweep: Sweep) -> list[str]:
     return [f"K={r.accumulation_steps}\nmicro {r.micro_batch}\npad {r.padding_fraction:.0%}" for r in sweep.rows]
 
@@ -296,10 +307,9 @@ def _throughput_panel(ax, sweep: Sweep, color: str) -> None:
     high = [r.tokens_per_s_percent_range[1] - p for p, r in zip(percent, rows)]
     ax.bar(x, percent, color=color, alpha=0.75, yerr=[low, high], capsize=3)
     ax.axhline(100, color="black", linewidth=0.8)
-    for i, p in zip(x, percent):  # inside the bar: clear of the error bar
-        ax.text(i, p / 2, f"{p:.0f}%", ha="center", va="center", fontsize=9, color="white", fontweight="bold")
+    for i, p in zip(x, percent):  # at the bar's foot: clear of the error bar and the 100% line
+        ax.text(i, 4, f"{p:.0f}%", ha="center", va="bottom", fontsize=9, color="white", fontweight="bold")
     ax.set_ylabel(f"real tokens/s, % of K={sweep.reference}\n(median, min-max over rounds)")
-    ax.set_ylim(0, max(125, max(p + h for p, h in zip(percent, high)) * 1.15))
 
 
 def _memory_panel(ax, sweep: Sweep) -> None:
@@ -314,7 +324,6 @@ def _memory_panel(ax, sweep: Sweep) -> None:
         ax.annotate(f"{r.memory_multiple:.2f}x", (i, f + a), textcoords="offset points", xytext=(0, 3),
                     ha="center", fontsize=8)
     ax.set_ylabel(f"peak memory, MiB\n(label: multiple of K={sweep.reference})")
-    ax.set_ylim(0, max(f + a for f, a in zip(fixed, rest)) * 1.25)
     ax.legend(fontsize=7, loc="upper right")
 
 
@@ -327,15 +336,20 @@ def plot(result: SweepResult, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     sweeps = [result.variable] + ([result.equal_length] if result.equal_length else [])
-    fig, axes = plt.subplots(2, len(sweeps), figsize=(6.2 * len(sweeps), 8.6), squeeze=False)
+    # One y scale per row: the two sweeps' bars compare by height.
+    fig, axes = plt.subplots(2, len(sweeps), figsize=(6.2 * len(sweeps), 8.6), squeeze=False, sharey="row")
     for column, (sweep, color) in enumerate(zip(sweeps, ("tab:blue", "tab:green"))):
         top, bottom = axes[0][column], axes[1][column]
         _throughput_panel(top, sweep, color)
         _memory_panel(bottom, sweep)
-        top.set_title(textwrap.fill(sweep.title, 60), fontsize=9)
+        top.set_title(textwrap.fill(sweep.title, 64) + "\n" + PANEL_NOTES[sweep.rows_kind], fontsize=9)
         for ax in (top, bottom):
             ax.set_xticks(range(len(sweep.rows)), _tick_labels(sweep), fontsize=7)
             ax.grid(axis="y", alpha=0.3)
+    top_percent = max(r.tokens_per_s_percent_range[1] for sweep in sweeps for r in sweep.rows)
+    axes[0][0].set_ylim(0, max(125, top_percent * 1.1))
+    top_memory = max(r.peak_memory_bytes for sweep in sweeps for r in sweep.rows) / MiB
+    axes[1][0].set_ylim(0, top_memory * 1.3)  # room for the legend above the tallest bar
     lines = [wrapped for line in result.conclusion for wrapped in textwrap.wrap(line, 80 * len(sweeps))]
     # fig.text, not suptitle: tight_layout would reserve the suptitle's room a second time.
     fig.text(0.01, 0.995, "\n".join(lines), fontsize=9.5, ha="left", va="top")
