@@ -224,7 +224,8 @@ def test_bench_help_lists_every_section_option(capsys):
     assert exit_info.value.code == 0
     printed = capsys.readouterr().out
     for flag in ("--global-batch-size", "--accumulation-steps", "--padding-repeats", "--loss-vocab", "--vocab-sizes",
-                 "--only", "--strict"):
+                 "--sft-vocab-sizes", "--sft-variants", "--softcap-value", "--no-equal-length-sweep", "--only",
+                 "--strict"):
         assert flag in printed
 
 
