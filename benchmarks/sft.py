@@ -28,6 +28,7 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
@@ -111,15 +112,9 @@ def validate(common: BenchOptions, options: Options) -> None:
         import trl  # noqa: F401
     except ImportError as error:
         raise BenchError(f"the sft section needs TRL and peft: pip install 'hf_accum[trl,qlora]' ({error})") from None
-    if common.device == "cpu" and not _has_clear_refs():
+    if common.device == "cpu" and not Path("/proc/self/clear_refs").exists():
         raise BenchError("the sft section measures peak RSS through /proc/self/clear_refs (Linux); "
                          "run it on Linux or with --device cuda")
-
-
-def _has_clear_refs() -> bool:
-    from pathlib import Path
-
-    return Path("/proc/self/clear_refs").exists()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -405,7 +400,8 @@ class SftResult(SectionResult):
         out = {}
         for row in self.rows:
             out[str(row.vocab_size)] = {
-                name: {base: {"tokens_per_s": row.ratios(name, base, "speed"), "memory": row.ratios(name, base, "memory")}
+                name: {base: {"tokens_per_s": row.ratios(name, base, "speed"),
+                              "memory": row.ratios(name, base, "memory")}
                        for base in BASELINES if base in row.runs}
                 for name in row.runs
             }
@@ -506,7 +502,8 @@ def measure(bench: Bench, options: Options) -> SftResult:
                     shift = round_index % len(names)  # rotate: no front-end keeps a fixed place in the order
                     for name in names[shift:] + names[:shift]:
                         spec = _spec(common, options, name, vocab_size)
-                        measured = workers.call("benchmarks.sft:run_here", spec, f"sft run {name} at vocab {vocab_size}")
+                        what = f"sft run {name} at vocab {vocab_size}"
+                        measured = workers.call("benchmarks.sft:run_here", spec, what)
                         runs[name].append(RunResult(**measured))
                         bar.update(1)
                 result.rows.append(SftRow(vocab_size, runs))

@@ -152,7 +152,8 @@ def _spec(common: BenchOptions, options: Options, variant: str, vocab_size: int)
 def measure(bench: Bench, options: Options) -> SoftcapResult:
     common = bench.options
     result = SoftcapResult(
-        f"Gemma 2 ({options.softcap_layers} layers, hidden {options.softcap_hidden_size}, tied head)", options.softcap_value,
+        f"Gemma 2 ({options.softcap_layers} layers, hidden {options.softcap_hidden_size}, tied head)",
+        options.softcap_value,
         common.device, bench.clock, options.softcap_micro_batch, options.softcap_accumulation,
         options.softcap_min_length, options.softcap_max_length, options.softcap_updates, options.softcap_pairs,
     )

@@ -160,7 +160,8 @@ class SweepResult(SectionResult):
         lines = [
             f"\nAccumulation trade-off: global batch {self.global_batch_size} sequences = micro-batch x K, "
             f"{self.updates} updates per run, median of {self.repeats} rounds (K order rotated per round)",
-            f"tokens/s counts real (non-pad) tokens per second of {self.clock} time; % of K=1: per-round ratio to K=1's run of the same round; "
+            f"tokens/s counts real (non-pad) tokens per second of {self.clock} time; % of K=1: per-round ratio to "
+            f"K=1's run of the same round; "
             f"memory: {MEMORY_MEANING[self.device]}",
             "fixed part = parameters + gradients (fp32) + AdamW state (2 per trainable parameter): kept at every K; "
             "activations = peak - fixed part (activations, batch, logits, temporaries)",

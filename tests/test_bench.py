@@ -271,3 +271,31 @@ def test_sft_section_prints_every_front_end_and_ratio(tmp_path, capsys):
             assert len(re.findall(r"\d+\.\d\d \(\d+\.\d\d-\d+\.\d\d\)", line)) == 3, line  # median (min-max) x 3
     summary = [r for r in json.loads((out / "bench.json").read_text())["summary"] if r["target"].startswith("sft")]
     assert len(summary) == 3 and {r["verdict"] for r in summary} == {"n/a (small)"}
+
+
+SOFTCAP_TINY = ["--softcap-vocab-sizes", "512", "--softcap-min-length", "4", "--softcap-max-length", "8",
+                "--softcap-hidden-size", "32", "--softcap-pairs", "2", "--threads", "1"]
+
+
+def test_softcap_section_says_which_loss_path_and_prints_ratios(tmp_path, capsys):
+    out = tmp_path / "only-softcap"
+    assert main(["bench", "--only", "softcap", *SOFTCAP_TINY, "--no-progress", "--output-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((out / "bench.json").read_text())
+    softcap = report["sections"]["softcap"]
+
+    assert softcap["softcap"] == 30.0
+    (row,) = softcap["rows"]
+    assert row["vocab_size"] == 512 and set(row["runs"]) == {"trainer", "accum_trainer"}
+    paths = {run["path"] for run in row["runs"]["accum_trainer"]}
+    assert len(paths) == 1 and paths <= {"fused", "logits"}  # read from hf_accum's own log line
+    assert {run["path"] for run in row["runs"]["trainer"]} == {"-"}
+    (path,) = paths
+    c = row["comparison"]
+    assert len(c["time_ratios"]) == len(c["memory_ratios"]) == 2
+    assert all(_positive_finite(r) for r in c["time_ratios"] + c["memory_ratios"])
+    assert f"AccumTrainer took the {path} loss path" in printed
+    assert re.search(rf"AccumTrainer / stock Trainer \({path} path\): time \d\.\d{{3}}x \(\d\.\d{{3}}-\d\.\d{{3}} over 2\), "
+                     r"memory \d\.\d{3}x", printed)
+    (summary,) = report["summary"]
+    assert summary["verdict"] == "n/a (small)" and f"({path} path)" in summary["measured"]
