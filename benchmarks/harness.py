@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -376,6 +377,35 @@ def training_memory(work: Workload, examples: list, micro_batch: int, accumulati
     reading.peak_bytes += work.parameter_bytes  # parameters were allocated before the window
     del optimizer, loader, accelerator
     return reading
+
+
+class LossPathLog(logging.Handler):
+    """Reads hf_accum's log line saying which loss path a run takes: ``fused`` (no ``(tokens x vocab)``
+    logits) or ``logits``; ``-`` until such a line is seen (front-ends that are not hf_accum's). Reading the
+    library's own line makes the benchmark report what the library did, whatever its internals."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.path = "-"
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "fused linear cross-entropy on" in message:
+            self.path = "fused"
+        elif "logits path" in message or "not the fused loss" in message:
+            self.path = "logits"
+
+    @classmethod
+    @contextlib.contextmanager
+    def watching(cls):
+        """Yield a handler attached to the ``hf_accum`` logger for the block."""
+        handler = cls()
+        library = logging.getLogger("hf_accum")
+        library.addHandler(handler)
+        try:
+            yield handler
+        finally:
+            library.removeHandler(handler)
 
 
 def checkout_root() -> Path:

@@ -21,7 +21,7 @@ import torch
 from transformers import HfArgumentParser
 from transformers.hf_argparser import HfArg
 
-from benchmarks import loss, memory, overhead, padding, sweep, vocab
+from benchmarks import loss, memory, overhead, padding, sft, softcap, sweep, vocab
 from benchmarks.report import BenchError, require_positive
 
 SECTIONS = {
@@ -31,6 +31,8 @@ SECTIONS = {
     "padding": padding,
     "loss": loss,
     "vocab": vocab,
+    "softcap": softcap,
+    "sft": sft,
 }
 
 

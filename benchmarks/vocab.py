@@ -25,17 +25,12 @@ from __future__ import annotations
 
 import gc
 import importlib.util
-import json
 import math
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-import traceback
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -43,11 +38,12 @@ import torch
 from transformers.hf_argparser import HfArg
 
 from benchmarks.harness import (
-    BENCH_POSITIONS, Bench, bench_llama, bench_scenario, build_trainer, checkout_root, prepare_loop, synchronize,
+    BENCH_POSITIONS, Bench, LossPathLog, bench_llama, bench_scenario, build_trainer, prepare_loop, synchronize,
 )
 from benchmarks.report import (
     BenchError, SectionResult, judge, median_interval, mib, require_positive, summary_row, verdict,
 )
+from benchmarks.workers import Workers, peak_memory, reset_peak
 from hf_accum.batching import PaddingCollator
 from hf_accum.testing import Scenario, loop_config, naive_loop, random_rows
 
@@ -123,6 +119,10 @@ class RunSpec:
     device: str
     dtype: str
     threads: int | None
+    family: str = "llama"
+    """``llama`` (:func:`benchmarks.harness.bench_llama`) or ``gemma2`` (soft-capped logits, tied head)."""
+    softcap: float | None = None
+    """Gemma 2's ``final_logit_softcapping`` (``c * tanh(logits / c)``)."""
 
 
 @dataclass
@@ -135,6 +135,8 @@ class RunMeasure:
     """Peak memory during training minus the memory when it started."""
     updates: int
     """Optimizer steps seen (must equal the updates asked for)."""
+    path: str = "-"
+    """hf_accum front-ends: the loss path taken, ``fused`` or ``logits`` (from hf_accum's log line)."""
 
 
 class Measurement:
@@ -154,43 +156,19 @@ class Measurement:
         """Measure the block, which must train with ``optimizer`` (a torch optimizer, or Accelerate's wrapper)."""
         hook = getattr(optimizer, "optimizer", optimizer).register_step_post_hook(self._stamp)
         gc.collect()
-        start = _reset_peak(self.device)
+        start = reset_peak(self.device)
         self._stamp()
         try:
             yield self
         finally:
             hook.remove()
-        self.peak_bytes = _peak_memory(self.device) - start
+        self.peak_bytes = peak_memory(self.device) - start
 
     def result(self) -> RunMeasure:
         steps = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(self.stamps, self.stamps[1:])]
         timed = steps[1:] or steps  # the first update warms up, unless it is the only one
         return RunMeasure(statistics.fmean(s[0] for s in timed), statistics.fmean(s[1] for s in timed),
                           self.peak_bytes, len(steps))
-
-
-def _reset_peak(device: torch.device) -> int:
-    """Restart the device's peak-memory counter; return the memory in use now."""
-    if device.type == "cuda":
-        synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        return torch.cuda.memory_allocated(device)
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (the peak RSS) to the current RSS
-    return _proc_status_bytes("VmRSS")
-
-
-def _peak_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        synchronize(device)
-        return torch.cuda.max_memory_allocated(device)
-    return _proc_status_bytes("VmHWM")
-
-
-def _proc_status_bytes(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024  # reported in kB
-    raise RuntimeError(f"/proc/self/status has no {key}")
 
 
 def _run_trainer(scenario: Scenario, device: torch.device, measurement: Measurement, output_dir: str, *,
@@ -242,85 +220,63 @@ TARGETED = {("accum_trainer", "trainer"), ("hf_accum_train", "accelerate_loop")}
 """Comparisons with a target (the paths our front-ends replace); the one against Liger is reported only."""
 
 
+def build_model(spec: RunSpec) -> torch.nn.Module:
+    """The randomly initialised model of ``spec`` (same seed: same weights in every run)."""
+    dtype = getattr(torch, spec.dtype)
+    positions = max(spec.max_length, BENCH_POSITIONS)
+    if spec.family == "llama":
+        return bench_llama(spec.vocab_size, dtype, spec.seed, hidden_size=spec.hidden_size,
+                           intermediate_size=3 * spec.hidden_size, num_hidden_layers=spec.layers,
+                           max_position_embeddings=positions)
+    if spec.family == "gemma2":
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        # Gemma 2's shape scaled down; its head as shipped: tied to the embedding, logits soft-capped.
+        config = Gemma2Config(
+            vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=3 * spec.hidden_size,
+            num_hidden_layers=spec.layers, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=spec.hidden_size // 4, query_pre_attn_scalar=spec.hidden_size // 4,
+            max_position_embeddings=positions, sliding_window=positions, final_logit_softcapping=spec.softcap,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
+        )
+        torch.manual_seed(spec.seed)
+        return Gemma2ForCausalLM(config).to(dtype)
+    raise ValueError(f"family={spec.family!r}; allowed: 'llama', 'gemma2'")
+
+
 def run_here(spec: RunSpec) -> RunMeasure:
     """Build the model and rows of ``spec`` and measure its front-end in this process."""
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
     device = torch.device(spec.device)
-    model = bench_llama(
-        spec.vocab_size, getattr(torch, spec.dtype), spec.seed, hidden_size=spec.hidden_size,
-        intermediate_size=3 * spec.hidden_size, num_hidden_layers=spec.layers,
-        max_position_embeddings=max(spec.max_length, BENCH_POSITIONS),
-    ).to(device)
+    model = build_model(spec).to(device)
     rows = random_rows(spec.micro_batch * spec.accumulation * spec.updates, seed=spec.seed, min_len=spec.min_length,
                        max_len=spec.max_length, vocab_size=spec.vocab_size, pad_token_id=0, lowest_id=0)
     scenario = bench_scenario(spec.variant, lambda: model, rows, PaddingCollator(0), spec.micro_batch,
                               spec.accumulation)
     measurement = Measurement(device)
-    with tempfile.TemporaryDirectory(prefix="hf_accum_bench_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="hf_accum_bench_") as tmp, LossPathLog.watching() as path_log:
         VARIANTS[spec.variant].run(scenario, device, measurement, tmp)
     result = measurement.result()
+    result.path = path_log.path
     if result.updates != spec.updates:
         raise RuntimeError(f"{spec.variant}: {result.updates} optimizer steps seen, {spec.updates} expected")
     return result
 
 
-class Workers:
-    """Runs each :class:`RunSpec` in a fresh process, so that every peak memory is that run's own.
-
-    One helper process (``python -m benchmarks.vocab``) imports torch, transformers and hf_accum once
-    (about 12 CPU seconds) and forks a child per run; the helper itself never computes, so each child
-    starts clean: no allocator cache, no thread pool, no CUDA context of an earlier run. Protocol: one
-    JSON line ``{"spec": ..., "out": path}`` in, one line ``ok`` / ``failed`` out; the child writes its
-    :class:`RunMeasure` to ``out`` and its output to the helper's stderr.
-    """
+class VocabWorkers(Workers):
+    """Each :class:`RunSpec` in a fresh process (see :mod:`benchmarks.workers`)."""
 
     def __init__(self, threads: int | None):
-        path = [str(checkout_root()), *filter(None, [os.environ.get("PYTHONPATH")])]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
-        if threads is not None:
-            env["OMP_NUM_THREADS"] = str(threads)
-        self._dir = tempfile.TemporaryDirectory(prefix="hf_accum_bench_")
-        self._log = open(Path(self._dir.name) / "workers.log", "w+")
-        self._helper = subprocess.Popen([sys.executable, "-m", "benchmarks.vocab"], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=self._log, env=env, text=True)
+        super().__init__(threads, preload=["benchmarks.vocab"])
 
     def run(self, spec: RunSpec) -> RunMeasure:
-        out = Path(self._dir.name) / "run.json"
-        out.unlink(missing_ok=True)
-        self._helper.stdin.write(json.dumps({"spec": asdict(spec), "out": str(out)}) + "\n")
-        self._helper.stdin.flush()
-        if self._helper.stdout.readline().strip() != "ok":
-            self._log.seek(0)
-            raise RuntimeError(f"vocab run {spec.variant} at vocab {spec.vocab_size} failed:\n{self._log.read()[-4000:]}")
-        return RunMeasure(**json.loads(out.read_text()))
-
-    def close(self) -> None:
-        self._helper.stdin.close()
-        self._helper.wait()
-        self._log.close()
-        self._dir.cleanup()
+        return RunMeasure(**self.call("benchmarks.vocab:run_here_json", spec,
+                                      f"vocab run {spec.variant} at vocab {spec.vocab_size}"))
 
 
-def serve() -> None:
-    """The helper's loop (see :class:`Workers`): fork a child per request, answer when it is done."""
-    for line in sys.stdin:
-        request = json.loads(line)
-        pid = os.fork()
-        if pid == 0:  # the child: run, write the measure, exit without running the helper's cleanup
-            status = 1
-            try:
-                os.dup2(2, 1)  # library prints go to the log, not into the protocol
-                measured = run_here(RunSpec(**request["spec"]))
-                Path(request["out"]).write_text(json.dumps(asdict(measured)))
-                status = 0
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                sys.stderr.flush()
-                os._exit(status)
-        _, wait_status = os.waitpid(pid, 0)
-        print("ok" if os.waitstatus_to_exitcode(wait_status) == 0 else "failed", flush=True)
+def run_here_json(**spec) -> RunMeasure:
+    return run_here(RunSpec(**spec))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -381,7 +337,9 @@ class VocabResult(SectionResult):
             for name, runs in row.runs.items():
                 seconds = statistics.median(getattr(r, self.clock) for r in runs)
                 peak = statistics.median(r.peak_bytes for r in runs)
-                lines.append(f"    {VARIANTS[name].label:<58} {seconds:8.3f} s/update  peak {mib(int(peak)):>12}")
+                path = "/".join(sorted({r.path for r in runs} - {"-"}))
+                lines.append(f"    {VARIANTS[name].label:<58} {seconds:8.3f} s/update  peak {mib(int(peak)):>12}"
+                             + (f"  ({path} loss path)" if path else ""))
             for c in row.comparisons:
                 lines.append(
                     f"    {VARIANTS[c.ours].label} / {VARIANTS[c.baseline].label}: time {_spread(c.time_ratios)}, "
@@ -445,7 +403,7 @@ def measure(bench: Bench, options: Options) -> VocabResult:
         options.vocab_max_length, options.vocab_updates, options.vocab_pairs, skipped,
     )
     total = len(options.vocab_sizes) * options.vocab_pairs * sum(map(len, groups))
-    workers = Workers(common.threads)
+    workers = VocabWorkers(common.threads)
     try:
         with bench.progress(total, "vocab runs") as bar:
             for vocab_size in options.vocab_sizes:
@@ -482,5 +440,3 @@ def _compare(runs: dict[str, list[RunMeasure]], clock: str) -> list[Comparison]:
     return comparisons
 
 
-if __name__ == "__main__":  # the helper process of Workers
-    serve()

@@ -50,8 +50,27 @@ def test_bench_writes_table_plot_and_json(tmp_path, capsys):
                     "peak_saved_activation_bytes"):
             assert _positive_finite(row[key]), (key, row)
         assert 0.0 <= row["padding_fraction"] < 1.0
-    table_rows = [re.match(r"\s*(\d+)\s+(\d+)\s+\d+\s+\(\d+-\d+\)", line) for line in printed.splitlines()]
-    assert [(int(m[1]), int(m[2])) for m in table_rows if m] == [(1, 4), (2, 2), (4, 1)]  # one row per K
+    # Two tables (variable-length rows, then equal-length rows), one row per K, every column filled:
+    # K, micro-batch, pad, tokens/s (min-max), % of K=1 (min-max), peak memory, x K=1, fixed part, activations.
+    assert re.search(r"K micro\s+pad\s+tokens/s\s+\(min-max\)\s+% of K=1\s+\(min-max\)\s+peak memory\s+x K=1\s+"
+                     r"fixed part\s+activations", printed)
+    table_rows = [re.match(r"\s*(\d+)\s+(\d+)\s+(\d+\.\d)%\s+\d+\s+\(\d+-\d+\)\s+(\d+)%\s+\(\d+-\d+%\)\s+[\d.]+ MiB\s+"
+                           r"([\d.]+)x\s+[\d.]+ MiB\s+[\d.]+ MiB", line) for line in printed.splitlines()]
+    parsed = [(int(m[1]), int(m[2])) for m in table_rows if m]
+    assert parsed == [(1, 4), (2, 2), (4, 1)] * 2  # one row per K, in each sweep
+    first_rows = [m for m in table_rows if m and m[1] == "1"]
+    assert [(m[4], m[5]) for m in first_rows] == [("100", "1.00")] * 2  # K=1 is the reference: 100%, 1.00x
+    equal = sections["sweep"]["equal_length"]
+    assert [r["accumulation_steps"] for r in equal["rows"]] == [1, 2, 4]
+    assert all(r["padding_fraction"] == 0.0 for r in equal["rows"])  # equal lengths: no padding at any K
+    for row in rows + equal["rows"]:
+        assert 0 < row["fixed_bytes"] <= row["peak_memory_bytes"]
+        assert row["activation_bytes"] == row["peak_memory_bytes"] - row["fixed_bytes"]
+        assert _positive_finite(row["tokens_per_s_percent"]) and _positive_finite(row["memory_multiple"])
+    conclusion = sections["sweep"]["conclusion"]
+    assert conclusion[0].startswith("Accumulation saves activation memory only")
+    assert any("At equal padding" in line for line in conclusion)
+    assert all(f"=> {line}" in printed for line in conclusion)
 
     assert _positive_finite(sections["overhead"]["ratio"]) and len(sections["overhead"]["ratios"]) == 2
     memory = sections["memory"]
@@ -105,6 +124,8 @@ def test_vocab_section_prints_its_ratios(tmp_path, capsys):
     assert "stock Trainer + Liger (use_liger_kernel=True): skipped (Liger's kernels need CUDA" in printed
     assert vocab["skipped"] == {"trainer_liger": "Liger's kernels need CUDA; this run is on cpu"}
     assert "n/a (small)" in printed  # 8-token rows: the 512-1024-token targets are not judged
+    assert {r["path"] for r in row["runs"]["accum_trainer"] + row["runs"]["hf_accum_train"]} <= {"fused", "logits"}
+    assert {r["path"] for r in row["runs"]["trainer"] + row["runs"]["accelerate_loop"]} == {"-"}
 
 
 def test_padding_section_writes_its_numbers(tmp_path, capsys):
@@ -218,5 +239,78 @@ def test_bench_help_lists_every_section_option(capsys):
     assert exit_info.value.code == 0
     printed = capsys.readouterr().out
     for flag in ("--global-batch-size", "--accumulation-steps", "--padding-repeats", "--loss-vocab", "--vocab-sizes",
-                 "--only", "--strict"):
+                 "--sft-vocab-sizes", "--sft-variants", "--softcap-value", "--no-equal-length-sweep", "--only",
+                 "--strict"):
         assert flag in printed
+
+
+SFT_TINY = ["--sft-vocab-sizes", "64", "--sft-rows", "8", "--sft-prompt-words", "4", "--sft-completion-words", "3",
+            "--sft-max-words", "8", "--sft-micro-batch", "2", "--sft-accumulation", "2", "--sft-rounds", "2",
+            "--sft-layers", "1", "--sft-hidden-size", "32", "--sft-lora-r", "2", "--threads", "1"]
+SFT_LABELS = ["stock Trainer, padded", "TRL SFTTrainer, padding_free=True", "TRL SFTTrainer, packing=True",
+              "AccumTrainer, padded", "AccumSFTTrainer, padding_free=True", "AccumSFTTrainer, packing=True",
+              "hf_accum.train + PackingCollator"]
+
+
+def test_sft_section_prints_every_front_end_and_ratio(tmp_path, capsys):
+    out = tmp_path / "only-sft"
+    assert main(["bench", "--only", "sft", *SFT_TINY, "--no-progress", "--output-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    sft = json.loads((out / "bench.json").read_text())["sections"]["sft"]
+
+    (row,) = sft["rows"]
+    assert row["vocab_size"] == 64 and len(row["runs"]) == 7
+    tokens = {runs[0]["real_tokens"] for runs in row["runs"].values()}
+    assert len(tokens) == 1 and tokens.pop() > 0  # every front-end trained on the same real tokens
+    for name, runs in row["runs"].items():
+        assert len(runs) == 2, name  # one run per round
+        for run in runs:
+            assert _positive_finite(run["seconds"]) and _positive_finite(run["peak_bytes"]), (name, run)
+            assert run["path"] in ({"fused", "logits"} if name in ("accum_trainer", "accum_sft_padding_free",
+                                                                   "accum_sft_packing", "loop_packing") else {"-"})
+    ratios = sft["ratios"]["64"]
+    for name in row["runs"]:
+        assert set(ratios[name]) == {"trainer", "trl_padding_free", "trl_packing"}
+        for by_baseline in ratios[name].values():
+            assert len(by_baseline["tokens_per_s"]) == len(by_baseline["memory"]) == 2
+            assert all(_positive_finite(r) for r in by_baseline["tokens_per_s"] + by_baseline["memory"])
+
+    # Two tables (tokens/s, memory), each with a row per front-end and a ratio column per baseline.
+    for header in ("real tokens/s", "peak memory"):
+        assert re.search(rf"front-end\s+path\s+{header}\s+/ stock Trainer\s+/ TRL padding-free\s+/ TRL packing",
+                         printed)
+    for label in SFT_LABELS:
+        lines = [line for line in printed.splitlines() if line.strip().startswith(label)]
+        assert len(lines) == 2, label
+        for line in lines:
+            assert len(re.findall(r"\d+\.\d\d \(\d+\.\d\d-\d+\.\d\d\)", line)) == 3, line  # median (min-max) x 3
+    summary = [r for r in json.loads((out / "bench.json").read_text())["summary"] if r["target"].startswith("sft")]
+    assert len(summary) == 3 and {r["verdict"] for r in summary} == {"n/a (small)"}
+
+
+SOFTCAP_TINY = ["--softcap-vocab-sizes", "512", "--softcap-min-length", "4", "--softcap-max-length", "8",
+                "--softcap-hidden-size", "32", "--softcap-pairs", "2", "--threads", "1"]
+
+
+def test_softcap_section_says_which_loss_path_and_prints_ratios(tmp_path, capsys):
+    out = tmp_path / "only-softcap"
+    assert main(["bench", "--only", "softcap", *SOFTCAP_TINY, "--no-progress", "--output-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((out / "bench.json").read_text())
+    softcap = report["sections"]["softcap"]
+
+    assert softcap["softcap"] == 30.0
+    (row,) = softcap["rows"]
+    assert row["vocab_size"] == 512 and set(row["runs"]) == {"trainer", "accum_trainer"}
+    paths = {run["path"] for run in row["runs"]["accum_trainer"]}
+    assert len(paths) == 1 and paths <= {"fused", "logits"}  # read from hf_accum's own log line
+    assert {run["path"] for run in row["runs"]["trainer"]} == {"-"}
+    (path,) = paths
+    c = row["comparison"]
+    assert len(c["time_ratios"]) == len(c["memory_ratios"]) == 2
+    assert all(_positive_finite(r) for r in c["time_ratios"] + c["memory_ratios"])
+    assert f"AccumTrainer took the {path} loss path" in printed
+    assert re.search(rf"AccumTrainer / stock Trainer \({path} path\): time \d\.\d{{3}}x \(\d\.\d{{3}}-\d\.\d{{3}} over 2\), "
+                     r"memory \d\.\d{3}x", printed)
+    (summary,) = report["summary"]
+    assert summary["verdict"] == "n/a (small)" and f"({path} path)" in summary["measured"]
