@@ -62,10 +62,12 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--lr-scaling", choices=["linear", "sqrt", "none"], default="sqrt",
                       help="LR rule when the global batch changes (sqrt is the usual choice for Adam)")
     plan.add_argument("--auto", action="store_true", help="measure peak memory on this device and pick the largest "
-                      "micro-batch that fits --memory-budget (model, LoRA/QLoRA from --config; default: the tiny CPU job)")
+                      "micro-batch that fits --memory-budget (model, LoRA/QLoRA from --config; default: the tiny "
+                      "CPU job)")
     plan.add_argument("--memory-budget", help="with --auto: bytes per process, e.g. 70GiB (default: free memory "
                       "minus 10%%)")
-    plan.add_argument("--max-length", type=int, help="with --auto: tokens per row (default: the config's data.max_length)")
+    plan.add_argument("--max-length", type=int,
+                      help="with --auto: tokens per row (default: the config's data.max_length)")
     plan.add_argument("--model", help="with --auto: a model directory (overrides the config's model.name_or_path)")
     plan.set_defaults(run=_run_plan)
 
@@ -78,7 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     check.set_defaults(run=_run_check)
 
     generate = commands.add_parser("generate", help="complete a prompt with a trained recipe run's model")
-    generate.add_argument("--run", dest="run_dir", required=True, help="the run's training.output_dir (holding adapter/ or model/)")
+    generate.add_argument("--run", dest="run_dir", required=True,
+                          help="the run's training.output_dir (holding adapter/ or model/)")
     generate.add_argument("prompt", help="the user message")
     generate.add_argument("--max-new-tokens", type=int, help="default: the run's data.eval_max_new_tokens")
     generate.add_argument("--system", help="a system message before the prompt")

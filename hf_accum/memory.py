@@ -237,7 +237,8 @@ def training_step_peak(model: torch.nn.Module, device: torch.device, micro_batch
     loader = DataLoader(rows, batch_size=micro_batch, collate_fn=PaddingCollator(0))
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=learning_rate)
-    accelerator = Accelerator(cpu=device.type == "cpu", mixed_precision=mixed_precision)  # its own, so that nothing of this step outlives it
+    # Its own Accelerator, so that nothing of this step outlives it.
+    accelerator = Accelerator(cpu=device.type == "cpu", mixed_precision=mixed_precision)
     prepared_model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     config = LoopConfig(max_steps=2, disable_tqdm=True, stop_on_signals=False)
     library_log = logging.getLogger("hf_accum")

@@ -30,7 +30,7 @@ from hf_accum.errors import InputError
 
 LOCK_NAME = ".hf_accum.lock"
 
-_held: dict[str, "_Held"] = {}  # realpath of the output directory -> this process's lock on it
+_held: dict[str, _Held] = {}  # realpath of the output directory -> this process's lock on it
 
 
 class OutputDirInUse(InputError):

@@ -40,7 +40,7 @@ from hf_accum.recipe.launch import (  # noqa: E402
 )
 from hf_accum.recipe.modeling import build_model, trainable_summary  # noqa: E402
 from hf_accum.recipe.outputs import (  # noqa: E402
-    DiskFullError, RunRecord, barrier, check_output_dir, claim_output_dir, describe_trainable, disk_full_is_one_line,
+    RunRecord, barrier, check_output_dir, claim_output_dir, describe_trainable, disk_full_is_one_line,
     is_main_process, leave_process_group, percent, probe_writable, quiet_third_party_warnings, run_cli, save_outputs,
     say,
 )

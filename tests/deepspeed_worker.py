@@ -27,8 +27,8 @@ from transformers.integrations import unset_hf_deepspeed_config
 from hf_accum import AccumTrainer
 from hf_accum.batching import PaddingCollator
 from hf_accum.distributed import gathered_state_dict, save_pretrained
-from hf_accum.recipe.launch import check_launch, loop_accelerator
 from hf_accum.loop import LoopConfig, train
+from hf_accum.recipe.launch import check_launch, loop_accelerator
 from hf_accum.schedule import create_update_scheduler
 from hf_accum.testing import PAD, Scenario, fresh_accelerator, random_rows, tiny_causal_lm, training_args
 from hf_accum.testing.deltas import DeltaRecorder, delta_errors

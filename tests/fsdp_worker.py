@@ -27,7 +27,7 @@ from hf_accum.distributed import gathered_state_dict
 from hf_accum.fsdp import fsdp2_plugin, fsdp_accelerator
 from hf_accum.loop import LoopConfig, train
 from hf_accum.schedule import create_update_scheduler
-from hf_accum.testing import PAD, big_batch_learning_rates, naive_loop, random_rows, tiny_causal_lm
+from hf_accum.testing import PAD, big_batch_learning_rates, random_rows, tiny_causal_lm
 from hf_accum.testing.deltas import DeltaRecorder, delta_errors
 
 MICRO_BATCH, ACCUMULATION, EXAMPLES, EPOCHS = 2, 3, 28, 2

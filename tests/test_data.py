@@ -14,12 +14,12 @@ import shutil
 import pytest
 import torch
 
-from hf_accum.recipe import config as recipe_config
-from hf_accum.recipe import data as data_module
 from hf_accum import tiny
-from hf_accum.recipe import embedded, modeling
 from hf_accum.batching import PackingCollator, PaddingCollator
 from hf_accum.loss import IGNORE_INDEX, count_targets
+from hf_accum.recipe import config as recipe_config
+from hf_accum.recipe import data as data_module
+from hf_accum.recipe import embedded, modeling
 
 SAMPLES = os.path.join(os.path.dirname(__file__), "data")
 END = "<|end|>"  # the tiny chat template's end of turn: the last target of every answer

@@ -9,8 +9,8 @@ function), so they check the same thing whatever CPU runs them.
 import pytest
 import torch
 
-from hf_accum.recipe import modeling
 from hf_accum.compat import keep_4bit_training_layout
+from hf_accum.recipe import modeling
 
 bnb = pytest.importorskip("bitsandbytes")
 

@@ -233,7 +233,8 @@ def load_deepspeed_config(source: str | Mapping[str, Any]) -> dict:
             raise LaunchError(f"{where}: not valid JSON ({error})") from None
     if not isinstance(config, dict):
         raise LaunchError(f"{where}: must be a JSON object, got {type(config).__name__}")
-    stage = config.get("zero_optimization", {}).get("stage") if isinstance(config.get("zero_optimization"), dict) else None
+    zero = config.get("zero_optimization")
+    stage = zero.get("stage") if isinstance(zero, dict) else None
     if stage not in (0, 1, 2, 3):
         raise LaunchError(f"{where}: zero_optimization.stage={stage!r}; allowed: 0, 1, 2, 3 (hf_accum ships 2 and 3)")
     if "scheduler" in config:

@@ -5,7 +5,8 @@ prompt-masked random rows, under :class:`hf_accum.verify.BigBatchAuditor`, and r
 how far the applied gradient is from the big-batch gradient.
 
 Dropout is switched off (every ``*dropout*``/``*pdrop`` config field, before the model is built): the
-reference cannot repeat a training forward's random masks. Any architecture, without its float32 islands: the whole run (training and reference) is inside
+reference cannot repeat a training forward's random masks. Any architecture, without its float32
+islands: the whole run (training and reference) is inside
 :func:`hf_accum.testing.float64.float64_arithmetic`, which turns every float32 request a model makes
 (norms, rotary embeddings, attention and router softmax) into float64 -- a general mechanism, not a list
 of classes. Chosen over "a control with the same arithmetic" because it measures the accumulation math
@@ -112,7 +113,9 @@ def _checked_model(model: str) -> _CheckedModel:
     if model == "tiny":
         return _CheckedModel(tiny_causal_lm, VOCAB, PAD, False, "the built-in tiny Llama")
     if not os.path.isdir(model):
-        raise InputError(f"--model {model!r}: not 'tiny' and not a directory (nothing is downloaded; pass a local model)")
+        raise InputError(
+            f"--model {model!r}: not 'tiny' and not a directory (nothing is downloaded; pass a local model)"
+        )
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
@@ -121,7 +124,9 @@ def _checked_model(model: str) -> _CheckedModel:
         raise InputError(f"--model {model!r}: not a loadable local model directory ({_first_line(error)})") from None
     name = f"{model} ({type(config).__name__})"
     if type(config) not in AutoModelForCausalLM._model_mapping:
-        raise ModelCannotRun(f"{name}: not a causal LM transformers can build (AutoModelForCausalLM has no class for it)")
+        raise ModelCannotRun(
+            f"{name}: not a causal LM transformers can build (AutoModelForCausalLM has no class for it)"
+        )
 
     _without_dropout(config)
 

@@ -15,8 +15,8 @@ from typing import Callable
 import torch
 from datasets import Dataset
 
-from hf_accum.tiny import build_tiny_tokenizer
 from hf_accum.testing.models import tiny_causal_lm
+from hf_accum.tiny import build_tiny_tokenizer
 
 WORDS = [f"w{i}" for i in range(40)]
 # Like the recipe's template; the assistant's content and its end-of-turn token are generation marks.

@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -176,7 +175,7 @@ class Section:
             return None
         return _construct(name, self.cls(), {**self.fixed, **values, **changes})
 
-    def validate(self, value: Any, config: "RecipeConfig") -> None:
+    def validate(self, value: Any, config: RecipeConfig) -> None:
         """Run the owner's check of this section (none when no validator is named)."""
         if self.validator is None:
             return
@@ -211,7 +210,7 @@ class RecipeConfig:
     training: dict = _section(
         {}, hf_class="transformers:TrainingArguments",
         # true (the latest complete checkpoint in output_dir, Trainer's convention) or a path.
-        type_overrides={"resume_from_checkpoint": typing.Optional[typing.Union[bool, str]]},
+        type_overrides={"resume_from_checkpoint": bool | str | None},
     )
     """transformers.TrainingArguments fields."""
     sources: dict = field(default_factory=dict, repr=False, compare=False, metadata={"derived": True})

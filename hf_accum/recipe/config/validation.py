@@ -102,7 +102,8 @@ def _resolve_batch(config: RecipeConfig, world_size: int) -> None:
         plan = plan_global_batch(config.global_batch_size, micro, world_size)
     except ValueError as exc:
         raise ConfigError(f"{exc} [global_batch_size from {batch_source}]") from exc
-    if given is not None and given != plan.accumulation_steps and _layer_rank(steps_source) == _layer_rank(batch_source):
+    same_layer = _layer_rank(steps_source) == _layer_rank(batch_source)
+    if given is not None and given != plan.accumulation_steps and same_layer:
         raise ConfigError(
             f"global_batch_size={config.global_batch_size} with {micro} per device x {world_size} processes needs "
             f"gradient_accumulation_steps={plan.accumulation_steps}, but training.gradient_accumulation_steps={given}; "
@@ -111,7 +112,8 @@ def _resolve_batch(config: RecipeConfig, world_size: int) -> None:
     if given is not None and given != plan.accumulation_steps:
         config.notes.append(
             f"global_batch_size={config.global_batch_size} ({batch_source}) replaces "
-            f"training.gradient_accumulation_steps={given} ({steps_source}): {plan.accumulation_steps} accumulation steps"
+            f"training.gradient_accumulation_steps={given} ({steps_source}): "
+            f"{plan.accumulation_steps} accumulation steps"
         )
     t["gradient_accumulation_steps"] = plan.accumulation_steps
 

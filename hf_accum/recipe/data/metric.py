@@ -60,7 +60,9 @@ def exact_match(
     }
 
 
-def _generate(model, tokenizer, examples: Sequence[Example], max_new_tokens: int, synced_gpus: bool = False) -> list[str]:
+def _generate(
+    model, tokenizer, examples: Sequence[Example], max_new_tokens: int, synced_gpus: bool = False
+) -> list[str]:
     """Batched greedy decoding with left padding (so every prompt ends where generation starts)."""
     prompts = [prompt_ids(tokenizer, example.messages[:-1]) for example in examples]
     width = max(len(p) for p in prompts)
