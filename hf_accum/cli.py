@@ -171,10 +171,14 @@ def _run_check(args: argparse.Namespace) -> int:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from hf_accum.generate import complete, load_trained, trained_model_dir  # heavy imports only for this command
+    from hf_accum.recipe.generate import (  # heavy imports only for this command
+        complete,
+        load_trained,
+        trained_model_dir,
+    )
 
     trained_model_dir(args.run_dir)  # a bad directory: one line, before torch and transformers load
-    from hf_accum.outputs import quiet_third_party_warnings
+    from hf_accum.recipe.outputs import quiet_third_party_warnings
 
     quiet_third_party_warnings()
     model, tokenizer, config = load_trained(args.run_dir)

@@ -26,11 +26,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hf_accum import outputs as run_outputs
 from hf_accum import run_lock
 from hf_accum.checkpoint import remove_staging_debris, resolve_resume_checkpoint, verified_resume_checkpoint
 from hf_accum.errors import EXIT_BAD_INPUT, EXIT_DISK_FULL, EXIT_PREEMPTED
 from hf_accum.manifest import MANIFEST_FILE, CheckpointCorrupt, verify_checkpoint, write_manifest
+from hf_accum.recipe import outputs as run_outputs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -452,7 +452,7 @@ def test_generate_rebuilds_the_tiny_base_and_puts_the_runs_adapter_on_it(finishe
     from resolved_config.yaml. Without the adapter it must answer as the run's base did before training, with it
     as the trained model did after (the recipe's own held-out samples, in metrics.json)."""
     from hf_accum import cli
-    from hf_accum.generate import complete, load_trained
+    from hf_accum.recipe.generate import complete, load_trained
 
     reference, _, _ = finished_pair
     metrics = json.loads((reference / run_outputs.METRICS_NAME).read_text())

@@ -42,7 +42,7 @@ hf-accum plan --config "$CONFIG" --nodes "$SLURM_NNODES" --gpus-per-node "$GPUS_
 # by this job are the complete ones (hf_accum_plan.json) newer than JOB_START.
 OUTPUT_DIR=$(python3 - "$CONFIG" "$@" <<'PY'
 import os, sys
-from hf_accum import config as C
+from hf_accum.recipe import config as C
 path, overrides = C.parse_overrides(["--config", *sys.argv[1:]])
 name = os.path.splitext(os.path.basename(path))[0]
 print(C.load_config(path, overrides).training.get("output_dir") or os.path.join("outputs", name))

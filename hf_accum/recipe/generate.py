@@ -21,8 +21,8 @@ class RunDirError(InputError):
 
 def trained_model_dir(run_dir: str) -> tuple[str, bool]:
     """``(directory of the trained weights, whether it is a LoRA adapter)``, or :class:`RunDirError`."""
-    from hf_accum.config import RESOLVED_CONFIG_NAME
-    from hf_accum.outputs import ADAPTER_DIR, MODEL_DIR
+    from hf_accum.recipe.config import RESOLVED_CONFIG_NAME
+    from hf_accum.recipe.outputs import ADAPTER_DIR, MODEL_DIR
 
     if not os.path.isdir(run_dir):
         raise RunDirError(f"--run {run_dir!r}: no such directory")
@@ -40,8 +40,8 @@ def load_trained(run_dir: str):
     """``(model, tokenizer, config)`` of a finished run: its base rebuilt or loaded, its adapter on top."""
     from transformers import AutoTokenizer
 
-    from hf_accum import config as C
-    from hf_accum import modeling
+    from hf_accum.recipe import config as C
+    from hf_accum.recipe import modeling
 
     weights, is_adapter = trained_model_dir(run_dir)
     config = C.build_config(C.load_yaml(os.path.join(run_dir, C.RESOLVED_CONFIG_NAME)))
@@ -65,7 +65,7 @@ def complete(model, tokenizer, prompt: str, max_new_tokens: int, system: str | N
     """The greedy completion of ``prompt`` as a one-turn user conversation (through the chat template)."""
     import torch
 
-    from hf_accum.data import prompt_ids
+    from hf_accum.recipe.data import prompt_ids
 
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     ids = torch.tensor([prompt_ids(tokenizer, messages)])
