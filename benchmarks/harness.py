@@ -22,9 +22,7 @@ exactly as the tests do, so every front-end compared does the same work per upda
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
-import os
 import time
 from dataclasses import dataclass
 from functools import cached_property
@@ -319,44 +317,16 @@ class _SavedRef:
 
 @contextlib.contextmanager
 def measure_memory(device: torch.device, parameters: Iterable[torch.Tensor] = ()):
-    """Yield a :class:`MemoryReading`, filled in when the block ends (see the module docstring)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    # Kineto prints a "USDT: ... profiler_start/stop" line per window at every log level up to 5 (ERROR is 4);
-    # read when the profiler first starts, so setting it here (before the first window) silences them.
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    """Yield a :class:`MemoryReading`, filled in when the block ends (see the module docstring): the library's
+    peak tensor memory (:func:`hf_accum.memory.measure_memory`) plus the peak of saved activations."""
+    from hf_accum.memory import measure_memory as measure_tensor_memory
 
     reading = MemoryReading()
     saved = SavedActivations(parameters)
-    gc.collect()  # frees of earlier runs' garbage must not land inside the window
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        start = torch.cuda.memory_allocated(device)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, saved.hooks():
+    with measure_tensor_memory(device) as tensors, saved.hooks():
         yield reading
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    peak, largest = _profiler_memory(prof, device)
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device) - start
-    reading.peak_bytes, reading.largest_allocation, reading.peak_saved_bytes = peak, largest, saved.peak
-
-
-def _profiler_memory(prof, device: torch.device) -> tuple[int, int | None]:
-    """(peak of the running allocation total, largest single allocation) for ``device``'s events."""
-    events = [
-        e for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]" and e.device_type().name.lower() == device.type
-    ]
-    current = peak = 0
-    largest = None
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        size = event.nbytes()
-        current += size
-        peak = max(peak, current)
-        largest = max(largest or 0, size)
-    return peak, largest
+    reading.peak_bytes, reading.largest_allocation = tensors.peak_bytes, tensors.largest_allocation
+    reading.peak_saved_bytes = saved.peak
 
 
 MEMORY_UPDATES = 2
