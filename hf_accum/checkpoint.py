@@ -115,8 +115,8 @@ def resolve_resume_checkpoint(resume_from_checkpoint: str | bool | None, output_
             latest = verified_resume_checkpoint(output_dir)
             if latest is None:
                 raise ValueError(
-                    f"resume_from_checkpoint=True: no checkpoint in {output_dir!r} verifies (every one was skipped "
-                    "above): start fresh, without resume_from_checkpoint"
+                    f"resume_from_checkpoint=True: no checkpoint in {output_dir!r} verifies (each was skipped, with "
+                    "why, above); move the damaged ones away to start afresh"
                 )
         if latest is None:
             raise ValueError(  # a ValueError, like Trainer's for the same case

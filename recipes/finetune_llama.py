@@ -26,8 +26,8 @@ from torch.utils.data import DataLoader  # noqa: E402
 from hf_accum import AccumTrainer, LoopConfig, train  # noqa: E402
 from hf_accum.batching import PackingCollator, PaddingCollator  # noqa: E402
 from hf_accum.checkpoint import (  # noqa: E402
-    ResumeMismatchError, check_resume_engine, check_resume_plan, remove_staging_debris, resolve_resume_checkpoint,
-    verified_resume_checkpoint,
+    ResumeMismatchError, check_resume_engine, check_resume_plan, complete_checkpoints, remove_staging_debris,
+    resolve_resume_checkpoint, verified_resume_checkpoint,
 )
 from hf_accum.control import NonFiniteLossError, TrainingStopped  # noqa: E402
 from hf_accum.distributed import is_partitioned  # noqa: E402
@@ -172,7 +172,9 @@ def run(config):
         # The newest checkpoint whose files match its manifest (damaged ones are named and skipped). A requeue
         # passes the same flag every time: with no such checkpoint yet, start afresh, removing unfinished writes.
         resume = verified_resume_checkpoint(out, report=say) if state == "resume" else None
-        if resume is None:
+        if resume is None and complete_checkpoints(out):
+            resume = True  # every one is damaged: refused below (exit 2), for a person to look at
+        elif resume is None:
             debris = remove_staging_debris(out) if is_main_process() else []
             cleaned = f" (removed {len(debris)} unfinished checkpoint write(s))" if debris else ""
             say(f"note: training.resume_from_checkpoint=true but no checkpoint exists yet{cleaned}: "

@@ -320,6 +320,12 @@ def test_a_damaged_checkpoint_named_explicitly_is_refused_naming_the_file_and_th
         f"from its manifest's sha256 (its bytes changed); resume from {out / 'checkpoint-2'} instead"
     )
     assert "resolved config:" not in proc.stdout  # refused before anything loaded
+    truncate(str(out / "checkpoint-2" / "optimizer.pt"))  # every checkpoint damaged: not silently started afresh
+    proc = run(out, *overrides, "training.resume_from_checkpoint=true")
+    assert proc.returncode == EXIT_BAD_INPUT, proc.stderr[-3000:]
+    assert f"warning: skipping {out / 'checkpoint-2'}: optimizer.pt has " in proc.stdout
+    assert last_line(proc.stderr).startswith("error: training.resume_from_checkpoint: resume_from_checkpoint=True: "
+                                             f"no checkpoint in '{out}' verifies")
 
 
 # -- requeue-safe resume ------------------------------------------------------------------------------------
