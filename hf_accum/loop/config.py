@@ -88,7 +88,7 @@ class LoopConfig:
         _in_range(self, "label_smoothing", 0.0, 1.0, "at least 0 and below 1", closed=False)
         if self.max_grad_norm is not None:
             _in_range(self, "max_grad_norm", 0.0, float("inf"), ">= 0 (0 or None: no clipping)")
-        if self.eval_steps is not None:
+        if self.eval_steps is not None and self.eval_strategy == "steps":  # unused by the other strategies
             _in_range(self, "eval_steps", 0.0, float("inf"), "None or > 0", open_below=True)
         return self
 
