@@ -128,6 +128,10 @@ def probe_writable(path: str) -> None:
     temporary file (``O_TMPFILE``), so even a kill during the probe leaves no file behind."""
     import tempfile
 
+    if not is_main_process():
+        # One rank probes the (shared) directory: two probing at once race on the directories the probe creates
+        # and removes again ("File exists", or a directory gone under the other rank's probe file).
+        return
     if os.path.exists(path) and not os.path.isdir(path):
         raise OutputDirError(f"training.output_dir={path!r} is a file, not a directory")
     created = []
