@@ -27,7 +27,12 @@ from typing import Any
 
 import torch
 
-from hf_accum.checkpoint import ResumeMismatchError
+from hf_accum.checkpoint import (
+    ResumeMismatchError,
+    capture_random_states,
+    data_generators,
+    restore_random_states,
+)
 from hf_accum.loss import count_targets
 from hf_accum.rampup import RampUp, describe_stages, plan_windows
 
@@ -89,6 +94,16 @@ def ramp_plan(values: list[int], micro_batches: int, micro_batch_size: int, accu
 def token_plan(dataloader: Any, accelerator: Any, kind: str, budget: int, num_epochs: float,
                max_steps: int) -> WindowPlan:
     """Windows closing at ``budget`` targets (all ranks), from one counting pass per planned epoch."""
+    states = capture_random_states(data_generators(dataloader))
+    try:
+        return _token_plan(dataloader, accelerator, kind, budget, num_epochs, max_steps)
+    finally:
+        # Training then draws every epoch's order from where the planning pass started.
+        restore_random_states(states, data_generators(dataloader))
+
+
+def _token_plan(dataloader: Any, accelerator: Any, kind: str, budget: int, num_epochs: float,
+                max_steps: int) -> WindowPlan:
     counts = (_epoch_counts(dataloader, accelerator, kind, epoch) for epoch in count())
     epochs, targets = [], []
     updates_left = max_steps if max_steps and max_steps > 0 else None
@@ -137,14 +152,14 @@ def describe_budget(plan: WindowPlan, budget: int) -> str:
 def _epoch_counts(dataloader: Any, accelerator: Any, kind: str, epoch: int) -> list[int]:
     """Targets of each micro-batch of ``epoch`` summed over ranks (one all-reduce of the vector).
 
-    The pass runs under a forked RNG so that it leaves the global random states as it found them (dropout and
-    a non-seedable sampler then draw what a run without the pass would); the epoch's order comes from
-    ``set_epoch`` -- the training pass calls it again with the same epoch and sees the same order (checked
-    window by window in training, :class:`PlanDriftError`)."""
+    The epochs are counted in order from the random states training starts from (restored afterwards by
+    :func:`token_plan`): a seedable sampler draws each epoch's order from its seed and ``set_epoch``, and a
+    sampler with its own generator draws epoch after epoch as training will. A sampler drawing from the global
+    RNG between dropout draws cannot be predicted: training checks every window's targets against the plan
+    (:class:`PlanDriftError`)."""
     if hasattr(dataloader, "set_epoch"):
         dataloader.set_epoch(epoch)
-    with torch.random.fork_rng(devices=[]):
-        local = [int(count_targets(_labels(batch), kind)) for batch in dataloader]
+    local = [int(count_targets(_labels(batch), kind)) for batch in dataloader]
     vector = torch.tensor(local, dtype=torch.int64, device=accelerator.device)
     if accelerator.num_processes > 1:
         vector = accelerator.reduce(vector, reduction="sum")
