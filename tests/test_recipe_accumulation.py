@@ -74,3 +74,13 @@ def test_budget_and_global_batch_in_one_layer_conflict(tmp_path, capsys):
 def test_off_grid_ramp_names_the_nearest_values(tmp_path, capsys):
     err = fails_cleanly(["accumulation.rampup_batch_size=[4,8,800]"], tmp_path / "out", capsys)
     assert "nearest valid start: 8" in err
+
+
+def test_plan_prints_the_ramp_of_a_recipe_config(tmp_path, capsys):
+    from hf_accum.cli import main
+
+    path = write(tmp_path / "ramp.yaml", "global_batch_size: 32\naccumulation: {rampup_batch_size: [8, 8, 800]}\n")
+    assert main(["plan", "--config", path]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "batch ramp-up [8, 8, 800]: 8 seqs x 34 updates -> 16 seqs x 17 updates -> 24 seqs x 11 updates -> "
+        "32 seqs x 1 update")
