@@ -21,7 +21,7 @@ import torch
 from transformers import HfArgumentParser
 from transformers.hf_argparser import HfArg
 
-from benchmarks import loss, memory, overhead, padding, sft, softcap, sweep, vocab
+from benchmarks import loss, memory, overhead, padding, sft, softcap, sweep, token_budget, vocab
 from benchmarks.report import BenchError, require_positive
 
 SECTIONS = {
@@ -33,6 +33,7 @@ SECTIONS = {
     "vocab": vocab,
     "softcap": softcap,
     "sft": sft,
+    "token_budget": token_budget,
 }
 
 

@@ -528,6 +528,8 @@ class LoopState:
     consecutive_nonfinite: int = 0
     log_history: list[dict] = field(default_factory=list)
     """Every update's log so far (``UpdateLog`` fields), so a resumed run reports the whole run."""
+    window_plan: str | None = None
+    """Ramp-up / token budget: the planned windows' fingerprint (``WindowPlan.digest``); another plan is refused."""
 
 
 @dataclass

@@ -34,6 +34,7 @@ from hf_accum.distributed import is_partitioned  # noqa: E402
 from hf_accum.errors import InputError  # noqa: E402
 from hf_accum.schedule import BatchPlan  # noqa: E402
 from hf_accum.recipe.config import ConfigError, load_recipe_config  # noqa: E402
+from hf_accum.recipe.accumulation import loop_settings  # noqa: E402
 from hf_accum.recipe.data import exact_match, load_tokenizer_and_data  # noqa: E402
 from hf_accum.recipe.launch import (  # noqa: E402
     check_engine, check_launch, check_offload_optimizer, loop_accelerator, start_process_group,
@@ -91,7 +92,8 @@ def train_with_loop(model, tokenizer, data, collator, args, record, resume, laun
 
     # Checkpoints every save_steps updates into output_dir (and on SIGTERM/SIGUSR1); resume exactly.
     result = train(
-        model, optimizer, loader, accelerator, LoopConfig.from_training_arguments(args), on_update=on_update,
+        model, optimizer, loader, accelerator,
+        LoopConfig.from_training_arguments(args, **loop_settings(record.config.accumulation)), on_update=on_update,
         eval_dataloader=eval_loader, resume_from_checkpoint=resume,
     )
     for tracker in accelerator.trackers:  # not end_training(): it destroys the process group, and the

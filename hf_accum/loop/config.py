@@ -62,6 +62,15 @@ class LoopConfig:
     ``epoch`` (after each epoch's last update) or ``no``. Evaluates the exact per-token held-out loss."""
     eval_steps: float | None = None
     """Updates between evaluations for ``eval_strategy='steps'``."""
+    rampup_batch_size: list[int] | None = None
+    """``[start, increment, samples]`` (Megatron's ``--rampup-batch-size``): the global batch starts at ``start``
+    sequences and grows by ``increment`` towards ``micro x processes x K`` (K: the Accelerator's
+    ``gradient_accumulation_steps``) over ``samples`` sequences; the window changes, the micro-batch stays
+    (:mod:`hf_accum.loop.windows`)."""
+    tokens_per_update: int | None = None
+    """Close an update once its window holds at least this many targets on all ranks (planned before each
+    epoch from the data order). The Accelerator's ``gradient_accumulation_steps`` then sizes no window (the
+fixed ``1 / K`` of ``Accelerator.backward`` is undone at the boundary as always)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -90,7 +99,29 @@ class LoopConfig:
             _in_range(self, "max_grad_norm", 0.0, float("inf"), ">= 0 (0 or None: no clipping)")
         if self.eval_steps is not None and self.eval_strategy == "steps":  # unused by the other strategies
             _in_range(self, "eval_steps", 0.0, float("inf"), "None or > 0", open_below=True)
+        self._validate_windows()
         return self
+
+    def _validate_windows(self) -> None:
+        ramp, budget = self.rampup_batch_size, self.tokens_per_update
+        if ramp is not None and budget is not None:
+            raise LoopConfigError(
+                "LoopConfig.rampup_batch_size and LoopConfig.tokens_per_update both set; allowed: one of them"
+            )
+        if ramp is not None:
+            values = list(ramp) if isinstance(ramp, (list, tuple)) else [ramp]
+            if len(values) != 3 or not all(_is_int(v, 1) for v in values):
+                raise LoopConfigError(
+                    f"LoopConfig.rampup_batch_size={ramp!r} must be three integers >= 1 [start, increment, samples]"
+                )
+            self.rampup_batch_size = values
+        if budget is not None and not _is_int(budget, 1):
+            raise LoopConfigError(f"LoopConfig.tokens_per_update={budget!r} must be None or an integer >= 1")
+
+    @property
+    def planned_windows(self) -> bool:
+        """The window changes from update to update (ramp-up or a token budget)."""
+        return self.rampup_batch_size is not None or self.tokens_per_update is not None
 
     @classmethod
     def from_training_arguments(cls, args: Any, **changes: Any) -> LoopConfig:
@@ -115,7 +146,7 @@ class LoopConfig:
         """The ``TrainingArguments`` fields this config mirrors."""
         names = {f.name for f in fields(cls)} - {
             "label_smoothing", "loss_kind", "fp32_grad_accumulation", "warmup_ratio", "fused_loss",
-            "max_consecutive_nonfinite", "stop_on_signals",
+            "max_consecutive_nonfinite", "stop_on_signals", "rampup_batch_size", "tokens_per_update",
         }
         return names | {"label_smoothing_factor"}
 

@@ -69,7 +69,7 @@ def train(
     """
     config = (config or LoopConfig()).validate()
     check_supported(accelerator, train_dataloader)
-    plan = RunPlan.of(train_dataloader, accelerator, config)
+    plan = RunPlan.of(train_dataloader, accelerator, config, model)
     scheduler = (lr_scheduler or _default_scheduler(config))(optimizer, plan.total_updates)
     control = control or TrainingControl()
     stepper = build_stepper(model, optimizer, scheduler, accelerator, config,
@@ -110,7 +110,10 @@ def _updates(stepper: Stepper, supervisor: Supervisor, dataloader: Any,
         if hasattr(dataloader, "set_epoch"):
             dataloader.set_epoch(epoch)
         batches, consumed = supervisor.epoch_batches(dataloader, epoch)
-        for step in stepper.epoch(batches, done=len(result.updates)):
+        windows = supervisor.plan.windows
+        planned = windows.windows_from(epoch, consumed) if windows else None
+        targets = windows.window_targets(epoch, consumed) if windows else None
+        for step in stepper.epoch(batches, done=len(result.updates), windows=planned, targets=targets):
             yield epoch, consumed + step.consumed, step
 
 

@@ -36,6 +36,7 @@ from hf_accum.boundary import Decision, UpdateBoundary, count_window_targets, di
 from hf_accum.compat import set_sync_gradients
 from hf_accum.fused_loss import MicroBatchLoss
 from hf_accum.loop.config import LoopConfig, LoopConfigError
+from hf_accum.loop.windows import PlanDriftError, check_window_targets
 from hf_accum.loss import infer_loss_kind
 
 logger = logging.getLogger(__name__)
@@ -130,23 +131,52 @@ class AccumulateStepper(Stepper):
         super().__init__(*args)
         self.magnitude = LossMagnitude(active=self.accelerator.scaler is not None)
 
-    def epoch(self, batches, done: int) -> Iterator[Step]:
+    def epoch(self, batches, done: int, windows: list[int] | None = None,
+              targets: list[int] | None = None) -> Iterator[Step]:
+        if windows is not None:
+            yield from self._planned_epoch(batches, done, windows, targets)
+            return
         accelerator = self.accelerator
         for step, batch in enumerate(batches, start=1):
             with accelerator.accumulate(self.model):
-                labels, inputs = split_labels(batch)
-                _, loss_sum, n_targets = self.loss(self.model, inputs, labels)
-                # Backward of the *sum* (times a constant of the window): the one normalization is at the boundary.
-                accelerator.backward(self.magnitude.scaled(loss_sum, n_targets, accelerator))
-                self.boundary.add(loss_sum, n_targets, batch, aux_sum=self.loss.aux_sum)
+                self._micro_batch(batch)
                 if not accelerator.sync_gradients:
                     continue
                 done += 1
-                decision = self.boundary.close(done, self._gradients())
-                learning_rate = self._learning_rate()
-                grad_norm, decision = self._apply(decision)
-                self.magnitude.follow(decision.totals, accelerator)
+                decision, grad_norm, learning_rate = self._close(done)
             yield Step(step, decision, grad_norm, learning_rate)
+
+    def _planned_epoch(self, batches, done: int, windows: list[int], targets: list[int] | None) -> Iterator[Step]:
+        """Windows of the planned sizes (ramp-up, token budget) instead of every K-th micro-batch: the sync flag
+        is set per micro-batch here and DDP's ``no_sync`` wraps all but the window's last, so gradients are still
+        all-reduced once per update. ``Accelerator.backward`` keeps dividing by its fixed K; the boundary's
+        ``K * W / N`` undoes exactly that K whatever the window's length."""
+        accelerator = self.accelerator
+        planned = iter(targets) if targets is not None else None
+        for step, (batch, closes) in enumerate(in_windows(batches, windows), start=1):
+            set_sync_gradients(accelerator, closes)
+            with contextlib.nullcontext() if closes else accelerator.no_sync(self.model):
+                self._micro_batch(batch)
+            if not closes:
+                continue
+            done += 1
+            decision, grad_norm, learning_rate = self._close(done)
+            check_window_targets(next(planned) if planned else None, round(decision.totals.targets), done)
+            yield Step(step, decision, grad_norm, learning_rate)
+
+    def _micro_batch(self, batch) -> None:
+        labels, inputs = split_labels(batch)
+        _, loss_sum, n_targets = self.loss(self.model, inputs, labels)
+        # Backward of the *sum* (times a constant of the window): the one normalization is at the boundary.
+        self.accelerator.backward(self.magnitude.scaled(loss_sum, n_targets, self.accelerator))
+        self.boundary.add(loss_sum, n_targets, batch, aux_sum=self.loss.aux_sum)
+
+    def _close(self, done: int) -> tuple[Decision, float | None, float]:
+        decision = self.boundary.close(done, self._gradients())
+        learning_rate = self._learning_rate()
+        grad_norm, decision = self._apply(decision)
+        self.magnitude.follow(decision.totals, self.accelerator)
+        return decision, grad_norm, learning_rate
 
     def _gradients(self) -> list[torch.Tensor | None] | None:
         """What the boundary checks for inf/NaN; None under fp16, whose GradScaler checks (and skips) itself."""
@@ -218,13 +248,19 @@ class DeepSpeedStepper(Stepper):
                 "fills the config's \"auto\" from max_grad_norm) or make the two equal"
             )
 
-    def epoch(self, batches, done: int) -> Iterator[Step]:
+    def epoch(self, batches, done: int, windows: list[int] | None = None,
+              targets: list[int] | None = None) -> Iterator[Step]:
+        """``windows``: planned sizes (ramp-up, token budget); the factor uses the engine's own K, which
+        ``engine.backward`` divides by whatever the window's length, so planned windows need nothing more."""
         kind = self.loss.kind or infer_loss_kind(self.model)
         step = 0
-        for window in _windows(batches, self.accelerator.gradient_accumulation_steps):
+        planned = iter(targets) if targets is not None else None
+        sizes = windows if windows is not None else self.accelerator.gradient_accumulation_steps
+        for window in _windows(batches, sizes):
             step += len(window)
             done += 1
             n_window = count_window_targets(window, kind, self.accelerator)
+            check_window_targets(next(planned) if planned else None, n_window, done)
             learning_rate = self._learning_rate()
             if n_window:
                 self._forward_backward(window, n_window)
@@ -285,13 +321,37 @@ def split_labels(batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict]:
     return batch["labels"], inputs
 
 
-def _windows(dataloader, size: int) -> Iterator[list]:
-    """The dataloader's micro-batches in windows of ``size``; the epoch's last window may be shorter."""
+def _windows(dataloader, sizes: int | list[int]) -> Iterator[list]:
+    """The dataloader's micro-batches in windows of ``sizes`` (an int: every window that size, the epoch's last
+    may be shorter; a list: the planned sizes)."""
+    if not isinstance(sizes, int):
+        window = []
+        for batch, closes in in_windows(dataloader, sizes):
+            window.append(batch)
+            if closes:
+                yield window
+                window = []
+        return
     window: list = []
     for batch in dataloader:
         window.append(batch)
-        if len(window) == size:
+        if len(window) == sizes:
             yield window
             window = []
     if window:
         yield window
+
+
+def in_windows(batches, sizes: list[int]) -> Iterator[tuple[Any, bool]]:
+    """``(micro-batch, closes its window)`` for windows of the planned ``sizes``; the plan ends the epoch (a
+    truncated last epoch leaves the rest of the dataloader unread)."""
+    iterator = iter(batches)
+    for size in sizes:
+        for position in range(size):
+            batch = next(iterator, _END)
+            if batch is _END:
+                raise PlanDriftError("the dataloader ended before the planned windows did (other data than planned?)")
+            yield batch, position == size - 1
+
+
+_END = object()

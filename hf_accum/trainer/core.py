@@ -35,6 +35,7 @@ from hf_accum.accumulation import WindowTally
 from hf_accum.compat import check_trainer_hooks, keep_4bit_training_layout, prepare_inputs, trainer_learning_rate
 from hf_accum.control import DEFAULT_MAX_CONSECUTIVE_NONFINITE, NonFiniteGuard, StopSignals, TrainingControl
 from hf_accum.fused_loss import MicroBatchLoss
+from hf_accum.loop.windows import refuse_planned_windows
 from hf_accum.loss import LossKind, infer_loss_kind, model_problem_type, resolve_loss_kind, token_loss_sum
 from hf_accum.records import UpdateLog
 from hf_accum.run_lock import locks_output_dir
@@ -96,8 +97,11 @@ class AccumTrainer(Trainer):
         fp32_grad_accumulation: bool = True,
         max_consecutive_nonfinite: int = DEFAULT_MAX_CONSECUTIVE_NONFINITE,
         stop_on_signals: bool = True,
+        rampup_batch_size: list[int] | None = None,
+        tokens_per_update: int | None = None,
         **kwargs: Any,
     ) -> None:
+        refuse_planned_windows("AccumTrainer: ", rampup_batch_size, tokens_per_update)  # the loop engine has them
         guard = NonFiniteGuard(max_consecutive_nonfinite)  # validates before the heavy set-up
         super().__init__(*args, **kwargs)
         _refuse_unverifiable_settings(self)
