@@ -41,6 +41,13 @@ from hf_accum.accumulation import (
 )
 from hf_accum.control import NonFiniteGuard, NonFiniteLossError, TrainingControl, TrainingStopped
 from hf_accum.loss import LossKind, count_targets
+from hf_accum.noise_scale import (
+    NoiseScaleReading,
+    NoiseScaleTracker,
+    SmallBatch,
+    batch_size_advice,
+    update_estimates,
+)
 from hf_accum.records import UpdateLog
 
 NO_TARGETS = "no targets in window"
@@ -115,6 +122,8 @@ class UpdateBoundary:
     ``steps_in_backward``: the engine applies the update inside backward (DeepSpeed), so a window with
     inf/NaN cannot be skipped and stops the run instead; ``no_targets_note`` completes the warning about
     a window without targets where the front-end cannot keep it entirely out of the weights.
+    ``noise_scale``: track the gradient noise scale (:mod:`hf_accum.noise_probe` measures, the window's
+    all-reduce gathers every rank's small batch, :attr:`noise` keeps the moving averages).
     """
 
     def __init__(
@@ -127,6 +136,7 @@ class UpdateBoundary:
         count_source: str,
         steps_in_backward: bool = False,
         no_targets_note: str = "",
+        noise_scale: bool = False,
     ) -> None:
         self.accelerator = accelerator
         self.control = control
@@ -135,13 +145,39 @@ class UpdateBoundary:
         self.count_source = count_source
         self.steps_in_backward = steps_in_backward
         self.no_targets_note = no_targets_note
-        self.tally = WindowTally(device=accelerator.device)
+        slots = accelerator.num_processes if noise_scale else 0
+        self.tally = WindowTally(device=accelerator.device, small_batch_slots=slots)
+        self.noise: NoiseScaleTracker | None = NoiseScaleTracker() if noise_scale else None
 
     def add(self, loss_sum: torch.Tensor, n_targets: torch.Tensor, batch: Mapping[str, Any],
             aux_sum: torch.Tensor | None = None) -> None:
         """One micro-batch's summed loss, its target count and its shape (on the device: no host sync);
         ``aux_sum``: the part of ``loss_sum`` that is the model's extra terms (MoE router loss), logged apart."""
         self.tally.add(loss_sum, n_targets, batch, aux_sum=aux_sum)
+
+    def add_small_batch(self, n_targets: torch.Tensor | int, grad_sq: torch.Tensor) -> None:
+        """This rank's noise-scale small batch of the window (:func:`hf_accum.noise_probe.small_batch_grad_sq`)."""
+        targets = torch.as_tensor(n_targets).to(self.tally.device, torch.float64)
+        self.tally.add_small_batch(self.accelerator.process_index, targets, grad_sq)
+
+    def measure_noise(self, decision: Decision, big_grad_sq: float | None) -> NoiseScaleReading | None:
+        """Fold one update into the noise-scale averages: its small batches (every rank's, from the window's
+        all-reduce) against the applied gradient (``big_grad_sq``: its squared norm before clipping, ``B = N``).
+        None when not tracking; an update that applied nothing measures nothing."""
+        if self.noise is None:
+            return None
+        estimate = None
+        if decision.applied and big_grad_sq is not None:
+            small = [SmallBatch(targets, grad_sq) for targets, grad_sq in decision.totals.small_batches]
+            estimate = update_estimates(small, decision.totals.targets, big_grad_sq)
+        return self.noise.observe(estimate)
+
+    def noise_advice(self, updates: Iterable[UpdateLog]) -> str | None:
+        """The end-of-run line comparing the applied updates' mean size with the measured noise scale."""
+        if self.noise is None:
+            return None
+        sizes = [update.targets for update in updates if update.applied]
+        return batch_size_advice(sum(sizes) / max(1, len(sizes)), self.noise.noise_scale)
 
     def reset(self) -> None:
         """Forget a half-tallied window (a retry of the training loop)."""
@@ -188,9 +224,11 @@ class UpdateBoundary:
                                 update, self.no_targets_note)
 
     def record(self, decision: Decision, *, step: int, epoch: float, learning_rate: float,
-               grad_norm: float | None, eval_loss: float | None = None) -> UpdateLog:
-        """The update's log line, as every front-end reports it."""
+               grad_norm: float | None, eval_loss: float | None = None,
+               noise: NoiseScaleReading | None = None) -> UpdateLog:
+        """The update's log line, as every front-end reports it (``noise``: from :meth:`measure_noise`)."""
         totals = decision.totals
+        noise = noise or NoiseScaleReading()
         return UpdateLog(
             step=step, epoch=epoch, loss=totals.mean_loss, learning_rate=float(learning_rate),
             grad_norm=float(grad_norm) if grad_norm is not None and decision.applied else None,
@@ -198,6 +236,7 @@ class UpdateBoundary:
             micro_batches=totals.micro_batches, applied=decision.applied, skip_reason=decision.skip_reason,
             nonfinite=totals.nonfinite, eval_loss=eval_loss,
             aux_loss=totals.mean_aux_loss if totals.aux_loss_sum else None,
+            noise_scale=noise.noise_scale, grad_sq=noise.grad_sq, trace_cov=noise.trace_cov,
         )
 
 

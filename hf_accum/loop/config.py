@@ -62,6 +62,10 @@ class LoopConfig:
     ``epoch`` (after each epoch's last update) or ``no``. Evaluates the exact per-token held-out loss."""
     eval_steps: float | None = None
     """Updates between evaluations for ``eval_strategy='steps'``."""
+    noise_scale: bool = False
+    """Track the gradient noise scale (``UpdateLog.noise_scale``, ``grad_sq``, ``trace_cov``; an end-of-run line
+    on the batch size): the first micro-batch of each window is the small batch, the update the big one
+    (:mod:`hf_accum.noise_probe`). Needs >= 2 micro-batches per update and rank; not under DeepSpeed."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -88,6 +92,8 @@ class LoopConfig:
         _in_range(self, "label_smoothing", 0.0, 1.0, "at least 0 and below 1", closed=False)
         if self.max_grad_norm is not None:
             _in_range(self, "max_grad_norm", 0.0, float("inf"), ">= 0 (0 or None: no clipping)")
+        if not isinstance(self.noise_scale, bool):
+            raise LoopConfigError(f"LoopConfig.noise_scale={self.noise_scale!r} must be True or False")
         if self.eval_steps is not None:
             _in_range(self, "eval_steps", 0.0, float("inf"), "None or > 0", open_below=True)
         return self
@@ -115,7 +121,7 @@ class LoopConfig:
         """The ``TrainingArguments`` fields this config mirrors."""
         names = {f.name for f in fields(cls)} - {
             "label_smoothing", "loss_kind", "fp32_grad_accumulation", "warmup_ratio", "fused_loss",
-            "max_consecutive_nonfinite", "stop_on_signals",
+            "max_consecutive_nonfinite", "stop_on_signals", "noise_scale",
         }
         return names | {"label_smoothing_factor"}
 

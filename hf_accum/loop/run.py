@@ -93,6 +93,7 @@ def train(
             update = stepper.boundary.record(
                 step.decision, step=len(result.updates) + 1, learning_rate=step.learning_rate,
                 epoch=epoch + (consumed / plan.micro_batches if plan.micro_batches else 0.0), grad_norm=step.grad_norm,
+                noise=step.noise,
             )
             if evaluation_due(config, update.step, plan.total_updates, consumed == plan.micro_batches):
                 update.eval_loss = evaluate_loss(model, eval_dataloader, accelerator, stepper.loss)
@@ -100,6 +101,9 @@ def train(
             checkpoint = supervisor.after_update(update, step.decision, epoch, consumed)
             _report(update, progress, accelerator, on_update)
             supervisor.halt_if_decided(update, step.decision, checkpoint)
+    result.noise_scale_advice = stepper.boundary.noise_advice(result.updates)
+    if result.noise_scale_advice and accelerator.is_main_process:
+        logger.info("%s", result.noise_scale_advice)
     return result
 
 
@@ -116,7 +120,8 @@ def _updates(stepper: Stepper, supervisor: Supervisor, dataloader: Any,
 
 def _boundary(accelerator: Accelerator, config: LoopConfig, control: TrainingControl) -> UpdateBoundary:
     return UpdateBoundary(accelerator, control, NonFiniteGuard(config.max_consecutive_nonfinite), logger,
-                          count_source="loss_sum_fn", steps_in_backward=is_deepspeed(accelerator))
+                          count_source="loss_sum_fn", steps_in_backward=is_deepspeed(accelerator),
+                          noise_scale=config.noise_scale)
 
 
 def _micro_batch_loss(model: torch.nn.Module, config: LoopConfig, loss_sum_fn: LossSumFn | None,

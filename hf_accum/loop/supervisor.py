@@ -45,6 +45,8 @@ class Supervisor:
         self.result.updates = [UpdateLog(**update) for update in state.log_history]
         self.stepper.magnitude.value = state.window_magnitude
         self.boundary.guard.consecutive = state.consecutive_nonfinite
+        if self.boundary.noise is not None and state.noise_scale:
+            self.boundary.noise.load_state_dict(state.noise_scale)
         self.first_epoch = state.epoch
         progress.update(state.update)
         if self.accelerator.is_main_process:
@@ -73,6 +75,7 @@ class Supervisor:
                 planned_updates=self.plan.total_updates, micro_batches_per_epoch=self.plan.micro_batches,
                 window_magnitude=self.stepper.magnitude.value,
                 consecutive_nonfinite=self.boundary.guard.consecutive, log_history=self.result.as_dicts(),
+                noise_scale=self.boundary.noise.state_dict() if self.boundary.noise is not None else None,
             )
         )
         return self.result.checkpoint

@@ -119,6 +119,15 @@ class DataSection:
     """Seed of the embedded dataset's generation and of the ``eval_fraction`` draw."""
 
 
+@dataclass
+class AccumulationSection:
+    """How updates are built and measured (checked by :mod:`hf_accum.recipe.accumulation`)."""
+
+    noise_scale: bool = False
+    """Track the gradient noise scale (metrics.json ``noise_scale``, ``grad_sq``, ``trace_cov``; the plot; an
+    end-of-run line on the batch size). Needs >= 2 micro-batches per update; not under DeepSpeed."""
+
+
 @dataclass(frozen=True)
 class Section:
     """A config section: where its keys and types come from, and the object it becomes.
@@ -202,6 +211,8 @@ class RecipeConfig:
                                   validator="hf_accum.recipe.modeling:check_model_section")
     data: DataSection = _section(DataSection, recipe_class=DataSection,
                                 validator="hf_accum.recipe.data:check_data_section")
+    accumulation: AccumulationSection = _section(AccumulationSection, recipe_class=AccumulationSection,
+                                                 validator="hf_accum.recipe.accumulation:check_accumulation_section")
     lora: dict | None = _section({}, hf_class="peft:LoraConfig", nullable=True, fixed={"task_type": "CAUSAL_LM"})
     """peft.LoraConfig fields; null = full fine-tuning."""
     quantization: dict | None = _section(None, hf_class="transformers:BitsAndBytesConfig", nullable=True,
