@@ -314,3 +314,12 @@ def test_softcap_section_says_which_loss_path_and_prints_ratios(tmp_path, capsys
                      r"memory \d\.\d{3}x", printed)
     (summary,) = report["summary"]
     assert summary["verdict"] == "n/a (small)" and f"({path} path)" in summary["measured"]
+
+
+def test_noise_scale_section_times_both_sides(tmp_path):
+    out = tmp_path / "bench"
+    assert main([*TINY, "--only", "noise_scale", "--noise-scale-accumulation", "2", "--noise-scale-repeats", "2",
+                 "--output-dir", str(out)]) == 0
+    section = json.loads((out / "bench.json").read_text())["sections"]["noise_scale"]
+    assert len(section["ratios"]) == 2 and all(_positive_finite(r) for r in section["ratios"])
+    assert _positive_finite(section["tracked_seconds_per_update"])

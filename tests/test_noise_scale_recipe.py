@@ -1,0 +1,34 @@
+"""The recipe with ``accumulation.noise_scale=true``: metrics.json carries a finite positive noise scale for most
+updates after the first few, in both engines, and the end-of-run line; bad values fail before any work."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+from test_recipe import SMALL, load_script, read_metrics
+
+from hf_accum.recipe.config import ConfigError
+
+
+@pytest.mark.parametrize("engine", ["loop", "trainer"])
+def test_recipe_writes_the_noise_scale(engine, tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / engine
+    load_script().main([*SMALL, f"training.output_dir={out}", f"engine={engine}", "training.max_steps=12",
+                        "accumulation.noise_scale=true", "data.num_eval_examples=2"])
+    metrics = read_metrics(out)
+    later = [u["noise_scale"] for u in metrics["updates"][4:]]
+    good = [s for s in later if s is not None and math.isfinite(s) and s > 0]
+    assert len(later) == 8 and len(good) >= 6, later
+    assert all(u["grad_sq"] is not None and u["trace_cov"] is not None for u in metrics["updates"])
+    assert "the measured noise scale is ~" in metrics["noise_scale_advice"]
+    json.dumps(metrics)  # plain JSON: no NaN objects
+
+
+def test_noise_scale_must_be_a_bool(tmp_path):
+    with pytest.raises((ConfigError, SystemExit)):
+        load_script().main([*SMALL, f"training.output_dir={tmp_path}", "accumulation.noise_scale=maybe"])
+    assert not os.path.exists(os.path.join(tmp_path, "metrics.json"))
