@@ -86,3 +86,45 @@ def test_two_ranks_gather_every_first_micro_batch(ddp_report, engine):
     assert ddp_report[f"{engine}_small_batches"] == [2, 2, 2]  # both ranks' first micro-batches, every window
     assert max(ddp_report[f"{engine}_errors"]) < EXACT, ddp_report[f"{engine}_errors"]
     assert _mostly_positive(ddp_report[f"{engine}_noise_scales"]), ddp_report[f"{engine}_noise_scales"]
+
+
+def _loop_run(output_dir, resume=None):
+    """Loop run of 6 updates (K=4), checkpoints every 3; ``resume``: continue from that checkpoint."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from hf_accum.loop import train
+    from hf_accum.testing import fresh_accelerator
+
+    case = scenario(rows=48, lr=1e-3)
+    accelerator = fresh_accelerator(case.accumulation)
+    model = case.model_factory()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=case.lr)
+    loader = DataLoader(case.examples, batch_size=case.micro_batch, shuffle=False, collate_fn=case.collator)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    config = LoopConfig(noise_scale=True, output_dir=str(output_dir), save_steps=3, disable_tqdm=True,
+                        lr_scheduler_type="constant")
+    return [u.noise_scale for u in train(model, optimizer, loader, accelerator, config,
+                                         resume_from_checkpoint=resume).updates]
+
+
+def test_a_resumed_loop_run_continues_the_same_averages(tmp_path):
+    import json
+    import shutil
+
+    from hf_accum.checkpoint import LOOP_STATE_FILE
+    from hf_accum.manifest import MANIFEST_FILE
+
+    whole = _loop_run(tmp_path / "whole")
+    assert len(whole) == 6 and all(s is not None for s in whole[2:])
+    resumed = _loop_run(tmp_path / "resumed", resume=str(tmp_path / "whole" / "checkpoint-3"))
+    assert resumed[3:] == pytest.approx(whole[3:], rel=1e-12)
+    # Negative control: the same checkpoint without the averages starts them over.
+    bare = tmp_path / "bare" / "checkpoint-3"
+    shutil.copytree(tmp_path / "whole" / "checkpoint-3", bare)
+    state = json.loads((bare / LOOP_STATE_FILE).read_text())
+    state["noise_scale"] = None
+    (bare / LOOP_STATE_FILE).write_text(json.dumps(state))
+    (bare / MANIFEST_FILE).unlink()  # edited on purpose: resumed unverified
+    restarted = _loop_run(tmp_path / "restarted", resume=str(bare))
+    assert restarted[3] is None and whole[3] is not None
