@@ -49,6 +49,7 @@ from hf_accum.noise_scale import (
     update_estimates,
 )
 from hf_accum.records import UpdateLog
+from hf_accum.sequence_norm import count_sequences
 
 NO_TARGETS = "no targets in window"
 FP16_OVERFLOW = "inf/nan gradients (fp16 loss scale lowered)"
@@ -248,12 +249,15 @@ def discard_window_(parameters: Iterable[torch.nn.Parameter], fp32_sums: Fp32Gra
     drop_gradients_(parameters)
 
 
-def count_window_targets(batches: Iterable[Mapping[str, Any]], kind: LossKind, accelerator: Any) -> int:
+def count_window_targets(batches: Iterable[Mapping[str, Any]], kind: LossKind, accelerator: Any,
+                         normalization: str = "token") -> int:
     """Targets in the window's micro-batches on every rank, counted before any forward: one all-reduce
-    per window (summed on the device, one host sync)."""
+    per window (summed on the device, one host sync). ``normalization='sequence'``: the unit is a sequence with
+    at least one target (what the sequence-weighted loss reports, :mod:`hf_accum.sequence_norm`)."""
     local = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     for batch in batches:
         if "labels" not in batch:
             raise KeyError(f"batch has no 'labels' (keys: {sorted(batch)}); the collator must provide them")
-        local += count_targets(batch["labels"], kind).to(accelerator.device, torch.float64)
+        count = count_sequences(batch) if normalization == "sequence" else count_targets(batch["labels"], kind)
+        local += count.to(accelerator.device, torch.float64)
     return int(round(float(global_sum(local, accelerator))))

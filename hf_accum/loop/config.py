@@ -9,6 +9,7 @@ from typing import Any
 from hf_accum.control import DEFAULT_MAX_CONSECUTIVE_NONFINITE
 from hf_accum.errors import InputError
 from hf_accum.loss import LossKind
+from hf_accum.sequence_norm import check_normalization
 
 _STRATEGIES = ("no", "steps", "epoch")
 
@@ -62,6 +63,10 @@ class LoopConfig:
     ``epoch`` (after each epoch's last update) or ``no``. Evaluates the exact per-token held-out loss."""
     eval_steps: float | None = None
     """Updates between evaluations for ``eval_strategy='steps'``."""
+    normalization: str = "token"
+    """``"token"``: the update's loss is the mean over its targets; ``"sequence"``: the mean over its sequences of
+    each sequence's mean token loss (causal LMs; packed rows count one sequence per restart of
+    ``position_ids``; :mod:`hf_accum.sequence_norm`). Sequence mode takes the logits path (logged)."""
     noise_scale: bool = False
     """Track the gradient noise scale (``UpdateLog.noise_scale``, ``grad_sq``, ``trace_cov``; an end-of-run line
     on the batch size): the first micro-batch of each window is the small batch, the update the big one
@@ -92,6 +97,10 @@ class LoopConfig:
         _in_range(self, "label_smoothing", 0.0, 1.0, "at least 0 and below 1", closed=False)
         if self.max_grad_norm is not None:
             _in_range(self, "max_grad_norm", 0.0, float("inf"), ">= 0 (0 or None: no clipping)")
+        try:
+            check_normalization(self.normalization, "LoopConfig.normalization", self.loss_kind)
+        except ValueError as error:
+            raise LoopConfigError(str(error)) from None
         if not isinstance(self.noise_scale, bool):
             raise LoopConfigError(f"LoopConfig.noise_scale={self.noise_scale!r} must be True or False")
         if self.eval_steps is not None:
@@ -121,7 +130,7 @@ class LoopConfig:
         """The ``TrainingArguments`` fields this config mirrors."""
         names = {f.name for f in fields(cls)} - {
             "label_smoothing", "loss_kind", "fp32_grad_accumulation", "warmup_ratio", "fused_loss",
-            "max_consecutive_nonfinite", "stop_on_signals", "noise_scale",
+            "max_consecutive_nonfinite", "stop_on_signals", "noise_scale", "normalization",
         }
         return names | {"label_smoothing_factor"}
 

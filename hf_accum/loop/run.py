@@ -21,7 +21,7 @@ from hf_accum.boundary import UpdateBoundary
 from hf_accum.compat import keep_4bit_training_layout
 from hf_accum.control import NonFiniteGuard, StopSignals, TrainingControl
 from hf_accum.fused_loss import LossSumFn, MicroBatchLoss
-from hf_accum.loop.config import LoopConfig
+from hf_accum.loop.config import LoopConfig, LoopConfigError
 from hf_accum.loop.evaluation import evaluate_loss, evaluation_due
 from hf_accum.loop.plan import RunPlan, check_supported
 from hf_accum.loop.steppers import Step, Stepper, build_stepper, is_deepspeed
@@ -30,6 +30,7 @@ from hf_accum.loss import model_problem_type, unwrap_model
 from hf_accum.records import TrainResult, UpdateLog
 from hf_accum.run_lock import locks_output_dir
 from hf_accum.schedule import create_update_scheduler
+from hf_accum.sequence_norm import FUSED_NOTE, SequenceMeanLoss
 
 logger = logging.getLogger("hf_accum.loop")
 
@@ -128,7 +129,14 @@ def _micro_batch_loss(model: torch.nn.Module, config: LoopConfig, loss_sum_fn: L
                       accelerator: Accelerator) -> MicroBatchLoss:
     """Forward + summed loss per micro-batch: fused for causal LMs unless a custom loss needs the logits.
     Under DeepSpeed the engine owns the (ZeRO-3: partitioned) head weight: the logits path there."""
-    if loss_sum_fn is not None and config.fused_loss:
+    if config.normalization == "sequence":
+        if loss_sum_fn is not None:
+            raise LoopConfigError("LoopConfig.normalization='sequence' weighs the built-in loss per sequence; a "
+                                  "custom loss_sum_fn must do its own weighting: pass normalization='token'")
+        loss_sum_fn = SequenceMeanLoss(config.label_smoothing)
+        if config.fused_loss:
+            logger.info("%s", FUSED_NOTE)
+    elif loss_sum_fn is not None and config.fused_loss:
         logger.info("a custom loss_sum_fn receives the logits: this run takes the logits path, not the fused loss")
     return MicroBatchLoss(
         config.loss_kind, config.label_smoothing, model_problem_type(model), loss_sum_fn,

@@ -255,7 +255,7 @@ class DeepSpeedStepper(Stepper):
         for window in _windows(batches, self.accelerator.gradient_accumulation_steps):
             step += len(window)
             done += 1
-            n_window = count_window_targets(window, kind, self.accelerator)
+            n_window = count_window_targets(window, kind, self.accelerator, self.config.normalization)
             learning_rate = self._learning_rate()
             if n_window:
                 self._forward_backward(window, n_window)

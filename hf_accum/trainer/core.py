@@ -40,6 +40,7 @@ from hf_accum.noise_probe import NOT_UNDER_DEEPSPEED
 from hf_accum.records import UpdateLog
 from hf_accum.run_lock import locks_output_dir
 from hf_accum.schedule import BatchPlan
+from hf_accum.sequence_norm import FUSED_NOTE, SequenceMeanLoss, check_normalization
 from hf_accum.trainer.batch_plan import BatchPlanner
 from hf_accum.trainer.callbacks import BoundaryActions
 from hf_accum.trainer.checkpoints import TrainerCheckpoints
@@ -98,9 +99,11 @@ class AccumTrainer(Trainer):
         max_consecutive_nonfinite: int = DEFAULT_MAX_CONSECUTIVE_NONFINITE,
         stop_on_signals: bool = True,
         noise_scale: bool = False,
+        normalization: str = "token",
         **kwargs: Any,
     ) -> None:
         guard = NonFiniteGuard(max_consecutive_nonfinite)  # validates before the heavy set-up
+        check_normalization(normalization, "AccumTrainer(normalization)", loss_kind)
         if not isinstance(noise_scale, bool):
             raise ValueError(f"AccumTrainer(noise_scale={noise_scale!r}): must be True or False")
         super().__init__(*args, **kwargs)
@@ -109,14 +112,15 @@ class AccumTrainer(Trainer):
             raise ValueError(f"AccumTrainer(noise_scale=True): {NOT_UNDER_DEEPSPEED}")
         # Read once: the head's problem type does not change during a run (sequence heads only).
         self._problem_type = model_problem_type(self.model)
-        self._micro_batch_loss = self._build_micro_batch_loss(loss_kind, fused_loss)
+        self._micro_batch_loss = self._build_micro_batch_loss(loss_kind, fused_loss, normalization)
         # We compute the loss ourselves, so the model never sees labels or num_items_in_batch:
         # this also stops Trainer's own (rank-local when average_tokens_across_devices=False) count.
         self.model_accepts_loss_kwargs = False
         self.run_control = TrainingControl()  # request_checkpoint() / request_stop(), from callbacks or threads
         self._window = TrainerWindow(self.accelerator, self.run_control, guard, self.is_deepspeed_enabled,
                                      self.is_fsdp_enabled, noise_scale=noise_scale,
-                                     clips=bool(self.args.max_grad_norm and self.args.max_grad_norm > 0))
+                                     clips=bool(self.args.max_grad_norm and self.args.max_grad_norm > 0),
+                                     normalization=normalization)
         self.noise_scale_advice: str | None = None
         """With ``noise_scale=True``: the end-of-run line on the batch size (also logged)."""
         self._records = UpdateRecorder(self._window.boundary, on_update)
@@ -149,8 +153,17 @@ class AccumTrainer(Trainer):
             self._micro_batch_loss.kind = infer_loss_kind(self.model)
         return self._micro_batch_loss.kind
 
-    def _build_micro_batch_loss(self, loss_kind: LossKind | None, fused_loss: bool) -> MicroBatchLoss:
+    def _build_micro_batch_loss(self, loss_kind: LossKind | None, fused_loss: bool,
+                                normalization: str = "token") -> MicroBatchLoss:
         overridden = type(self).loss_sum_and_count is not AccumTrainer.loss_sum_and_count
+        if normalization == "sequence":
+            if overridden:
+                raise ValueError(f"AccumTrainer(normalization='sequence') weighs the built-in loss per sequence; "
+                                 f"{type(self).__name__} overrides loss_sum_and_count: pass normalization='token'")
+            if fused_loss:
+                logger.info("%s", FUSED_NOTE)
+            return MicroBatchLoss(loss_kind, self.args.label_smoothing_factor, self._problem_type,
+                                  SequenceMeanLoss(self.args.label_smoothing_factor), fused=False)
         if overridden and fused_loss:
             logger.info("%s overrides loss_sum_and_count, which receives the logits: this run takes the logits "
                         "path, not the fused loss", type(self).__name__)

@@ -41,7 +41,7 @@ class TrainerWindow:
     low-precision weights, and the totals the logs report."""
 
     def __init__(self, accelerator: Any, control: TrainingControl, guard: NonFiniteGuard, deepspeed: bool,
-                 fsdp: bool, noise_scale: bool = False, clips: bool = True) -> None:
+                 fsdp: bool, noise_scale: bool = False, clips: bool = True, normalization: str = "token") -> None:
         self.accelerator = accelerator
         self.deepspeed = deepspeed
         self.fsdp = fsdp
@@ -50,6 +50,8 @@ class TrainerWindow:
             no_targets_note=_DEEPSPEED_NO_TARGETS if deepspeed else "", noise_scale=noise_scale,
         )
         self.clips = clips
+        self.normalization = normalization
+        """``token`` or ``sequence``: the unit the window is counted in (:mod:`hf_accum.sequence_norm`)."""
         """Trainer clips (``max_grad_norm`` > 0), so its norm before clipping is the noise scale's big batch."""
         self.first_pending = False
         """Noise scale: the window's first micro-batch has not been measured yet."""
@@ -94,7 +96,7 @@ class TrainerWindow:
         """The window's targets on all ranks -- ALWAYS summed over ranks, also when
         ``average_tokens_across_devices=False`` (where stock Trainer divides by each rank's own count and DDP
         then averages differently-normalized gradients). Every rank joins this all-reduce once per window."""
-        self.targets = count_window_targets(batches, kind, self.accelerator)
+        self.targets = count_window_targets(batches, kind, self.accelerator, self.normalization)
         self.first_pending = True
         return self.targets  # a Python int: no device sync per micro-batch in compute_loss
 
