@@ -33,7 +33,7 @@ from hf_accum.control import NonFiniteLossError, TrainingStopped  # noqa: E402
 from hf_accum.distributed import is_partitioned  # noqa: E402
 from hf_accum.errors import InputError  # noqa: E402
 from hf_accum.schedule import BatchPlan  # noqa: E402
-from hf_accum.recipe.accumulation import noise_scale_enabled  # noqa: E402
+from hf_accum.recipe.accumulation import noise_scale_enabled, normalization  # noqa: E402
 from hf_accum.recipe.config import ConfigError, load_recipe_config  # noqa: E402
 from hf_accum.recipe.data import exact_match, load_tokenizer_and_data  # noqa: E402
 from hf_accum.recipe.launch import (  # noqa: E402
@@ -93,7 +93,8 @@ def train_with_loop(model, tokenizer, data, collator, args, record, resume, laun
     # Checkpoints every save_steps updates into output_dir (and on SIGTERM/SIGUSR1); resume exactly.
     result = train(
         model, optimizer, loader, accelerator,
-        LoopConfig.from_training_arguments(args, noise_scale=noise_scale_enabled(record.config)), on_update=on_update,
+        LoopConfig.from_training_arguments(args, noise_scale=noise_scale_enabled(record.config),
+                                           normalization=normalization(record.config)), on_update=on_update,
         eval_dataloader=eval_loader, resume_from_checkpoint=resume,
     )
     for tracker in accelerator.trackers:  # not end_training(): it destroys the process group, and the
@@ -109,7 +110,7 @@ def train_with_trainer(model, tokenizer, data, collator, args, record, resume, l
     trainer = AccumTrainer(
         model=model, args=args, train_dataset=data.train.examples, data_collator=collator, processing_class=tokenizer,
         eval_dataset=data.held_out.examples if data.held_out else None,
-        noise_scale=noise_scale_enabled(record.config),
+        noise_scale=noise_scale_enabled(record.config), normalization=normalization(record.config),
     )
     check_engine(trainer.accelerator, launch)  # what was asked is what runs (DeepSpeed, processes)
     trainer.train(resume_from_checkpoint=resume)

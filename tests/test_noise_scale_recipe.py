@@ -32,3 +32,21 @@ def test_noise_scale_must_be_a_bool(tmp_path):
     with pytest.raises((ConfigError, SystemExit)):
         load_script().main([*SMALL, f"training.output_dir={tmp_path}", "accumulation.noise_scale=maybe"])
     assert not os.path.exists(os.path.join(tmp_path, "metrics.json"))
+
+
+@pytest.mark.parametrize("engine", ["loop", "trainer"])
+def test_recipe_trains_with_sequence_normalization(engine, tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / engine
+    load_script().main([*SMALL, f"training.output_dir={out}", f"engine={engine}", "training.max_steps=2",
+                        "accumulation.normalization=sequence", "data.num_eval_examples=2"])
+    updates = read_metrics(out)["updates"]
+    # The count an update is normalized by is now its sequences with a target: 32 per update here.
+    assert [u["targets"] for u in updates] == [32, 32]
+    assert all(math.isfinite(u["loss"]) for u in updates)
+
+
+def test_normalization_must_be_token_or_sequence(tmp_path, capsys):
+    with pytest.raises((ConfigError, SystemExit)):
+        load_script().main([*SMALL, f"training.output_dir={tmp_path}", "accumulation.normalization=row"])
+    assert not os.path.exists(os.path.join(tmp_path, "metrics.json"))

@@ -126,6 +126,9 @@ class AccumulationSection:
     noise_scale: bool = False
     """Track the gradient noise scale (metrics.json ``noise_scale``, ``grad_sq``, ``trace_cov``; the plot; an
     end-of-run line on the batch size). Needs >= 2 micro-batches per update; not under DeepSpeed."""
+    normalization: str = "token"
+    """token: the update's loss is the mean over its target tokens; sequence: the mean over its sequences of each
+    sequence's mean token loss (long answers do not dominate; packed rows count each sequence)."""
 
 
 @dataclass(frozen=True)
