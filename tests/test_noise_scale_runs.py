@@ -128,3 +128,20 @@ def test_a_resumed_loop_run_continues_the_same_averages(tmp_path):
     (bare / MANIFEST_FILE).unlink()  # edited on purpose: resumed unverified
     restarted = _loop_run(tmp_path / "restarted", resume=str(bare))
     assert restarted[3] is None and whole[3] is not None
+
+
+def test_a_resumed_trainer_continues_the_same_averages_and_logs_them(tmp_path):
+    from hf_accum.testing import run_trainer
+    from hf_accum.trainer import AccumTrainer
+
+    def trained(output_dir, resume=None):
+        return run_trainer(scenario(rows=48, lr=1e-3), str(output_dir), trainer_cls=AccumTrainer,
+                           trainer_kwargs={"noise_scale": True}, resume_from_checkpoint=resume,
+                           save_strategy="steps", save_steps=3)
+
+    whole = trained(tmp_path / "whole")
+    scales = [u.noise_scale for u in whole.trainer.updates]
+    assert len(scales) == 6 and all(s is not None for s in scales[2:])
+    assert [log["noise_scale"] for log in whole.logs if "noise_scale" in log] == pytest.approx(scales[2:])
+    resumed = trained(tmp_path / "resumed", resume=str(tmp_path / "whole" / "checkpoint-3"))
+    assert [u.noise_scale for u in resumed.trainer.updates][3:] == pytest.approx(scales[3:], rel=1e-12)
