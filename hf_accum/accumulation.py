@@ -137,8 +137,9 @@ class WindowTotals:
     """Noise scale: each rank's measured small batch, ``(targets, |g_small|^2)`` pairs (empty when not measured)."""
 
     def add(self, other: WindowTotals) -> None:
-        """Fold another window in (totals over a logging interval of several updates)."""
-        for name in self.__dataclass_fields__:
+        """Fold another window in (totals over a logging interval of several updates; the small batches are
+        one update's own measurement and are not folded)."""
+        for name in _TALLY_COLUMNS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     @property
