@@ -30,6 +30,12 @@ NOT_UNDER_DEEPSPEED = (
 )
 
 
+NOT_UNDER_FSDP = (
+    "noise_scale=True is not available under FSDP yet: each rank holds a shard of the micro-batch gradient, so "
+    "its norm needs a sum over shards the measurement does not do; use DDP or a single process"
+)
+
+
 def squared_norm(tensors: Iterable[torch.Tensor | None], device: torch.device | str) -> torch.Tensor:
     """``sum |t|^2`` over the tensors as a float64 scalar on ``device`` (one fused norm kernel, no host sync)."""
     tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors if t is not None]

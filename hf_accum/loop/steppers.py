@@ -23,6 +23,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 
 from hf_accum.accumulation import (
     Fp32GradientAccumulator,
@@ -37,7 +38,7 @@ from hf_accum.compat import set_sync_gradients
 from hf_accum.fused_loss import MicroBatchLoss
 from hf_accum.loop.config import LoopConfig, LoopConfigError
 from hf_accum.loss import infer_loss_kind
-from hf_accum.noise_probe import NOT_UNDER_DEEPSPEED, small_batch_grad_sq, squared_norm
+from hf_accum.noise_probe import NOT_UNDER_DEEPSPEED, NOT_UNDER_FSDP, small_batch_grad_sq, squared_norm
 from hf_accum.noise_scale import NoiseScaleReading
 
 logger = logging.getLogger(__name__)
@@ -299,6 +300,8 @@ class DeepSpeedStepper(Stepper):
 def build_stepper(model, optimizer, scheduler, accelerator: Accelerator, config: LoopConfig,
                   micro_batch_loss: MicroBatchLoss, boundary: UpdateBoundary) -> Stepper:
     kind = DeepSpeedStepper if is_deepspeed(accelerator) else AccumulateStepper
+    if config.noise_scale and accelerator.distributed_type == DistributedType.FSDP:
+        raise LoopConfigError(f"LoopConfig.noise_scale: {NOT_UNDER_FSDP}")
     return kind(model, optimizer, scheduler, accelerator, config, micro_batch_loss, boundary)
 
 

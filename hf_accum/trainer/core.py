@@ -36,7 +36,7 @@ from hf_accum.compat import check_trainer_hooks, keep_4bit_training_layout, prep
 from hf_accum.control import DEFAULT_MAX_CONSECUTIVE_NONFINITE, NonFiniteGuard, StopSignals, TrainingControl
 from hf_accum.fused_loss import MicroBatchLoss
 from hf_accum.loss import LossKind, infer_loss_kind, model_problem_type, resolve_loss_kind, token_loss_sum
-from hf_accum.noise_probe import NOT_UNDER_DEEPSPEED
+from hf_accum.noise_probe import NOT_UNDER_DEEPSPEED, NOT_UNDER_FSDP
 from hf_accum.records import UpdateLog
 from hf_accum.run_lock import locks_output_dir
 from hf_accum.schedule import BatchPlan
@@ -108,8 +108,9 @@ class AccumTrainer(Trainer):
             raise ValueError(f"AccumTrainer(noise_scale={noise_scale!r}): must be True or False")
         super().__init__(*args, **kwargs)
         _refuse_unverifiable_settings(self)
-        if noise_scale and self.is_deepspeed_enabled:
-            raise ValueError(f"AccumTrainer(noise_scale=True): {NOT_UNDER_DEEPSPEED}")
+        if noise_scale and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
+            reason = NOT_UNDER_DEEPSPEED if self.is_deepspeed_enabled else NOT_UNDER_FSDP
+            raise ValueError(f"AccumTrainer(noise_scale=True): {reason}")
         # Read once: the head's problem type does not change during a run (sequence heads only).
         self._problem_type = model_problem_type(self.model)
         self._micro_batch_loss = self._build_micro_batch_loss(loss_kind, fused_loss, normalization)
