@@ -328,3 +328,12 @@ def test_token_budget_section_writes_its_numbers(tmp_path, capsys):
         assert spread["minimum"] <= spread["median"] <= spread["maximum"] and spread["cv"] >= 0
         assert _positive_finite(section["tokens_per_s"][name])
     assert "token_budget" in printed and "targets/update min" in printed
+
+
+def test_noise_scale_section_times_both_sides(tmp_path):
+    out = tmp_path / "bench"
+    assert main([*TINY, "--only", "noise_scale", "--noise-scale-accumulation", "2", "--noise-scale-repeats", "2",
+                 "--output-dir", str(out)]) == 0
+    section = json.loads((out / "bench.json").read_text())["sections"]["noise_scale"]
+    assert len(section["ratios"]) == 2 and all(_positive_finite(r) for r in section["ratios"])
+    assert _positive_finite(section["tracked_seconds_per_update"])

@@ -9,6 +9,7 @@ from typing import Any
 from hf_accum.control import DEFAULT_MAX_CONSECUTIVE_NONFINITE
 from hf_accum.errors import InputError
 from hf_accum.loss import LossKind
+from hf_accum.sequence_norm import check_normalization
 
 _STRATEGIES = ("no", "steps", "epoch")
 
@@ -71,6 +72,14 @@ class LoopConfig:
     """Close an update once its window holds at least this many targets on all ranks (planned before each
     epoch from the data order). The Accelerator's ``gradient_accumulation_steps`` then sizes no window (the
 fixed ``1 / K`` of ``Accelerator.backward`` is undone at the boundary as always)."""
+    normalization: str = "token"
+    """``"token"``: the update's loss is the mean over its targets; ``"sequence"``: the mean over its sequences of
+    each sequence's mean token loss (causal LMs; packed rows count one sequence per restart of
+    ``position_ids``; :mod:`hf_accum.sequence_norm`). Sequence mode takes the logits path (logged)."""
+    noise_scale: bool = False
+    """Track the gradient noise scale (``UpdateLog.noise_scale``, ``grad_sq``, ``trace_cov``; an end-of-run line
+    on the batch size): the first micro-batch of each window is the small batch, the update the big one
+    (:mod:`hf_accum.noise_probe`). Needs >= 2 micro-batches per update and rank; not under DeepSpeed."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -97,6 +106,12 @@ fixed ``1 / K`` of ``Accelerator.backward`` is undone at the boundary as always)
         _in_range(self, "label_smoothing", 0.0, 1.0, "at least 0 and below 1", closed=False)
         if self.max_grad_norm is not None:
             _in_range(self, "max_grad_norm", 0.0, float("inf"), ">= 0 (0 or None: no clipping)")
+        try:
+            check_normalization(self.normalization, "LoopConfig.normalization", self.loss_kind)
+        except ValueError as error:
+            raise LoopConfigError(str(error)) from None
+        if not isinstance(self.noise_scale, bool):
+            raise LoopConfigError(f"LoopConfig.noise_scale={self.noise_scale!r} must be True or False")
         if self.eval_steps is not None and self.eval_strategy == "steps":  # unused by the other strategies
             _in_range(self, "eval_steps", 0.0, float("inf"), "None or > 0", open_below=True)
         self._validate_windows()
@@ -117,6 +132,11 @@ fixed ``1 / K`` of ``Accelerator.backward`` is undone at the boundary as always)
             self.rampup_batch_size = values
         if budget is not None and not _is_int(budget, 1):
             raise LoopConfigError(f"LoopConfig.tokens_per_update={budget!r} must be None or an integer >= 1")
+        if budget is not None and self.normalization != "token":
+            raise LoopConfigError(
+                f"LoopConfig.tokens_per_update with normalization={self.normalization!r}: a token budget counts "
+                "target tokens; allowed: normalization='token'"
+            )
 
     @property
     def planned_windows(self) -> bool:
@@ -147,6 +167,7 @@ fixed ``1 / K`` of ``Accelerator.backward`` is undone at the boundary as always)
         names = {f.name for f in fields(cls)} - {
             "label_smoothing", "loss_kind", "fp32_grad_accumulation", "warmup_ratio", "fused_loss",
             "max_consecutive_nonfinite", "stop_on_signals", "rampup_batch_size", "tokens_per_update",
+            "noise_scale", "normalization",
         }
         return names | {"label_smoothing_factor"}
 

@@ -51,6 +51,8 @@ class Supervisor:
         self.result.updates = [UpdateLog(**update) for update in state.log_history]
         self.stepper.magnitude.value = state.window_magnitude
         self.boundary.guard.consecutive = state.consecutive_nonfinite
+        if self.boundary.noise is not None and state.noise_scale:
+            self.boundary.noise.load_state_dict(state.noise_scale)
         self.first_epoch = state.epoch
         self._check_window_plan(checkpoint, state.window_plan)
         progress.update(state.update)
@@ -89,6 +91,7 @@ class Supervisor:
                 window_magnitude=self.stepper.magnitude.value,
                 consecutive_nonfinite=self.boundary.guard.consecutive, log_history=self.result.as_dicts(),
                 window_plan=self.plan.windows.digest() if self.plan.windows else None,
+                noise_scale=self.boundary.noise.state_dict() if self.boundary.noise is not None else None,
             )
         )
         return self.result.checkpoint

@@ -1,9 +1,15 @@
-"""The recipe's ``accumulation:`` section: ramp-up and token budgets, checked before anything loads, and the
-:class:`~hf_accum.loop.LoopConfig` fields they become.
+"""The recipe's ``accumulation:`` section: what each key asks of the engines, checked before anything loads,
+and the :class:`~hf_accum.loop.LoopConfig` / ``AccumTrainer`` settings they become.
 
-With a token budget the update's size is the budget: a ``global_batch_size`` or
-``training.gradient_accumulation_steps`` from a lower layer (built-in or embedded default) yields to it (a
-note says so, and the Accelerator's K becomes 1); one given in the same layer or above is a conflict.
+* ``rampup_batch_size`` and ``tokens_per_update`` (loop engine only): the window changes from update to update
+  (:mod:`hf_accum.loop.windows`). With a token budget the update's size is the budget: a ``global_batch_size`` or
+  ``training.gradient_accumulation_steps`` from a lower layer (built-in or embedded default) yields to it (a
+  note says so, and the Accelerator's K becomes 1); one given in the same layer or above is a conflict.
+* ``noise_scale: true`` -> ``LoopConfig(noise_scale=True)`` / ``AccumTrainer(noise_scale=True)``: both measure
+  the first micro-batch of each window against the update (:mod:`hf_accum.noise_probe`). DeepSpeed keeps the
+  micro-batch gradients inside its engine, so the key is refused there; one micro-batch per update measures
+  nothing (said, not refused).
+* ``normalization: token | sequence`` (:mod:`hf_accum.sequence_norm`), both engines.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from hf_accum.loop.config import LoopConfig
 from hf_accum.loop.windows import refuse_planned_windows
 from hf_accum.rampup import RampUp
 from hf_accum.recipe.config.schema import BUILTIN, COMMAND_LINE, EMBEDDED_SOURCE, ConfigError
+from hf_accum.sequence_norm import NORMALIZATIONS
 
 _BUDGET = "accumulation.tokens_per_update"
 
@@ -27,11 +34,13 @@ def check_accumulation_section(section: Any, config: Any) -> None:
         _check_ramp(section.rampup_batch_size, config)
     if section.tokens_per_update is not None:
         _yield_batch_keys(config)
+    _check_measurement(section, config)
 
 
 def loop_settings(section: Any) -> dict[str, Any]:
     """The ``LoopConfig`` fields the section sets."""
-    return {"rampup_batch_size": section.rampup_batch_size, "tokens_per_update": section.tokens_per_update}
+    return {"rampup_batch_size": section.rampup_batch_size, "tokens_per_update": section.tokens_per_update,
+            "noise_scale": section.noise_scale, "normalization": section.normalization}
 
 
 def _check_ramp(values: list, config: Any) -> None:
@@ -68,3 +77,31 @@ def _yield_batch_keys(config: Any) -> None:
         )
     config.global_batch_size = None
     config.training["gradient_accumulation_steps"] = 1
+
+
+def _check_measurement(section: Any, config: Any = None) -> None:
+    """``noise_scale`` and ``normalization``: their values, and what DeepSpeed cannot measure."""
+    if not isinstance(section.noise_scale, bool):
+        raise ConfigError(f"accumulation.noise_scale={section.noise_scale!r}; allowed: true, false")
+    if section.normalization not in NORMALIZATIONS:
+        raise ConfigError(f"accumulation.normalization={section.normalization!r}; allowed: "
+                          f"{', '.join(NORMALIZATIONS)}")
+    training = getattr(config, "training", None) or {}
+    if section.noise_scale and training.get("deepspeed"):
+        raise ConfigError("accumulation.noise_scale=true is not available with training.deepspeed (the engine "
+                          "keeps the micro-batch gradients); allowed: false, or drop training.deepspeed")
+    if section.noise_scale and training.get("gradient_accumulation_steps") == 1 and config is not None:
+        config.notes.append("accumulation.noise_scale=true with one micro-batch per update and process: only "
+                            "updates spanning several micro-batches are measured")
+
+
+def normalization(config: Any) -> str:
+    """What the engines pass on: ``LoopConfig(normalization=...)`` / ``AccumTrainer(normalization=...)``."""
+    section = getattr(config, "accumulation", None)
+    return section.normalization if section is not None else "token"
+
+
+def noise_scale_enabled(config: Any) -> bool:
+    """What the engines pass on: ``LoopConfig(noise_scale=...)`` / ``AccumTrainer(noise_scale=...)``."""
+    section = getattr(config, "accumulation", None)
+    return bool(section is not None and section.noise_scale)

@@ -122,12 +122,18 @@ class DataSection:
 
 @dataclass
 class AccumulationSection:
-    """How updates are formed beyond a fixed K (checked by :mod:`hf_accum.recipe.accumulation`)."""
+    """How updates are formed beyond a fixed K, built and measured (checked by :mod:`hf_accum.recipe.accumulation`)."""
 
     rampup_batch_size: list | None = None
     """``[start, increment, samples]``: Megatron's batch ramp-up towards the global batch (loop engine)."""
     tokens_per_update: int | None = None
     """Close an update once it holds this many targets on all ranks (loop engine); replaces the global batch."""
+    noise_scale: bool = False
+    """Track the gradient noise scale (metrics.json ``noise_scale``, ``grad_sq``, ``trace_cov``; the plot; an
+    end-of-run line on the batch size). Needs >= 2 micro-batches per update; not under DeepSpeed."""
+    normalization: str = "token"
+    """token: the update's loss is the mean over its target tokens; sequence: the mean over its sequences of each
+    sequence's mean token loss (long answers do not dominate; packed rows count each sequence)."""
 
 
 @dataclass(frozen=True)
