@@ -21,18 +21,20 @@ import torch
 from transformers import HfArgumentParser
 from transformers.hf_argparser import HfArg
 
-from benchmarks import loss, memory, overhead, padding, sft, softcap, sweep, vocab
+from benchmarks import loss, memory, noise_scale, overhead, padding, sft, softcap, sweep, token_budget, vocab
 from benchmarks.report import BenchError, require_positive
 
 SECTIONS = {
     "sweep": sweep,
     "overhead": overhead,
+    "noise_scale": noise_scale,
     "memory": memory,
     "padding": padding,
     "loss": loss,
     "vocab": vocab,
     "softcap": softcap,
     "sft": sft,
+    "token_budget": token_budget,
 }
 
 

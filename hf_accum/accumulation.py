@@ -19,7 +19,7 @@ inf/NaN loss or gradient: every rank learns of it from the same all-reduce (:met
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -133,10 +133,13 @@ class WindowTotals:
     """Ranks asked for a checkpoint by the boundary."""
     aux_loss_sum: float = 0.0
     """Summed ``coef * aux_k * n_k`` of the micro-batches (MoE router losses; hf_accum.fused_loss.MicroBatchLoss)."""
+    small_batches: tuple = field(default=(), compare=False)
+    """Noise scale: each rank's measured small batch, ``(targets, |g_small|^2)`` pairs (empty when not measured)."""
 
     def add(self, other: WindowTotals) -> None:
-        """Fold another window in (totals over a logging interval of several updates)."""
-        for name in self.__dataclass_fields__:
+        """Fold another window in (totals over a logging interval of several updates; the small batches are
+        one update's own measurement and are not folded)."""
+        for name in _TALLY_COLUMNS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     @property
@@ -200,7 +203,7 @@ class DeviceSums:
 
 
 # The columns of a window tally, summed over micro-batches and then over ranks in one all-reduce.
-_TALLY_COLUMNS = tuple(WindowTotals.__dataclass_fields__)
+_TALLY_COLUMNS = tuple(name for name in WindowTotals.__dataclass_fields__ if name != "small_batches")
 
 
 class WindowTally:
@@ -211,8 +214,12 @@ class WindowTally:
     every rank must agree on (inf/NaN, stop and checkpoint requests): no extra collective.
     """
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
-        self._sums = DeviceSums(_TALLY_COLUMNS, device)
+    def __init__(self, device: torch.device | str = "cpu", small_batch_slots: int = 0) -> None:
+        # Noise scale: one (targets, |g|^2) slot pair per rank. Each rank writes only its own slot, so the
+        # summed vector holds every rank's pair after the one all-reduce -- a gather without a collective.
+        self.slots = small_batch_slots
+        self._slot_columns = [(f"small_targets_{r}", f"small_grad_sq_{r}") for r in range(small_batch_slots)]
+        self._sums = DeviceSums(_TALLY_COLUMNS + tuple(c for pair in self._slot_columns for c in pair), device)
 
     @property
     def device(self) -> torch.device | str:
@@ -248,11 +255,19 @@ class WindowTally:
             checkpoint_requests=float(checkpoint_requested),
         )
 
+    def add_small_batch(self, rank: int, targets: torch.Tensor, grad_sq: torch.Tensor) -> None:
+        """This rank's noise-scale small batch of the window (into its own slot)."""
+        targets_column, grad_sq_column = self._slot_columns[rank]
+        self._sums.add(**{targets_column: targets, grad_sq_column: grad_sq})
+
     def reduce(self, accelerator: Any) -> WindowTotals:
         """All ranks' totals of this window (the tally starts over). Every rank must call it (a collective)."""
         values = self._sums.reduce(accelerator)
         losses = {name: values.pop(name) for name in ("loss_sum", "aux_loss_sum")}  # inf/nan stay: counts are exact
-        return WindowTotals(**losses, **{name: int(round(value)) for name, value in values.items()})
+        small = tuple((values.pop(n), values.pop(g)) for n, g in self._slot_columns)
+        totals = WindowTotals(**losses, **{name: int(round(value)) for name, value in values.items()})
+        totals.small_batches = tuple(pair for pair in small if pair[0] > 0)
+        return totals
 
     def reset(self) -> None:
         self._sums.reset()

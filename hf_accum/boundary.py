@@ -41,7 +41,15 @@ from hf_accum.accumulation import (
 )
 from hf_accum.control import NonFiniteGuard, NonFiniteLossError, TrainingControl, TrainingStopped
 from hf_accum.loss import LossKind, count_targets
+from hf_accum.noise_scale import (
+    NoiseScaleReading,
+    NoiseScaleTracker,
+    SmallBatch,
+    batch_size_advice,
+    update_estimates,
+)
 from hf_accum.records import UpdateLog
+from hf_accum.sequence_norm import count_sequences
 
 NO_TARGETS = "no targets in window"
 FP16_OVERFLOW = "inf/nan gradients (fp16 loss scale lowered)"
@@ -115,6 +123,8 @@ class UpdateBoundary:
     ``steps_in_backward``: the engine applies the update inside backward (DeepSpeed), so a window with
     inf/NaN cannot be skipped and stops the run instead; ``no_targets_note`` completes the warning about
     a window without targets where the front-end cannot keep it entirely out of the weights.
+    ``noise_scale``: track the gradient noise scale (:mod:`hf_accum.noise_probe` measures, the window's
+    all-reduce gathers every rank's small batch, :attr:`noise` keeps the moving averages).
     """
 
     def __init__(
@@ -127,6 +137,7 @@ class UpdateBoundary:
         count_source: str,
         steps_in_backward: bool = False,
         no_targets_note: str = "",
+        noise_scale: bool = False,
     ) -> None:
         self.accelerator = accelerator
         self.control = control
@@ -135,13 +146,39 @@ class UpdateBoundary:
         self.count_source = count_source
         self.steps_in_backward = steps_in_backward
         self.no_targets_note = no_targets_note
-        self.tally = WindowTally(device=accelerator.device)
+        slots = accelerator.num_processes if noise_scale else 0
+        self.tally = WindowTally(device=accelerator.device, small_batch_slots=slots)
+        self.noise: NoiseScaleTracker | None = NoiseScaleTracker() if noise_scale else None
 
     def add(self, loss_sum: torch.Tensor, n_targets: torch.Tensor, batch: Mapping[str, Any],
             aux_sum: torch.Tensor | None = None) -> None:
         """One micro-batch's summed loss, its target count and its shape (on the device: no host sync);
         ``aux_sum``: the part of ``loss_sum`` that is the model's extra terms (MoE router loss), logged apart."""
         self.tally.add(loss_sum, n_targets, batch, aux_sum=aux_sum)
+
+    def add_small_batch(self, n_targets: torch.Tensor | int, grad_sq: torch.Tensor) -> None:
+        """This rank's noise-scale small batch of the window (:func:`hf_accum.noise_probe.small_batch_grad_sq`)."""
+        targets = torch.as_tensor(n_targets).to(self.tally.device, torch.float64)
+        self.tally.add_small_batch(self.accelerator.process_index, targets, grad_sq)
+
+    def measure_noise(self, decision: Decision, big_grad_sq: float | None) -> NoiseScaleReading | None:
+        """Fold one update into the noise-scale averages: its small batches (every rank's, from the window's
+        all-reduce) against the applied gradient (``big_grad_sq``: its squared norm before clipping, ``B = N``).
+        None when not tracking; an update that applied nothing measures nothing."""
+        if self.noise is None:
+            return None
+        estimate = None
+        if decision.applied and big_grad_sq is not None:
+            small = [SmallBatch(targets, grad_sq) for targets, grad_sq in decision.totals.small_batches]
+            estimate = update_estimates(small, decision.totals.targets, big_grad_sq)
+        return self.noise.observe(estimate)
+
+    def noise_advice(self, updates: Iterable[UpdateLog]) -> str | None:
+        """The end-of-run line comparing the applied updates' mean size with the measured noise scale."""
+        if self.noise is None:
+            return None
+        sizes = [update.targets for update in updates if update.applied]
+        return batch_size_advice(sum(sizes) / max(1, len(sizes)), self.noise.noise_scale)
 
     def reset(self) -> None:
         """Forget a half-tallied window (a retry of the training loop)."""
@@ -188,9 +225,11 @@ class UpdateBoundary:
                                 update, self.no_targets_note)
 
     def record(self, decision: Decision, *, step: int, epoch: float, learning_rate: float,
-               grad_norm: float | None, eval_loss: float | None = None) -> UpdateLog:
-        """The update's log line, as every front-end reports it."""
+               grad_norm: float | None, eval_loss: float | None = None,
+               noise: NoiseScaleReading | None = None) -> UpdateLog:
+        """The update's log line, as every front-end reports it (``noise``: from :meth:`measure_noise`)."""
         totals = decision.totals
+        noise = noise or NoiseScaleReading()
         return UpdateLog(
             step=step, epoch=epoch, loss=totals.mean_loss, learning_rate=float(learning_rate),
             grad_norm=float(grad_norm) if grad_norm is not None and decision.applied else None,
@@ -198,6 +237,7 @@ class UpdateBoundary:
             micro_batches=totals.micro_batches, applied=decision.applied, skip_reason=decision.skip_reason,
             nonfinite=totals.nonfinite, eval_loss=eval_loss,
             aux_loss=totals.mean_aux_loss if totals.aux_loss_sum else None,
+            noise_scale=noise.noise_scale, grad_sq=noise.grad_sq, trace_cov=noise.trace_cov,
         )
 
 
@@ -209,12 +249,15 @@ def discard_window_(parameters: Iterable[torch.nn.Parameter], fp32_sums: Fp32Gra
     drop_gradients_(parameters)
 
 
-def count_window_targets(batches: Iterable[Mapping[str, Any]], kind: LossKind, accelerator: Any) -> int:
+def count_window_targets(batches: Iterable[Mapping[str, Any]], kind: LossKind, accelerator: Any,
+                         normalization: str = "token") -> int:
     """Targets in the window's micro-batches on every rank, counted before any forward: one all-reduce
-    per window (summed on the device, one host sync)."""
+    per window (summed on the device, one host sync). ``normalization='sequence'``: the unit is a sequence with
+    at least one target (what the sequence-weighted loss reports, :mod:`hf_accum.sequence_norm`)."""
     local = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     for batch in batches:
         if "labels" not in batch:
             raise KeyError(f"batch has no 'labels' (keys: {sorted(batch)}); the collator must provide them")
-        local += count_targets(batch["labels"], kind).to(accelerator.device, torch.float64)
+        count = count_sequences(batch) if normalization == "sequence" else count_targets(batch["labels"], kind)
+        local += count.to(accelerator.device, torch.float64)
     return int(round(float(global_sum(local, accelerator))))

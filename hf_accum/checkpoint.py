@@ -526,8 +526,12 @@ class LoopState:
     window_magnitude: float | None = None
     """fp16 only: the loss magnitude hint carried from window to window (hf_accum.loop.steppers.LossMagnitude)."""
     consecutive_nonfinite: int = 0
+    noise_scale: dict | None = None
+    """With noise-scale tracking: the moving averages (``NoiseScaleTracker.state_dict``), continued on resume."""
     log_history: list[dict] = field(default_factory=list)
     """Every update's log so far (``UpdateLog`` fields), so a resumed run reports the whole run."""
+    window_plan: str | None = None
+    """Ramp-up / token budget: the planned windows' fingerprint (``WindowPlan.digest``); another plan is refused."""
 
 
 @dataclass

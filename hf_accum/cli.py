@@ -61,6 +61,10 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--base-batch-size", type=int, help="global batch the LR was tuned at")
     plan.add_argument("--lr-scaling", choices=["linear", "sqrt", "none"], default="sqrt",
                       help="LR rule when the global batch changes (sqrt is the usual choice for Adam)")
+    plan.add_argument("--rampup-batch-size", type=int, nargs=3, metavar=("START", "INCREMENT", "SAMPLES"),
+                      help="Megatron's batch ramp-up towards the global batch: print its stages (updates per batch)")
+    plan.add_argument("--train-examples", type=int, help="with a ramp-up: plan it over this many rows per epoch")
+    plan.add_argument("--epochs", type=float, default=1.0, help="with --train-examples: epochs (default 1)")
     plan.add_argument("--auto", action="store_true", help="measure peak memory on this device and pick the largest "
                       "micro-batch that fits --memory-budget (model, LoRA/QLoRA from --config; default: the tiny "
                       "CPU job)")
@@ -106,6 +110,9 @@ def _run_plan(args: argparse.Namespace) -> int:
         raise ValueError("--memory-budget, --max-length and --model go with --auto")
     plan = _recipe_plan(args, processes) if args.config else _explicit_plan(args, processes)
     print(plan.describe())
+    ramp = args.rampup_batch_size or (_recipe_ramp(args) if args.config else None)
+    if ramp:
+        print(ramp_stages(ramp, plan, args.train_examples, args.epochs))
     if args.learning_rate is not None:
         base = args.base_batch_size or plan.global_batch_size
         lr = scaled_learning_rate(args.learning_rate, base, plan.global_batch_size, args.lr_scaling)
@@ -133,6 +140,30 @@ def _recipe_plan(args: argparse.Namespace, processes: int) -> BatchPlan:
     if config.global_batch_size is not None:
         return plan_global_batch(config.global_batch_size, micro, processes, args.nodes)
     return BatchPlan(micro, config.training.get("gradient_accumulation_steps", 1), processes, args.nodes)
+
+
+def _recipe_ramp(args: argparse.Namespace) -> list[int] | None:
+    from hf_accum.recipe import config as C
+
+    path, overrides = C.parse_overrides(["--config", args.config, *args.overrides])
+    return C.load_config(path, overrides).accumulation.rampup_batch_size
+
+
+def ramp_stages(values: list[int], plan: BatchPlan, train_examples: int | None, epochs: float) -> str:
+    """The ramp's stages: over ``train_examples`` rows x ``epochs`` (short epoch ends included), else the ramp
+    itself up to the first update at the full global batch."""
+    from hf_accum.rampup import RampUp, describe_stages, plan_windows
+
+    ramp = RampUp.from_list(list(values), plan.global_batch_size, plan.micro_batch_size, plan.num_processes,
+                            key="--rampup-batch-size")
+    if train_examples:
+        windows = plan_windows(-(-train_examples // ramp.per_round), ramp, epochs)
+    else:
+        windows, consumed = [[]], 0
+        while not windows[0] or windows[0][-1] * ramp.per_round < ramp.global_batch_size:
+            windows[0].append(ramp.accumulation_at(consumed))
+            consumed += windows[0][-1] * ramp.per_round
+    return describe_stages(windows, ramp)
 
 
 def _num_processes(args: argparse.Namespace) -> int:

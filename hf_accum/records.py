@@ -34,6 +34,13 @@ class UpdateLog:
     aux_loss: float | None = None
     """MoE models: the router-loss term the update also minimized (``coef`` x the token-weighted mean of its
     micro-batches' aux losses; ``loss`` stays the cross-entropy). None for models without one."""
+    noise_scale: float | None = None
+    """With noise-scale tracking: ``B_simple`` in targets from the moving averages (None until defined):
+    the update size beyond which more targets per update buy little (:mod:`hf_accum.noise_scale`)."""
+    grad_sq: float | None = None
+    """This update's raw estimate of ``|G|^2`` (None when nothing was measured)."""
+    trace_cov: float | None = None
+    """This update's raw estimate of ``tr(S)``, the per-target gradient covariance trace."""
 
     def tracked(self) -> dict[str, float]:
         """The numbers an experiment tracker gets for this update (names as Trainer logs them)."""
@@ -46,6 +53,9 @@ class UpdateLog:
             values["eval/loss"] = self.eval_loss
         if self.aux_loss is not None:
             values["train/aux_loss"] = self.aux_loss
+        for name in ("noise_scale", "grad_sq", "trace_cov"):
+            if getattr(self, name) is not None:
+                values[f"train/{name}"] = getattr(self, name)
         return values
 
     def line(self) -> str:
@@ -53,6 +63,7 @@ class UpdateLog:
         state = "" if self.applied else f" (skipped: {self.skip_reason})"
         state += f" | eval_loss {self.eval_loss:.4f}" if self.eval_loss is not None else ""
         state += f" | aux_loss {self.aux_loss:.4f}" if self.aux_loss is not None else ""
+        state += f" | noise_scale {self.noise_scale:.0f}" if self.noise_scale is not None else ""
         return (
             f"update {self.step} | epoch {self.epoch:.2f} | loss {self.loss:.4f} | lr {self.learning_rate:.3e} | "
             f"grad_norm {grad} | tokens {self.targets} | seqs {self.sequences} | "
@@ -67,6 +78,8 @@ class TrainResult:
     batch_plan: BatchPlan | None = None
     checkpoint: str | None = None
     """The last checkpoint this call wrote."""
+    noise_scale_advice: str | None = None
+    """With noise-scale tracking: the end-of-run line (:func:`hf_accum.noise_scale.batch_size_advice`)."""
 
     def as_dicts(self) -> list[dict]:
         """Every update as a dict (what a checkpoint keeps of the log, and what a resumed run continues)."""

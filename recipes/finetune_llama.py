@@ -33,7 +33,9 @@ from hf_accum.control import NonFiniteLossError, TrainingStopped  # noqa: E402
 from hf_accum.distributed import is_partitioned  # noqa: E402
 from hf_accum.errors import InputError  # noqa: E402
 from hf_accum.schedule import BatchPlan  # noqa: E402
+from hf_accum.recipe.accumulation import noise_scale_enabled, normalization  # noqa: E402
 from hf_accum.recipe.config import ConfigError, load_recipe_config  # noqa: E402
+from hf_accum.recipe.accumulation import loop_settings  # noqa: E402
 from hf_accum.recipe.data import exact_match, load_tokenizer_and_data  # noqa: E402
 from hf_accum.recipe.launch import (  # noqa: E402
     check_engine, check_launch, check_offload_optimizer, loop_accelerator, start_process_group,
@@ -91,12 +93,14 @@ def train_with_loop(model, tokenizer, data, collator, args, record, resume, laun
 
     # Checkpoints every save_steps updates into output_dir (and on SIGTERM/SIGUSR1); resume exactly.
     result = train(
-        model, optimizer, loader, accelerator, LoopConfig.from_training_arguments(args), on_update=on_update,
+        model, optimizer, loader, accelerator,
+        LoopConfig.from_training_arguments(args, **loop_settings(record.config.accumulation)), on_update=on_update,
         eval_dataloader=eval_loader, resume_from_checkpoint=resume,
     )
     for tracker in accelerator.trackers:  # not end_training(): it destroys the process group, and the
         tracker.finish()                  # ZeRO-3 save and the final barriers below still need it
     record.updates = result.as_dicts()  # a resumed run's result holds the updates before the checkpoint too
+    record.noise_scale_advice = result.noise_scale_advice
     return accelerator.unwrap_model(model), result.batch_plan
 
 
@@ -106,10 +110,12 @@ def train_with_trainer(model, tokenizer, data, collator, args, record, resume, l
     trainer = AccumTrainer(
         model=model, args=args, train_dataset=data.train.examples, data_collator=collator, processing_class=tokenizer,
         eval_dataset=data.held_out.examples if data.held_out else None,
+        noise_scale=noise_scale_enabled(record.config), normalization=normalization(record.config),
     )
     check_engine(trainer.accelerator, launch)  # what was asked is what runs (DeepSpeed, processes)
     trainer.train(resume_from_checkpoint=resume)
     record.updates = [asdict(update) for update in trainer.updates]  # a resumed run's include the earlier ones
+    record.noise_scale_advice = trainer.noise_scale_advice
     barrier()
     return trainer.model, trainer.batch_plan
 
@@ -240,6 +246,8 @@ def run(config):
     say(f"{len(record.updates)} updates in {train_seconds:.0f}s; wall time {record.wall_seconds:.0f}s "
         f"(from process start)")
     say(f"held-out exact match: before {percent(before)} -> after {percent(after)}  (outputs in {out})")
+    if record.noise_scale_advice:
+        say(record.noise_scale_advice)  # accumulation.noise_scale: the measured critical batch vs this run's
     leave_process_group()
     return record.metrics()
 

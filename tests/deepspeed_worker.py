@@ -119,7 +119,10 @@ class AppliedLRs:
 # -- exactness: weight deltas of SGD lr 1 -----------------------------------------------------------
 
 
-def exact_loop(stage: int | str, naive: bool = False) -> dict:
+def exact_loop(stage: int | str, naive: bool = False, schedule: str = "linear", **windows) -> dict:
+    """``windows``: ``rampup_batch_size`` / ``tokens_per_update`` for planned windows (LoopConfig fields).
+    ``schedule="constant"`` keeps every weight delta large: a decayed LR's tiny delta is measured in fp32 with
+    a relative error growing as the LR shrinks (the LR horizon of planned windows is tested in the loop's tests)."""
     accelerator = build_accelerator(stage, max_grad_norm=0.0)
     model = fp32_model()
     initial = {k: v.clone() for k, v in model.state_dict().items()}
@@ -133,7 +136,7 @@ def exact_loop(stage: int | str, naive: bool = False) -> dict:
     schedulers = []
 
     def scheduler_factory(opt, total):
-        schedulers.append(create_update_scheduler(opt, total, "linear"))
+        schedulers.append(create_update_scheduler(opt, total, schedule))
         return schedulers[-1]
 
     def on_update(_update=None):
@@ -144,12 +147,15 @@ def exact_loop(stage: int | str, naive: bool = False) -> dict:
         scheduler_steps = naive_ds_loop(engine, loader, accelerator, scheduler_factory, prepared_optimizer, on_update)
         logged = []
     else:
-        config = LoopConfig(num_train_epochs=EPOCHS, lr_scheduler_type="linear", max_grad_norm=0.0, disable_tqdm=True)
+        config = LoopConfig(num_train_epochs=EPOCHS, lr_scheduler_type="linear", max_grad_norm=0.0, disable_tqdm=True,
+                            **windows)
         result = train(engine, prepared_optimizer, loader, accelerator, config, lr_scheduler=scheduler_factory,
                        on_update=on_update)
         scheduler_steps = schedulers[0].last_epoch
         logged = [u.learning_rate for u in result.updates]
-    return report_deltas(recorder, initial, rates, scheduler_steps, logged, engine_facts(accelerator))
+    horizon = len(logged) if windows else EPOCHS * 3  # planned windows: the horizon is the updates planned
+    return report_deltas(recorder, initial, rates, scheduler_steps, logged, engine_facts(accelerator), horizon,
+                         schedule)
 
 
 def naive_ds_loop(engine, loader, accelerator, scheduler_factory, optimizer, on_update) -> int:
@@ -236,17 +242,19 @@ def exact_trainer(stage: int) -> dict:
     return report
 
 
-def report_deltas(recorder, initial, rates: AppliedLRs, scheduler_steps, logged_lrs, facts) -> dict:
-    errors = delta_errors(fp32_model, initial, recorder, expected_lrs(len(recorder.weights))) if is_main() else []
+def report_deltas(recorder, initial, rates: AppliedLRs, scheduler_steps, logged_lrs, facts,
+                  horizon: int = EPOCHS * 3, schedule: str = "linear") -> dict:
+    errors = delta_errors(fp32_model, initial, recorder, expected_lrs(len(recorder.weights), horizon, schedule)) \
+        if is_main() else []
     return {"errors": errors, "applied_lrs": rates.per_update, "logged_lrs": logged_lrs,
             "scheduler_steps": scheduler_steps, "updates": len(rates.per_update),
             "targets": [sum(int((b["labels"][:, 1:] != -100).sum()) for b in w) for w in recorder.windows], **facts}
 
 
-def expected_lrs(updates: int) -> list[float]:
+def expected_lrs(updates: int, horizon: int = EPOCHS * 3, schedule: str = "linear") -> list[float]:
     from hf_accum.testing import big_batch_learning_rates
 
-    return big_batch_learning_rates(LR, EPOCHS * 3, 0, "linear")[:updates]
+    return big_batch_learning_rates(LR, horizon, 0, schedule)[:updates]
 
 
 # -- saving: ZeRO-3 adapter == DDP adapter -------------------------------------------------------------
@@ -323,6 +331,9 @@ def main(report_path: str) -> None:
         "loop_zero3_offload": lambda: exact_loop("3_offload"),
         "naive_loop_zero2": lambda: exact_loop(2, naive=True),
         "loop_zero2_window_without_targets": lambda: loop_window_without_targets(2),
+        # Planned windows (tests/test_deepspeed_windows.py): ramp 4 -> 8 -> 12 sequences, and a token budget.
+        "loop_zero2_rampup": lambda: exact_loop(2, schedule="constant", rampup_batch_size=[4, 4, 16]),
+        "loop_zero3_tokens": lambda: exact_loop(3, schedule="constant", tokens_per_update=150),
         "trainer_zero2": lambda: exact_trainer(2),
         "trainer_zero3": lambda: exact_trainer(3),
         "save_loop_zero3": lambda: saved_loop_adapter(3),

@@ -314,3 +314,26 @@ def test_softcap_section_says_which_loss_path_and_prints_ratios(tmp_path, capsys
                      r"memory \d\.\d{3}x", printed)
     (summary,) = report["summary"]
     assert summary["verdict"] == "n/a (small)" and f"({path} path)" in summary["measured"]
+
+
+def test_token_budget_section_writes_its_numbers(tmp_path, capsys):
+    out = tmp_path / "only-token-budget"
+    assert main([*TINY, "--only", "token_budget", "--token-budget-rows", "32", "--token-budget-repeats", "1",
+                 "--max-length", "48", "--output-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    section = json.loads((out / "bench.json").read_text())["sections"]["token_budget"]
+    assert section["budget"] > 0 and section["real_tokens"] > 0 and len(section["ratios"]) == 1
+    for name in ("fixed_k", "token_budget"):
+        spread = section["spread"][name]
+        assert spread["minimum"] <= spread["median"] <= spread["maximum"] and spread["cv"] >= 0
+        assert _positive_finite(section["tokens_per_s"][name])
+    assert "token_budget" in printed and "targets/update min" in printed
+
+
+def test_noise_scale_section_times_both_sides(tmp_path):
+    out = tmp_path / "bench"
+    assert main([*TINY, "--only", "noise_scale", "--noise-scale-accumulation", "2", "--noise-scale-repeats", "2",
+                 "--output-dir", str(out)]) == 0
+    section = json.loads((out / "bench.json").read_text())["sections"]["noise_scale"]
+    assert len(section["ratios"]) == 2 and all(_positive_finite(r) for r in section["ratios"])
+    assert _positive_finite(section["tracked_seconds_per_update"])

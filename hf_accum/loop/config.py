@@ -9,6 +9,7 @@ from typing import Any
 from hf_accum.control import DEFAULT_MAX_CONSECUTIVE_NONFINITE
 from hf_accum.errors import InputError
 from hf_accum.loss import LossKind
+from hf_accum.sequence_norm import check_normalization
 
 _STRATEGIES = ("no", "steps", "epoch")
 
@@ -62,6 +63,23 @@ class LoopConfig:
     ``epoch`` (after each epoch's last update) or ``no``. Evaluates the exact per-token held-out loss."""
     eval_steps: float | None = None
     """Updates between evaluations for ``eval_strategy='steps'``."""
+    rampup_batch_size: list[int] | None = None
+    """``[start, increment, samples]`` (Megatron's ``--rampup-batch-size``): the global batch starts at ``start``
+    sequences and grows by ``increment`` towards ``micro x processes x K`` (K: the Accelerator's
+    ``gradient_accumulation_steps``) over ``samples`` sequences; the window changes, the micro-batch stays
+    (:mod:`hf_accum.loop.windows`)."""
+    tokens_per_update: int | None = None
+    """Close an update once its window holds at least this many targets on all ranks (planned before each
+    epoch from the data order). The Accelerator's ``gradient_accumulation_steps`` then sizes no window (the
+fixed ``1 / K`` of ``Accelerator.backward`` is undone at the boundary as always)."""
+    normalization: str = "token"
+    """``"token"``: the update's loss is the mean over its targets; ``"sequence"``: the mean over its sequences of
+    each sequence's mean token loss (causal LMs; packed rows count one sequence per restart of
+    ``position_ids``; :mod:`hf_accum.sequence_norm`). Sequence mode takes the logits path (logged)."""
+    noise_scale: bool = False
+    """Track the gradient noise scale (``UpdateLog.noise_scale``, ``grad_sq``, ``trace_cov``; an end-of-run line
+    on the batch size): the first micro-batch of each window is the small batch, the update the big one
+    (:mod:`hf_accum.noise_probe`). Needs >= 2 micro-batches per update and rank; not under DeepSpeed."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -88,9 +106,42 @@ class LoopConfig:
         _in_range(self, "label_smoothing", 0.0, 1.0, "at least 0 and below 1", closed=False)
         if self.max_grad_norm is not None:
             _in_range(self, "max_grad_norm", 0.0, float("inf"), ">= 0 (0 or None: no clipping)")
+        try:
+            check_normalization(self.normalization, "LoopConfig.normalization", self.loss_kind)
+        except ValueError as error:
+            raise LoopConfigError(str(error)) from None
+        if not isinstance(self.noise_scale, bool):
+            raise LoopConfigError(f"LoopConfig.noise_scale={self.noise_scale!r} must be True or False")
         if self.eval_steps is not None and self.eval_strategy == "steps":  # unused by the other strategies
             _in_range(self, "eval_steps", 0.0, float("inf"), "None or > 0", open_below=True)
+        self._validate_windows()
         return self
+
+    def _validate_windows(self) -> None:
+        ramp, budget = self.rampup_batch_size, self.tokens_per_update
+        if ramp is not None and budget is not None:
+            raise LoopConfigError(
+                "LoopConfig.rampup_batch_size and LoopConfig.tokens_per_update both set; allowed: one of them"
+            )
+        if ramp is not None:
+            values = list(ramp) if isinstance(ramp, (list, tuple)) else [ramp]
+            if len(values) != 3 or not all(_is_int(v, 1) for v in values):
+                raise LoopConfigError(
+                    f"LoopConfig.rampup_batch_size={ramp!r} must be three integers >= 1 [start, increment, samples]"
+                )
+            self.rampup_batch_size = values
+        if budget is not None and not _is_int(budget, 1):
+            raise LoopConfigError(f"LoopConfig.tokens_per_update={budget!r} must be None or an integer >= 1")
+        if budget is not None and self.normalization != "token":
+            raise LoopConfigError(
+                f"LoopConfig.tokens_per_update with normalization={self.normalization!r}: a token budget counts "
+                "target tokens; allowed: normalization='token'"
+            )
+
+    @property
+    def planned_windows(self) -> bool:
+        """The window changes from update to update (ramp-up or a token budget)."""
+        return self.rampup_batch_size is not None or self.tokens_per_update is not None
 
     @classmethod
     def from_training_arguments(cls, args: Any, **changes: Any) -> LoopConfig:
@@ -115,7 +166,8 @@ class LoopConfig:
         """The ``TrainingArguments`` fields this config mirrors."""
         names = {f.name for f in fields(cls)} - {
             "label_smoothing", "loss_kind", "fp32_grad_accumulation", "warmup_ratio", "fused_loss",
-            "max_consecutive_nonfinite", "stop_on_signals",
+            "max_consecutive_nonfinite", "stop_on_signals", "rampup_batch_size", "tokens_per_update",
+            "noise_scale", "normalization",
         }
         return names | {"label_smoothing_factor"}
 

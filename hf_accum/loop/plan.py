@@ -14,6 +14,8 @@ from accelerate import Accelerator
 
 from hf_accum.distributed import num_nodes
 from hf_accum.loop.config import LoopConfig, LoopConfigError
+from hf_accum.loop.windows import WindowPlan, ramp_plan, token_plan
+from hf_accum.loss import infer_loss_kind
 from hf_accum.schedule import BatchPlan, epochs_needed, planned_updates, warn_repeated_examples
 
 logger = logging.getLogger("hf_accum.loop")
@@ -25,16 +27,24 @@ class RunPlan:
     """Micro-batches per epoch on each process (the same on all); None for a stream."""
     total_updates: int
     batch: BatchPlan
+    windows: WindowPlan | None = None
+    """Ramp-up or token budget: every update's window, planned (None: fixed K windows)."""
 
     @classmethod
-    def of(cls, dataloader: Any, accelerator: Accelerator, config: LoopConfig) -> RunPlan:
+    def of(cls, dataloader: Any, accelerator: Accelerator, config: LoopConfig, model: Any = None) -> RunPlan:
         """Plan the run and say so (main process); warns when examples repeat to even out the ranks."""
         accumulation_steps = accelerator.gradient_accumulation_steps
         micro_batches = _micro_batches_per_epoch(dataloader, accelerator, config)
         total = planned_updates(micro_batches or 0, accumulation_steps, config.num_train_epochs, config.max_steps)
         batch = BatchPlan(_micro_batch_size(dataloader), accumulation_steps, accelerator.num_processes, num_nodes())
-        plan = cls(micro_batches, total, batch)
-        _log_start(accelerator, batch, micro_batches, total)
+        windows = _window_plan(dataloader, accelerator, config, micro_batches, batch, model)
+        plan = cls(micro_batches, windows.total_updates if windows else total, batch, windows)
+        if windows is None:
+            _log_start(accelerator, batch, micro_batches, plan.total_updates)
+        elif accelerator.is_main_process:
+            logger.info("micro-batch %d x %d processes; %d micro-batches/epoch per process; %s; %d updates planned",
+                        batch.micro_batch_size, batch.num_processes, micro_batches, windows.description,
+                        plan.total_updates)
         if accelerator.is_main_process:
             dataset = getattr(dataloader, "dataset", None)
             warn_repeated_examples(logger, dataset, batch, getattr(accelerator, "even_batches", True))
@@ -44,7 +54,27 @@ class RunPlan:
         """The epochs to run from ``first`` (endless for a stream: ``max_steps`` ends it)."""
         if self.micro_batches is None:
             return count(first)
+        if self.windows is not None:
+            return range(first, len(self.windows.epochs))
         return range(first, epochs_needed(self.total_updates, self.micro_batches, self.batch.accumulation_steps))
+
+
+def _window_plan(dataloader: Any, accelerator: Accelerator, config: LoopConfig, micro_batches: int | None,
+                 batch: BatchPlan, model: Any) -> WindowPlan | None:
+    """The planned windows of a ramp-up or a token budget (None for fixed K)."""
+    if not config.planned_windows:
+        return None
+    if micro_batches is None:
+        raise LoopConfigError(
+            "LoopConfig.rampup_batch_size / tokens_per_update need a dataloader with a length (a stream cannot be "
+            "planned); allowed with a stream: neither"
+        )
+    if config.rampup_batch_size is not None:
+        return ramp_plan(config.rampup_batch_size, micro_batches, batch.micro_batch_size, batch.accumulation_steps,
+                         accelerator.num_processes, config.num_train_epochs, config.max_steps)
+    kind = config.loss_kind or infer_loss_kind(model)
+    return token_plan(dataloader, accelerator, kind, config.tokens_per_update, config.num_train_epochs,
+                      config.max_steps)
 
 
 def check_supported(accelerator: Accelerator, dataloader: Any) -> None:

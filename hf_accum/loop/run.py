@@ -21,7 +21,7 @@ from hf_accum.boundary import UpdateBoundary
 from hf_accum.compat import keep_4bit_training_layout
 from hf_accum.control import NonFiniteGuard, StopSignals, TrainingControl
 from hf_accum.fused_loss import LossSumFn, MicroBatchLoss
-from hf_accum.loop.config import LoopConfig
+from hf_accum.loop.config import LoopConfig, LoopConfigError
 from hf_accum.loop.evaluation import evaluate_loss, evaluation_due
 from hf_accum.loop.plan import RunPlan, check_supported
 from hf_accum.loop.steppers import Step, Stepper, build_stepper, is_deepspeed
@@ -30,6 +30,7 @@ from hf_accum.loss import model_problem_type, unwrap_model
 from hf_accum.records import TrainResult, UpdateLog
 from hf_accum.run_lock import locks_output_dir
 from hf_accum.schedule import create_update_scheduler
+from hf_accum.sequence_norm import FUSED_NOTE, SequenceMeanLoss
 
 logger = logging.getLogger("hf_accum.loop")
 
@@ -69,7 +70,7 @@ def train(
     """
     config = (config or LoopConfig()).validate()
     check_supported(accelerator, train_dataloader)
-    plan = RunPlan.of(train_dataloader, accelerator, config)
+    plan = RunPlan.of(train_dataloader, accelerator, config, model)
     scheduler = (lr_scheduler or _default_scheduler(config))(optimizer, plan.total_updates)
     control = control or TrainingControl()
     stepper = build_stepper(model, optimizer, scheduler, accelerator, config,
@@ -93,6 +94,7 @@ def train(
             update = stepper.boundary.record(
                 step.decision, step=len(result.updates) + 1, learning_rate=step.learning_rate,
                 epoch=epoch + (consumed / plan.micro_batches if plan.micro_batches else 0.0), grad_norm=step.grad_norm,
+                noise=step.noise,
             )
             if evaluation_due(config, update.step, plan.total_updates, consumed == plan.micro_batches):
                 update.eval_loss = evaluate_loss(model, eval_dataloader, accelerator, stepper.loss)
@@ -100,6 +102,9 @@ def train(
             checkpoint = supervisor.after_update(update, step.decision, epoch, consumed)
             _report(update, progress, accelerator, on_update)
             supervisor.halt_if_decided(update, step.decision, checkpoint)
+    result.noise_scale_advice = stepper.boundary.noise_advice(result.updates)
+    if result.noise_scale_advice and accelerator.is_main_process:
+        logger.info("%s", result.noise_scale_advice)
     return result
 
 
@@ -110,20 +115,31 @@ def _updates(stepper: Stepper, supervisor: Supervisor, dataloader: Any,
         if hasattr(dataloader, "set_epoch"):
             dataloader.set_epoch(epoch)
         batches, consumed = supervisor.epoch_batches(dataloader, epoch)
-        for step in stepper.epoch(batches, done=len(result.updates)):
+        windows = supervisor.plan.windows
+        planned = windows.windows_from(epoch, consumed) if windows else None
+        targets = windows.window_targets(epoch, consumed) if windows else None
+        for step in stepper.epoch(batches, done=len(result.updates), windows=planned, targets=targets):
             yield epoch, consumed + step.consumed, step
 
 
 def _boundary(accelerator: Accelerator, config: LoopConfig, control: TrainingControl) -> UpdateBoundary:
     return UpdateBoundary(accelerator, control, NonFiniteGuard(config.max_consecutive_nonfinite), logger,
-                          count_source="loss_sum_fn", steps_in_backward=is_deepspeed(accelerator))
+                          count_source="loss_sum_fn", steps_in_backward=is_deepspeed(accelerator),
+                          noise_scale=config.noise_scale)
 
 
 def _micro_batch_loss(model: torch.nn.Module, config: LoopConfig, loss_sum_fn: LossSumFn | None,
                       accelerator: Accelerator) -> MicroBatchLoss:
     """Forward + summed loss per micro-batch: fused for causal LMs unless a custom loss needs the logits.
     Under DeepSpeed the engine owns the (ZeRO-3: partitioned) head weight: the logits path there."""
-    if loss_sum_fn is not None and config.fused_loss:
+    if config.normalization == "sequence":
+        if loss_sum_fn is not None:
+            raise LoopConfigError("LoopConfig.normalization='sequence' weighs the built-in loss per sequence; a "
+                                  "custom loss_sum_fn must do its own weighting: pass normalization='token'")
+        loss_sum_fn = SequenceMeanLoss(config.label_smoothing)
+        if config.fused_loss:
+            logger.info("%s", FUSED_NOTE)
+    elif loss_sum_fn is not None and config.fused_loss:
         logger.info("a custom loss_sum_fn receives the logits: this run takes the logits path, not the fused loss")
     return MicroBatchLoss(
         config.loss_kind, config.label_smoothing, model_problem_type(model), loss_sum_fn,

@@ -23,6 +23,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 
 from hf_accum.accumulation import (
     Fp32GradientAccumulator,
@@ -36,7 +37,10 @@ from hf_accum.boundary import Decision, UpdateBoundary, count_window_targets, di
 from hf_accum.compat import set_sync_gradients
 from hf_accum.fused_loss import MicroBatchLoss
 from hf_accum.loop.config import LoopConfig, LoopConfigError
+from hf_accum.loop.windows import PlanDriftError, check_window_targets
 from hf_accum.loss import infer_loss_kind
+from hf_accum.noise_probe import NOT_UNDER_DEEPSPEED, NOT_UNDER_FSDP, small_batch_grad_sq, squared_norm
+from hf_accum.noise_scale import NoiseScaleReading
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +55,8 @@ class Step:
     grad_norm: float | None
     learning_rate: float
     """The LR this update used (read before the scheduler stepped)."""
+    noise: NoiseScaleReading | None = None
+    """With ``LoopConfig.noise_scale``: this update's noise-scale reading."""
 
 
 class LossMagnitude:
@@ -130,23 +136,75 @@ class AccumulateStepper(Stepper):
         super().__init__(*args)
         self.magnitude = LossMagnitude(active=self.accelerator.scaler is not None)
 
-    def epoch(self, batches, done: int) -> Iterator[Step]:
+    def epoch(self, batches, done: int, windows: list[int] | None = None,
+              targets: list[int] | None = None) -> Iterator[Step]:
+        if windows is not None:
+            yield from self._planned_epoch(batches, done, windows, targets)
+            return
         accelerator = self.accelerator
+        first = True
         for step, batch in enumerate(batches, start=1):
             with accelerator.accumulate(self.model):
-                labels, inputs = split_labels(batch)
-                _, loss_sum, n_targets = self.loss(self.model, inputs, labels)
-                # Backward of the *sum* (times a constant of the window): the one normalization is at the boundary.
-                accelerator.backward(self.magnitude.scaled(loss_sum, n_targets, accelerator))
-                self.boundary.add(loss_sum, n_targets, batch, aux_sum=self.loss.aux_sum)
+                self._micro_batch(batch, first)
+                first = accelerator.sync_gradients  # the next micro-batch opens a window
                 if not accelerator.sync_gradients:
                     continue
                 done += 1
-                decision = self.boundary.close(done, self._gradients())
-                learning_rate = self._learning_rate()
-                grad_norm, decision = self._apply(decision)
-                self.magnitude.follow(decision.totals, accelerator)
-            yield Step(step, decision, grad_norm, learning_rate)
+                decision, grad_norm, learning_rate, noise = self._close(done)
+            yield Step(step, decision, grad_norm, learning_rate, noise)
+
+    def _measure_small_batch(self, n_targets: torch.Tensor) -> None:
+        """The window's first micro-batch, alone in this rank's buffers (DDP: inside ``no_sync``).
+
+        They hold ``c * grad(loss_sum)``, ``c`` the constants its loss went through: the fp16 magnitude hint,
+        ``accelerator.backward``'s ``1 / K``, and the GradScaler's scale (fp16). Dividing by ``c * n_1`` gives
+        its per-target mean gradient -- the small batch of the two-size estimate."""
+        accelerator = self.accelerator
+        scale = (self.magnitude.value if self.magnitude.active else 1.0) / accelerator.gradient_accumulation_steps
+        if accelerator.scaler is not None:
+            scale *= float(accelerator.scaler.get_scale())
+        buffers = [p.grad for p in self.params]
+        if self.fp32_sums is not None:  # bf16 weights: the micro-batch's gradient sits in the fp32 sums
+            buffers += self.fp32_sums.pending_sums()
+        self.boundary.add_small_batch(n_targets, small_batch_grad_sq(buffers, scale, n_targets, accelerator.device))
+
+    def _planned_epoch(self, batches, done: int, windows: list[int], targets: list[int] | None) -> Iterator[Step]:
+        """Windows of the planned sizes (ramp-up, token budget) instead of every K-th micro-batch: the sync flag
+        is set per micro-batch here and DDP's ``no_sync`` wraps all but the window's last, so gradients are still
+        all-reduced once per update. ``Accelerator.backward`` keeps dividing by its fixed K; the boundary's
+        ``K * W / N`` undoes exactly that K whatever the window's length."""
+        accelerator = self.accelerator
+        planned = iter(targets) if targets is not None else None
+        first = True
+        for step, (batch, closes) in enumerate(in_windows(batches, windows), start=1):
+            set_sync_gradients(accelerator, closes)
+            with contextlib.nullcontext() if closes else accelerator.no_sync(self.model):
+                self._micro_batch(batch, first)
+            first = closes  # the next micro-batch opens a window
+            if not closes:
+                continue
+            done += 1
+            decision, grad_norm, learning_rate, noise = self._close(done)
+            check_window_targets(next(planned) if planned else None, round(decision.totals.targets), done)
+            yield Step(step, decision, grad_norm, learning_rate, noise)
+
+    def _micro_batch(self, batch, first: bool) -> None:
+        """One micro-batch; ``first``: it opens its window (the noise scale's small batch, when measured)."""
+        labels, inputs = split_labels(batch)
+        _, loss_sum, n_targets = self.loss(self.model, inputs, labels)
+        # Backward of the *sum* (times a constant of the window): the one normalization is at the boundary.
+        self.accelerator.backward(self.magnitude.scaled(loss_sum, n_targets, self.accelerator))
+        self.boundary.add(loss_sum, n_targets, batch, aux_sum=self.loss.aux_sum)
+        if first and not self.accelerator.sync_gradients and self.boundary.noise is not None:
+            self._measure_small_batch(n_targets)
+
+    def _close(self, done: int) -> tuple[Decision, float | None, float, NoiseScaleReading | None]:
+        decision = self.boundary.close(done, self._gradients())
+        learning_rate = self._learning_rate()
+        grad_norm, decision, big_grad_sq = self._apply(decision)
+        noise = self.boundary.measure_noise(decision, big_grad_sq)
+        self.magnitude.follow(decision.totals, self.accelerator)
+        return decision, grad_norm, learning_rate, noise
 
     def _gradients(self) -> list[torch.Tensor | None] | None:
         """What the boundary checks for inf/NaN; None under fp16, whose GradScaler checks (and skips) itself."""
@@ -155,12 +213,13 @@ class AccumulateStepper(Stepper):
         pending = self.fp32_sums.pending_sums() if self.fp32_sums is not None else []
         return [p.grad for p in self.params] + pending
 
-    def _apply(self, decision: Decision) -> tuple[float | None, Decision]:
+    def _apply(self, decision: Decision) -> tuple[float | None, Decision, float | None]:
         """Scale to the exact mean, clip, step -- or keep a skipped window out of the weights entirely (no
-        optimizer step: its moments and step count stay; no scheduler step)."""
+        optimizer step: its moments and step count stay; no scheduler step). Also returns the applied
+        gradient's squared norm before clipping when the noise scale needs it (else None)."""
         if not decision.applied:
             discard_window_(self.params, self.fp32_sums)
-            return None, decision
+            return None, decision, None
         accelerator = self.accelerator
         # accelerator.backward divided each micro-batch by K (and we multiplied by the magnitude hint):
         # replace both by the exact W / N.
@@ -176,13 +235,17 @@ class AccumulateStepper(Stepper):
         grad_norm = None
         if self.config.max_grad_norm and self.config.max_grad_norm > 0:
             grad_norm = float(accelerator.clip_grad_norm_(self.params, self.config.max_grad_norm))
+        big_grad_sq = None
+        if self.boundary.noise is not None:  # the clip's norm is the one before clipping: reuse it
+            big_grad_sq = grad_norm ** 2 if grad_norm is not None else float(
+                squared_norm([p.grad for p in self.params], accelerator.device))
         self.optimizer.step()
         if accelerator.optimizer_step_was_skipped:  # fp16 overflow: no update, so no scheduler step
             decision = decision.overflowed()
         else:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm, decision
+        return grad_norm, decision, big_grad_sq
 
     def _fp32_accumulator(self) -> Fp32GradientAccumulator | None:
         if not self.config.fp32_grad_accumulation or not low_precision_parameters(self.params):
@@ -209,6 +272,8 @@ class DeepSpeedStepper(Stepper):
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
+        if self.config.noise_scale:
+            raise LoopConfigError(f"LoopConfig.noise_scale: {NOT_UNDER_DEEPSPEED}")
         self.engine = self.accelerator.deepspeed_engine_wrapped.engine
         clipping = float(self.engine.gradient_clipping() or 0.0)
         if clipping != float(self.config.max_grad_norm or 0.0):
@@ -218,13 +283,19 @@ class DeepSpeedStepper(Stepper):
                 "fills the config's \"auto\" from max_grad_norm) or make the two equal"
             )
 
-    def epoch(self, batches, done: int) -> Iterator[Step]:
+    def epoch(self, batches, done: int, windows: list[int] | None = None,
+              targets: list[int] | None = None) -> Iterator[Step]:
+        """``windows``: planned sizes (ramp-up, token budget); the factor uses the engine's own K, which
+        ``engine.backward`` divides by whatever the window's length, so planned windows need nothing more."""
         kind = self.loss.kind or infer_loss_kind(self.model)
         step = 0
-        for window in _windows(batches, self.accelerator.gradient_accumulation_steps):
+        planned = iter(targets) if targets is not None else None
+        sizes = windows if windows is not None else self.accelerator.gradient_accumulation_steps
+        for window in _windows(batches, sizes):
             step += len(window)
             done += 1
-            n_window = count_window_targets(window, kind, self.accelerator)
+            n_window = count_window_targets(window, kind, self.accelerator, self.config.normalization)
+            check_window_targets(next(planned) if planned else None, n_window, done)
             learning_rate = self._learning_rate()
             if n_window:
                 self._forward_backward(window, n_window)
@@ -268,6 +339,8 @@ class DeepSpeedStepper(Stepper):
 def build_stepper(model, optimizer, scheduler, accelerator: Accelerator, config: LoopConfig,
                   micro_batch_loss: MicroBatchLoss, boundary: UpdateBoundary) -> Stepper:
     kind = DeepSpeedStepper if is_deepspeed(accelerator) else AccumulateStepper
+    if config.noise_scale and accelerator.distributed_type == DistributedType.FSDP:
+        raise LoopConfigError(f"LoopConfig.noise_scale: {NOT_UNDER_FSDP}")
     return kind(model, optimizer, scheduler, accelerator, config, micro_batch_loss, boundary)
 
 
@@ -285,13 +358,37 @@ def split_labels(batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict]:
     return batch["labels"], inputs
 
 
-def _windows(dataloader, size: int) -> Iterator[list]:
-    """The dataloader's micro-batches in windows of ``size``; the epoch's last window may be shorter."""
+def _windows(dataloader, sizes: int | list[int]) -> Iterator[list]:
+    """The dataloader's micro-batches in windows of ``sizes`` (an int: every window that size, the epoch's last
+    may be shorter; a list: the planned sizes)."""
+    if not isinstance(sizes, int):
+        window = []
+        for batch, closes in in_windows(dataloader, sizes):
+            window.append(batch)
+            if closes:
+                yield window
+                window = []
+        return
     window: list = []
     for batch in dataloader:
         window.append(batch)
-        if len(window) == size:
+        if len(window) == sizes:
             yield window
             window = []
     if window:
         yield window
+
+
+def in_windows(batches, sizes: list[int]) -> Iterator[tuple[Any, bool]]:
+    """``(micro-batch, closes its window)`` for windows of the planned ``sizes``; the plan ends the epoch (a
+    truncated last epoch leaves the rest of the dataloader unread)."""
+    iterator = iter(batches)
+    for size in sizes:
+        for position in range(size):
+            batch = next(iterator, _END)
+            if batch is _END:
+                raise PlanDriftError("the dataloader ended before the planned windows did (other data than planned?)")
+            yield batch, position == size - 1
+
+
+_END = object()

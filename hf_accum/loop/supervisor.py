@@ -12,7 +12,13 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from hf_accum.boundary import Decision, UpdateBoundary
-from hf_accum.checkpoint import LoopCheckpointer, LoopState, check_output_dir_writable, resolve_resume_checkpoint
+from hf_accum.checkpoint import (
+    LoopCheckpointer,
+    LoopState,
+    ResumeMismatchError,
+    check_output_dir_writable,
+    resolve_resume_checkpoint,
+)
 from hf_accum.loop.config import LoopConfig, LoopConfigError
 from hf_accum.loop.plan import RunPlan
 from hf_accum.loop.steppers import Stepper
@@ -45,7 +51,10 @@ class Supervisor:
         self.result.updates = [UpdateLog(**update) for update in state.log_history]
         self.stepper.magnitude.value = state.window_magnitude
         self.boundary.guard.consecutive = state.consecutive_nonfinite
+        if self.boundary.noise is not None and state.noise_scale:
+            self.boundary.noise.load_state_dict(state.noise_scale)
         self.first_epoch = state.epoch
+        self._check_window_plan(checkpoint, state.window_plan)
         progress.update(state.update)
         if self.accelerator.is_main_process:
             if state.planned_updates != self.plan.total_updates:
@@ -55,6 +64,14 @@ class Supervisor:
                 )
             logger.info("resuming from %s: %d updates done, epoch %d, %d micro-batches of it consumed",
                         checkpoint, state.update, state.epoch, state.micro_batches_in_epoch)
+
+    def _check_window_plan(self, checkpoint: str, stored: str | None) -> None:
+        windows = self.plan.windows
+        if (windows.digest() if windows else None) != stored:
+            raise ResumeMismatchError(
+                f"cannot resume from {checkpoint}: it was planned with other windows (rampup_batch_size / "
+                "tokens_per_update or the data differ); resume with the checkpoint's settings and data"
+            )
 
     def epoch_batches(self, dataloader: Any, epoch: int) -> tuple[Any, int]:
         """The epoch's micro-batches still to train (a resumed epoch skips what was consumed) and how many
@@ -73,6 +90,8 @@ class Supervisor:
                 planned_updates=self.plan.total_updates, micro_batches_per_epoch=self.plan.micro_batches,
                 window_magnitude=self.stepper.magnitude.value,
                 consecutive_nonfinite=self.boundary.guard.consecutive, log_history=self.result.as_dicts(),
+                window_plan=self.plan.windows.digest() if self.plan.windows else None,
+                noise_scale=self.boundary.noise.state_dict() if self.boundary.noise is not None else None,
             )
         )
         return self.result.checkpoint

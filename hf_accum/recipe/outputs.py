@@ -176,6 +176,8 @@ class RunRecord:
     started: float
     updates: list[dict[str, Any]] = field(default_factory=list)
     facts: dict[str, Any] = field(default_factory=dict)
+    noise_scale_advice: str | None = None
+    """``accumulation.noise_scale``: the end-of-run line on the batch size (also in metrics.json)."""
 
     def keep_update(self, update) -> None:
         """``on_update``: keep every update for ``metrics.json`` and the plot."""
@@ -196,7 +198,9 @@ class RunRecord:
         return time.time() - self.started
 
     def metrics(self) -> dict[str, Any]:
-        return {"engine": self.config.engine, **self.facts, "wall_seconds": self.wall_seconds, "updates": self.updates}
+        advice = {"noise_scale_advice": self.noise_scale_advice} if self.noise_scale_advice else {}
+        return {"engine": self.config.engine, **self.facts, **advice, "wall_seconds": self.wall_seconds,
+                "updates": self.updates}
 
 
 def save_outputs(record: RunRecord, model, tokenizer) -> str:
@@ -234,7 +238,8 @@ def run_title(config: config_module.RecipeConfig) -> str:
 
 
 def plot_curves(updates: list[dict[str, Any]], path: str, title: str = "") -> None:
-    """Per-update loss (and held-out loss where evaluated) and LR, against integer update numbers."""
+    """Per-update loss (and held-out loss where evaluated), LR, and a panel with tokens per update and the
+    measured gradient noise scale (when tracked), against integer update numbers."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -242,7 +247,7 @@ def plot_curves(updates: list[dict[str, Any]], path: str, title: str = "") -> No
     from matplotlib.ticker import MaxNLocator
 
     steps = [u["step"] for u in updates]
-    fig, (ax_loss, ax_lr) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True)
+    fig, (ax_loss, ax_lr, ax_batch) = plt.subplots(3, 1, figsize=(8, 7.5), sharex=True)
     ax_loss.plot(steps, [u.get("loss", math.nan) for u in updates], lw=1, label="training loss (per-token mean)")
     evaluated = [(u["step"], u["eval_loss"]) for u in updates if u.get("eval_loss") is not None]
     if evaluated:
@@ -251,13 +256,26 @@ def plot_curves(updates: list[dict[str, Any]], path: str, title: str = "") -> No
     ax_loss.legend(loc="upper right", fontsize=8)
     ax_lr.plot(steps, [u.get("learning_rate", math.nan) for u in updates], lw=1, color="tab:orange")
     ax_lr.set_ylabel("learning rate")
-    ax_lr.set_xlabel("optimizer update")
-    ax_lr.xaxis.set_major_locator(MaxNLocator(integer=True))
+    _plot_batch_panel(ax_batch, updates, steps)
+    ax_batch.set_xlabel("optimizer update")
+    ax_batch.xaxis.set_major_locator(MaxNLocator(integer=True))
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _plot_batch_panel(ax, updates: list[dict[str, Any]], steps: list[int]) -> None:
+    """Tokens (targets) per update, and the noise scale B_simple in the same unit: above the tokens line,
+    larger updates would still pay off."""
+    ax.plot(steps, [u.get("targets", math.nan) for u in updates], lw=1, color="tab:green", label="tokens per update")
+    measured = [(u["step"], u["noise_scale"]) for u in updates if u.get("noise_scale") is not None]
+    if measured:
+        ax.plot(*zip(*measured), lw=1, color="tab:purple", label="gradient noise scale (tokens)")
+        ax.set_yscale("log")
+    ax.set_ylabel("tokens")
+    ax.legend(loc="upper right", fontsize=8)
 
 
 def describe_trainable(summary: dict[str, Any]) -> str:

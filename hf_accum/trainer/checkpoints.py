@@ -8,6 +8,7 @@ only then are old checkpoints rotated out.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import Any, Callable
@@ -32,6 +33,9 @@ from hf_accum.compat import TRAINER_STATE_NAME
 from hf_accum.schedule import BatchPlan
 
 logger = logging.getLogger("hf_accum.trainer")
+
+NOISE_SCALE_FILE = "noise_scale.json"
+"""The noise-scale moving averages (``NoiseScaleTracker.state_dict``): a resumed run continues them."""
 
 
 class TrainerCheckpoints:
@@ -62,6 +66,13 @@ class TrainerCheckpoints:
         # auto_find_batch_size re-derives (micro-batch, K) for the same effective batch.
         if check_resume_plan(checkpoint, current, same_global_batch_ok=auto_find_batch_size) is None:
             logger.warning("%s has no %s; cannot check that the batch plan is unchanged", checkpoint, PLAN_FILE)
+
+    def restore_noise_scale(self, tracker: Any) -> None:
+        """Continue the checkpoint's noise-scale averages (nothing for a fresh start or an untracked run)."""
+        path = os.path.join(self.resume_checkpoint, NOISE_SCALE_FILE) if self.resume_checkpoint else None
+        if tracker is not None and path and os.path.isfile(path):
+            with open(path) as handle:
+                tracker.load_state_dict(json.load(handle))
 
     def resumed_history(self) -> list[dict]:
         """The updates before the checkpoint this run resumes from ([] for a fresh start)."""
@@ -96,6 +107,10 @@ class TrainerCheckpoints:
             if os.path.isfile(os.path.join(staged, TRAINER_STATE_NAME)):
                 trainer.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
         save_update_history(staged, trainer.update_history())
+        noise = trainer.noise_scale_tracker
+        if noise is not None:
+            with open(os.path.join(staged, NOISE_SCALE_FILE), "w") as handle:
+                json.dump(noise.state_dict(), handle)
         save_batch_plan(staged, trainer.batch_plan)
 
     # -- ending a halted run ------------------------------------------------------------------------------

@@ -35,10 +35,13 @@ from hf_accum.accumulation import WindowTally
 from hf_accum.compat import check_trainer_hooks, keep_4bit_training_layout, prepare_inputs, trainer_learning_rate
 from hf_accum.control import DEFAULT_MAX_CONSECUTIVE_NONFINITE, NonFiniteGuard, StopSignals, TrainingControl
 from hf_accum.fused_loss import MicroBatchLoss
+from hf_accum.loop.windows import refuse_planned_windows
 from hf_accum.loss import LossKind, infer_loss_kind, model_problem_type, resolve_loss_kind, token_loss_sum
+from hf_accum.noise_probe import NOT_UNDER_DEEPSPEED, NOT_UNDER_FSDP
 from hf_accum.records import UpdateLog
 from hf_accum.run_lock import locks_output_dir
 from hf_accum.schedule import BatchPlan
+from hf_accum.sequence_norm import FUSED_NOTE, SequenceMeanLoss, check_normalization
 from hf_accum.trainer.batch_plan import BatchPlanner
 from hf_accum.trainer.callbacks import BoundaryActions
 from hf_accum.trainer.checkpoints import TrainerCheckpoints
@@ -96,20 +99,35 @@ class AccumTrainer(Trainer):
         fp32_grad_accumulation: bool = True,
         max_consecutive_nonfinite: int = DEFAULT_MAX_CONSECUTIVE_NONFINITE,
         stop_on_signals: bool = True,
+        rampup_batch_size: list[int] | None = None,
+        tokens_per_update: int | None = None,
+        noise_scale: bool = False,
+        normalization: str = "token",
         **kwargs: Any,
     ) -> None:
+        refuse_planned_windows("AccumTrainer: ", rampup_batch_size, tokens_per_update)  # the loop engine has them
         guard = NonFiniteGuard(max_consecutive_nonfinite)  # validates before the heavy set-up
+        check_normalization(normalization, "AccumTrainer(normalization)", loss_kind)
+        if not isinstance(noise_scale, bool):
+            raise ValueError(f"AccumTrainer(noise_scale={noise_scale!r}): must be True or False")
         super().__init__(*args, **kwargs)
         _refuse_unverifiable_settings(self)
+        if noise_scale and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
+            reason = NOT_UNDER_DEEPSPEED if self.is_deepspeed_enabled else NOT_UNDER_FSDP
+            raise ValueError(f"AccumTrainer(noise_scale=True): {reason}")
         # Read once: the head's problem type does not change during a run (sequence heads only).
         self._problem_type = model_problem_type(self.model)
-        self._micro_batch_loss = self._build_micro_batch_loss(loss_kind, fused_loss)
+        self._micro_batch_loss = self._build_micro_batch_loss(loss_kind, fused_loss, normalization)
         # We compute the loss ourselves, so the model never sees labels or num_items_in_batch:
         # this also stops Trainer's own (rank-local when average_tokens_across_devices=False) count.
         self.model_accepts_loss_kwargs = False
         self.run_control = TrainingControl()  # request_checkpoint() / request_stop(), from callbacks or threads
         self._window = TrainerWindow(self.accelerator, self.run_control, guard, self.is_deepspeed_enabled,
-                                     self.is_fsdp_enabled)
+                                     self.is_fsdp_enabled, noise_scale=noise_scale,
+                                     clips=bool(self.args.max_grad_norm and self.args.max_grad_norm > 0),
+                                     normalization=normalization)
+        self.noise_scale_advice: str | None = None
+        """With ``noise_scale=True``: the end-of-run line on the batch size (also logged)."""
         self._records = UpdateRecorder(self._window.boundary, on_update)
         self._checkpoints = TrainerCheckpoints(self)
         self._planner = BatchPlanner(self)
@@ -124,6 +142,11 @@ class AccumTrainer(Trainer):
         return self._records.updates
 
     @property
+    def noise_scale_tracker(self):
+        """The gradient noise scale's moving averages (None without ``noise_scale=True``)."""
+        return self._window.boundary.noise
+
+    @property
     def batch_plan(self) -> BatchPlan | None:
         return self._planner.plan
 
@@ -135,8 +158,17 @@ class AccumTrainer(Trainer):
             self._micro_batch_loss.kind = infer_loss_kind(self.model)
         return self._micro_batch_loss.kind
 
-    def _build_micro_batch_loss(self, loss_kind: LossKind | None, fused_loss: bool) -> MicroBatchLoss:
+    def _build_micro_batch_loss(self, loss_kind: LossKind | None, fused_loss: bool,
+                                normalization: str = "token") -> MicroBatchLoss:
         overridden = type(self).loss_sum_and_count is not AccumTrainer.loss_sum_and_count
+        if normalization == "sequence":
+            if overridden:
+                raise ValueError(f"AccumTrainer(normalization='sequence') weighs the built-in loss per sequence; "
+                                 f"{type(self).__name__} overrides loss_sum_and_count: pass normalization='token'")
+            if fused_loss:
+                logger.info("%s", FUSED_NOTE)
+            return MicroBatchLoss(loss_kind, self.args.label_smoothing_factor, self._problem_type,
+                                  SequenceMeanLoss(self.args.label_smoothing_factor), fused=False)
         if overridden and fused_loss:
             logger.info("%s overrides loss_sum_and_count, which receives the logits: this run takes the logits "
                         "path, not the fused loss", type(self).__name__)
@@ -184,11 +216,14 @@ class AccumTrainer(Trainer):
             loss = loss_sum / torch.clamp(torch.as_tensor(n_targets, device=loss_sum.device), min=1)
         else:
             self._window.boundary.add(loss_sum, n_targets, inputs, aux_sum=self._micro_batch_loss.aux_sum)
+            self._window.micro_batch_targets = n_targets
             loss = loss_sum * self._window.loss_factor(num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
+        if num_items_in_batch is not None:
+            self._window.after_backward(model)  # noise scale: the window's first micro-batch, alone
         # _run_epoch sets sync_gradients on the window's last micro-batch, before training_step.
         if num_items_in_batch is not None and self.accelerator.sync_gradients:
             self._records.window_closed(self._window.close(model, self.state.global_step + 1))
@@ -199,6 +234,7 @@ class AccumTrainer(Trainer):
         # Called at the start of every (re)try of the training loop (auto_find_batch_size after an OOM).
         self._window.start()
         self._records.start(self._checkpoints.resumed_history())
+        self._checkpoints.restore_noise_scale(self.noise_scale_tracker)
         self._planner.keep_effective_batch()
         dataloader = super().get_train_dataloader()
         self._planner.planned(dataloader)
@@ -212,7 +248,7 @@ class AccumTrainer(Trainer):
     def _maybe_log_save_evaluate(self, tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time,
                                  learning_rate=None):
         # Trainer calls this after every update (and once more at an epoch's end, with no new window).
-        self._records.closing(grad_norm, learning_rate)
+        self._records.closing(grad_norm, learning_rate, self._window.unclipped_grad_sq)
         super()._maybe_log_save_evaluate(
             tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, learning_rate=learning_rate
         )
@@ -229,6 +265,7 @@ class AccumTrainer(Trainer):
         """Training logs carry the exact per-target loss of the logged updates and their shape."""
         if "loss" in logs:
             logs.update(self._window.take_interval_logs())
+            logs.update(self._records.noise_logs())
         if "train_loss" in logs and self._window.run_totals.targets:
             # Trainer's final train_loss is a mean of per-update means; ours weighs every target alike.
             logs["train_loss"] = self._window.run_totals.mean_loss
@@ -266,6 +303,9 @@ class AccumTrainer(Trainer):
         with StopSignals(self.run_control, self._stop_on_signals):
             output = super().train(checkpoint, *args, **kwargs)
         self._checkpoints.raise_if_halted(self._window.halting, self._window.boundary.guard)
+        self.noise_scale_advice = self._window.boundary.noise_advice(self.updates)
+        if self.noise_scale_advice and self.args.process_index == 0:
+            logger.info("%s", self.noise_scale_advice)
         if "train_loss" in output.metrics:  # set by log() above: the per-target mean of the whole run
             output = output._replace(training_loss=output.metrics["train_loss"])
         return output

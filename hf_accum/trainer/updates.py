@@ -12,6 +12,7 @@ from dataclasses import asdict
 from typing import Callable
 
 from hf_accum.boundary import Decision, UpdateBoundary
+from hf_accum.noise_scale import NoiseScaleReading
 from hf_accum.records import UpdateLog
 
 
@@ -26,6 +27,8 @@ class UpdateRecorder:
         self._learning_rate: float | None = None
         self.eval_loss: float | None = None
         """The exact held-out loss an evaluation of the update being closed found."""
+        self.noise: NoiseScaleReading | None = None
+        """The noise-scale reading of the update being closed (None when not tracked)."""
 
     def start(self, resumed: list[dict]) -> None:
         self.updates = [UpdateLog(**update) for update in resumed]
@@ -35,10 +38,24 @@ class UpdateRecorder:
         """The boundary decided on the window Trainer is about to step (or skip)."""
         self._closing = decision
 
-    def closing(self, grad_norm: float | None, learning_rate: float | None) -> None:
-        """Trainer starts closing the update (its clipped norm and LR are known now)."""
+    def closing(self, grad_norm: float | None, learning_rate: float | None,
+                unclipped_grad_sq: float | None = None) -> None:
+        """Trainer starts closing the update (its norm before clipping and LR are known now); the noise
+        scale folds the update in once (the big batch: that norm, or ``unclipped_grad_sq`` without clipping)."""
+        grad_norm = float(grad_norm) if grad_norm is not None else None
         self._grad_norm, self._learning_rate = grad_norm, learning_rate
         self.eval_loss = None
+        if self._closing is not None:
+            big = grad_norm ** 2 if grad_norm is not None else unclipped_grad_sq
+            self.noise = self.boundary.measure_noise(self._closing, big)
+
+    def noise_logs(self) -> dict[str, float]:
+        """The noise-scale numbers of the update being closed, for Trainer's log line."""
+        if self.noise is None:
+            return {}
+        values = {"noise_scale": self.noise.noise_scale, "grad_sq": self.noise.grad_sq,
+                  "trace_cov": self.noise.trace_cov}
+        return {name: value for name, value in values.items() if value is not None}
 
     def closing_update(self, step: int, epoch: float, current_lr: Callable[[], float]) -> UpdateLog | None:
         """The log of the update Trainer is closing (None at an epoch end without a new window)."""
@@ -46,7 +63,7 @@ class UpdateRecorder:
             return None
         learning_rate = self._learning_rate if self._learning_rate is not None else current_lr()
         return self.boundary.record(self._closing, step=step, epoch=epoch, learning_rate=learning_rate,
-                                    grad_norm=self._grad_norm, eval_loss=self.eval_loss)
+                                    grad_norm=self._grad_norm, eval_loss=self.eval_loss, noise=self.noise)
 
     def commit(self, step: int, epoch: float, current_lr: Callable[[], float]) -> None:
         """Record the update Trainer just closed, and hand it to ``on_update``."""

@@ -25,6 +25,7 @@ from hf_accum.accumulation import (
 from hf_accum.boundary import Decision, UpdateBoundary, count_window_targets, discard_window_
 from hf_accum.control import NonFiniteGuard, TrainingControl
 from hf_accum.loss import LossKind
+from hf_accum.noise_probe import small_batch_grad_sq, squared_norm
 
 logger = logging.getLogger("hf_accum.trainer")
 
@@ -40,14 +41,24 @@ class TrainerWindow:
     low-precision weights, and the totals the logs report."""
 
     def __init__(self, accelerator: Any, control: TrainingControl, guard: NonFiniteGuard, deepspeed: bool,
-                 fsdp: bool) -> None:
+                 fsdp: bool, noise_scale: bool = False, clips: bool = True, normalization: str = "token") -> None:
         self.accelerator = accelerator
         self.deepspeed = deepspeed
         self.fsdp = fsdp
         self.boundary = UpdateBoundary(
             accelerator, control, guard, logger, count_source="loss_sum_and_count", steps_in_backward=deepspeed,
-            no_targets_note=_DEEPSPEED_NO_TARGETS if deepspeed else "",
+            no_targets_note=_DEEPSPEED_NO_TARGETS if deepspeed else "", noise_scale=noise_scale,
         )
+        self.clips = clips
+        self.normalization = normalization
+        """``token`` or ``sequence``: the unit the window is counted in (:mod:`hf_accum.sequence_norm`)."""
+        """Trainer clips (``max_grad_norm`` > 0), so its norm before clipping is the noise scale's big batch."""
+        self.first_pending = False
+        """Noise scale: the window's first micro-batch has not been measured yet."""
+        self.micro_batch_targets: torch.Tensor | int = 0
+        """The targets of the micro-batch whose backward just ran."""
+        self.unclipped_grad_sq: float | None = None
+        """Noise scale without clipping: the applied gradient's squared norm (measured at the boundary)."""
         self.targets = 0
         """The window's global target count (``num_items_in_batch``)."""
         self.fp32_sums: Fp32GradientAccumulator | None = None
@@ -85,7 +96,8 @@ class TrainerWindow:
         """The window's targets on all ranks -- ALWAYS summed over ranks, also when
         ``average_tokens_across_devices=False`` (where stock Trainer divides by each rank's own count and DDP
         then averages differently-normalized gradients). Every rank joins this all-reduce once per window."""
-        self.targets = count_window_targets(batches, kind, self.accelerator)
+        self.targets = count_window_targets(batches, kind, self.accelerator, self.normalization)
+        self.first_pending = True
         return self.targets  # a Python int: no device sync per micro-batch in compute_loss
 
     def loss_factor(self, window_targets: int) -> float:
@@ -107,6 +119,25 @@ class TrainerWindow:
             return window_scale
         return 2.0 ** round(math.log2(window_scale))
 
+    def after_backward(self, model: torch.nn.Module) -> None:
+        """Noise scale: the window's first micro-batch is alone in this rank's buffers now (Trainer runs it in
+        ``no_sync``). They hold ``loss_factor * grad(loss_sum)`` (Trainer's Accelerator has K = 1, so backward
+        adds no ``1 / K``; fp16 adds the GradScaler's scale), so dividing by that factor times ``n_1`` gives its
+        per-target mean gradient. A window of one micro-batch on this rank measures nothing."""
+        if self.boundary.noise is None or not self.first_pending:
+            return
+        self.first_pending = False
+        if self.accelerator.sync_gradients:
+            return
+        scale = self.loss_factor(self.targets)
+        if self.accelerator.scaler is not None:
+            scale *= float(self.accelerator.scaler.get_scale())
+        buffers = [p.grad for p in model.parameters()]
+        if self.fp32_sums is not None:  # bf16 weights: the micro-batch's gradient sits in the fp32 sums
+            buffers += self.fp32_sums.pending_sums()
+        grad_sq = small_batch_grad_sq(buffers, scale, self.micro_batch_targets, self.accelerator.device)
+        self.boundary.add_small_batch(self.micro_batch_targets, grad_sq)
+
     # -- at the boundary ----------------------------------------------------------------------------------
     def close(self, model: torch.nn.Module, update: int) -> Decision:
         """The window's last micro-batch: the boundary decides; a skipped window is kept out of the weights."""
@@ -118,9 +149,13 @@ class TrainerWindow:
         self.decision = decision
         if decision.halt is not None:
             self.halting = decision
+        self.unclipped_grad_sq = None
         if decision.applied:
             if self.fp32_sums is not None:
                 self._write_fp32_sums(model)
+            if self.boundary.noise is not None and not self.clips:  # no clip computes the norm for us
+                self.unclipped_grad_sq = float(squared_norm([p.grad for p in model.parameters()],
+                                                            self.accelerator.device))
         else:
             self._keep_out_of_weights(model)
         if decision.totals.nonfinite:

@@ -7,6 +7,7 @@ A config has recipe fields plus sections; the sections are ONE registry, the
     global_batch_size: 32       # optional; derives training.gradient_accumulation_steps
     model:        ModelSection  (this module; checked by hf_accum.recipe.modeling)
     data:         DataSection   (this module; checked by hf_accum.recipe.data)
+    accumulation: AccumulationSection (this module; checked by hf_accum.recipe.accumulation)
     lora:         peft.LoraConfig fields            (null: full fine-tuning)
     quantization: transformers.BitsAndBytesConfig fields (null: none; needs lora -> QLoRA)
     training:     transformers.TrainingArguments fields
@@ -119,6 +120,22 @@ class DataSection:
     """Seed of the embedded dataset's generation and of the ``eval_fraction`` draw."""
 
 
+@dataclass
+class AccumulationSection:
+    """How updates are formed beyond a fixed K, built and measured (checked by :mod:`hf_accum.recipe.accumulation`)."""
+
+    rampup_batch_size: list | None = None
+    """``[start, increment, samples]``: Megatron's batch ramp-up towards the global batch (loop engine)."""
+    tokens_per_update: int | None = None
+    """Close an update once it holds this many targets on all ranks (loop engine); replaces the global batch."""
+    noise_scale: bool = False
+    """Track the gradient noise scale (metrics.json ``noise_scale``, ``grad_sq``, ``trace_cov``; the plot; an
+    end-of-run line on the batch size). Needs >= 2 micro-batches per update; not under DeepSpeed."""
+    normalization: str = "token"
+    """token: the update's loss is the mean over its target tokens; sequence: the mean over its sequences of each
+    sequence's mean token loss (long answers do not dominate; packed rows count each sequence)."""
+
+
 @dataclass(frozen=True)
 class Section:
     """A config section: where its keys and types come from, and the object it becomes.
@@ -202,6 +219,10 @@ class RecipeConfig:
                                   validator="hf_accum.recipe.modeling:check_model_section")
     data: DataSection = _section(DataSection, recipe_class=DataSection,
                                 validator="hf_accum.recipe.data:check_data_section")
+    accumulation: AccumulationSection = _section(
+        AccumulationSection, recipe_class=AccumulationSection,
+        validator="hf_accum.recipe.accumulation:check_accumulation_section",
+    )
     lora: dict | None = _section({}, hf_class="peft:LoraConfig", nullable=True, fixed={"task_type": "CAUSAL_LM"})
     """peft.LoraConfig fields; null = full fine-tuning."""
     quantization: dict | None = _section(None, hf_class="transformers:BitsAndBytesConfig", nullable=True,

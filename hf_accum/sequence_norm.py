@@ -1,0 +1,93 @@
+"""Per-sequence normalization: an update's loss is the mean over its sequences of each sequence's mean token
+loss (SFT where long answers should not dominate), exact across micro-batches, ranks and packed rows.
+
+It is a loss *weighting*, not a second scaling path. Each target ``t`` gets the weight ``w_t = 1 / n_s(t)``
+(``n_s`` the targets of its sequence ``s``), a micro-batch's loss is ``sum_t w_t * loss_t`` and its "count" is
+the number of sequences with at least one target. The one normalization owner then divides the update's sum by
+its count, unchanged (``exact_mean_factor(N_sequences, W)``)::
+
+    (1 / S) * sum_s (1 / n_s) * sum_{t in s} loss_t      S = sequences with >= 1 target, all micro-batches, ranks
+
+A sequence never spans two micro-batches, so ``n_s`` is known inside the micro-batch that holds it. A row is a
+sequence; a padding-free packed row (``position_ids`` restarting at 0, :class:`hf_accum.batching.PackingCollator`)
+holds one sequence per restart. Causal LMs only (a target at position ``i + 1`` is predicted from ``i``).
+
+The fused loss has no per-token weights: sequence mode takes the logits path (logged by the front-ends).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from hf_accum.loss import IGNORE_INDEX, aligned_targets, compute_dtype
+
+NORMALIZATIONS = ("token", "sequence")
+FUSED_NOTE = ("per-sequence normalization takes the logits path: the fused loss has no per-token weights "
+              "(the logits of one micro-batch are materialized)")
+
+
+def check_normalization(value: Any, key: str, loss_kind: str | None = "causal_lm") -> None:
+    """One line naming ``key`` and what it allows; sequence mode is for causal LMs (token targets)."""
+    if value not in NORMALIZATIONS:
+        raise ValueError(f"{key}={value!r}; allowed: {', '.join(repr(n) for n in NORMALIZATIONS)}")
+    if value == "sequence" and loss_kind not in (None, "causal_lm"):
+        raise ValueError(f"{key}='sequence' needs loss_kind 'causal_lm' (got {loss_kind!r}); a sequence head's "
+                         "loss is already one term per sequence: use 'token'")
+
+
+def target_segments(labels: torch.Tensor, position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(targets, segment)``, both ``[rows, positions]`` and aligned with the logits: the label each position
+    predicts (-100: none) and a micro-batch-wide id of the sequence that label belongs to."""
+    rows, length = labels.shape
+    if position_ids is not None and position_ids.shape == labels.shape:
+        # A new sequence wherever the positions restart at 0 (the first position of a row always starts one).
+        local = position_ids.to(labels.device).eq(0).long().cumsum(dim=1)
+    else:
+        local = torch.ones_like(labels)
+    segment = torch.arange(rows, device=labels.device).unsqueeze(1) * (length + 1) + local
+    # The logit at position i predicts the label at i + 1: it belongs to that label's sequence.
+    segment = torch.cat([segment[:, 1:], segment[:, -1:]], dim=1)
+    return aligned_targets(labels, "causal_lm"), segment
+
+
+def sequence_weights(labels: torch.Tensor, position_ids: torch.Tensor | None = None,
+                     dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w, sequences)``: per-position weights ``1 / n_s`` (0 where nothing is predicted) and the number of
+    sequences with at least one target (an int64 tensor: no host sync)."""
+    targets, segment = target_segments(labels, position_ids)
+    mask = targets.ne(IGNORE_INDEX)
+    _, inverse = torch.unique(segment, return_inverse=True)
+    counts = torch.zeros(int(inverse.max()) + 1 if inverse.numel() else 1, dtype=torch.long, device=labels.device)
+    counts.index_add_(0, inverse[mask], torch.ones_like(inverse[mask]))
+    weights = torch.where(mask, 1.0 / counts[inverse].clamp(min=1).to(dtype), torch.zeros((), dtype=dtype,
+                                                                                        device=labels.device))
+    return weights, counts.gt(0).sum()
+
+
+def count_sequences(batch: Mapping[str, Any]) -> torch.Tensor:
+    """The count a sequence-normalized micro-batch reports: its sequences with at least one target."""
+    return sequence_weights(batch["labels"], batch.get("position_ids"))[1]
+
+
+def sequence_loss_sum(logits: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
+                      label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum_t w_t * loss_t, sequences)`` of one micro-batch (the front-ends divide by the update's count)."""
+    dtype = compute_dtype(logits.dtype)
+    weights, sequences = sequence_weights(labels.to(logits.device), position_ids, dtype)
+    targets, _ = target_segments(labels.to(logits.device), position_ids)
+    per_token = F.cross_entropy(logits.to(dtype).reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                ignore_index=IGNORE_INDEX, reduction="none", label_smoothing=label_smoothing)
+    return (per_token * weights.reshape(-1)).sum(), sequences
+
+
+class SequenceMeanLoss:
+    """A ``loss_sum_fn(outputs, labels, inputs)`` (both front-ends' logits path) in sequence mode."""
+
+    def __init__(self, label_smoothing: float = 0.0) -> None:
+        self.label_smoothing = label_smoothing
+
+    def __call__(self, outputs: Any, labels: torch.Tensor, inputs: Mapping[str, Any]):
+        return sequence_loss_sum(outputs.logits, labels, inputs.get("position_ids"), self.label_smoothing)

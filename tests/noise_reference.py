@@ -1,0 +1,127 @@
+"""An independent reference for the noise-scale measurement: every rank records the micro-batches it trained
+(in order), then recomputes, at the run's (unchanged: lr 0) weights, the gradient of each window's first
+micro-batch ALONE and of the whole update, with a plain float64 cross-entropy -- nothing from hf_accum's loss,
+boundary or probe. The expected two-size estimates follow; the run's ``UpdateLog.grad_sq`` / ``trace_cov``
+must equal them (1e-10)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hf_accum.noise_scale import SmallBatch, update_estimates
+
+
+class RecordingCollator:
+    """Wraps a collator; keeps every micro-batch this rank's dataloader produced."""
+
+    def __init__(self, collator) -> None:
+        self.collator = collator
+        self.batches: list[dict] = []
+
+    def __call__(self, examples):
+        batch = self.collator(examples)
+        self.batches.append({key: value.clone() for key, value in batch.items()})
+        return batch
+
+
+def summed_gradient(model: torch.nn.Module, batches: list[dict]) -> tuple[torch.Tensor, int]:
+    """Flat gradient of the summed next-token cross-entropy over ``batches``, and their target count."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = torch.zeros(sum(p.numel() for p in params), dtype=torch.float64)
+    targets = 0
+    for batch in batches:
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        logits = model(**inputs, use_cache=False).logits.to(torch.float64)
+        labels = batch["labels"][:, 1:]
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                               ignore_index=-100, reduction="sum")
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        total += torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).to(torch.float64)
+                            for g, p in zip(grads, params)])
+        targets += int((labels != -100).sum())
+    return total, targets
+
+
+def expected_estimates(model: torch.nn.Module, batches: list[dict], accumulation: int) -> list[dict]:
+    """Per update: the small batches (every rank's first micro-batch of windows of >= 2), ``B``, ``|G|^2``
+    and the estimates :func:`update_estimates` gives for them. A collective under torch.distributed."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    windows = [batches[i:i + accumulation] for i in range(0, len(batches), accumulation)]
+    expected = []
+    for window in windows:
+        first, n_first = summed_gradient(model, window[:1])
+        local = [(n_first, float(first.square().sum()) / n_first ** 2)] if len(window) > 1 and n_first else []
+        window_sum, window_targets = summed_gradient(model, window)
+        counts = torch.tensor([float(window_targets)], dtype=torch.float64)
+        if world > 1:
+            dist.all_reduce(window_sum)
+            dist.all_reduce(counts)
+            gathered: list = [None] * world
+            dist.all_gather_object(gathered, local)
+            local = [pair for rank_pairs in gathered for pair in rank_pairs]
+        big_targets = float(counts[0])
+        big_grad_sq = float((window_sum / big_targets).square().sum())
+        estimate = update_estimates([SmallBatch(n, g) for n, g in local], big_targets, big_grad_sq)
+        expected.append({
+            "small": local, "big_targets": big_targets, "big_grad_sq": big_grad_sq,
+            "grad_sq": estimate.grad_sq if estimate else None, "trace_cov": estimate.trace_cov if estimate else None,
+        })
+    return expected
+
+
+def relative_errors(updates: list[dict], expected: list[dict]) -> list[float]:
+    """Relative error of the logged raw estimates against the reference, update by update."""
+    errors = []
+    for update, reference in zip(updates, expected, strict=True):
+        for name in ("grad_sq", "trace_cov"):
+            if reference[name] is None:
+                assert update[name] is None, (name, update[name])
+                continue
+            errors.append(abs(update[name] - reference[name]) / abs(reference[name]))
+    return errors
+
+
+# -- the runs under test ----------------------------------------------------------------------------------
+
+def learnable_rows(rows: int, seed: int) -> list[dict]:
+    """Random lengths and masked prompts, but tokens that count up (mod the vocabulary) from a random start: a
+    gradient with signal, so that ``|G|^2`` is measurably positive (uniform random tokens have none)."""
+    from hf_accum.testing import random_rows
+    from hf_accum.testing.data import VOCAB
+
+    examples = random_rows(rows, seed=seed, prompt_masking=True)
+    for example in examples:
+        ids = torch.as_tensor(example["input_ids"])
+        counting = 3 + (ids[0] - 3 + torch.arange(len(ids))) % (VOCAB - 3)
+        example["input_ids"] = counting.tolist() if isinstance(example["input_ids"], list) else counting
+    return examples
+
+
+def scenario(rows: int = 32, lr: float = 0.0, max_grad_norm: float = 1e6, seed: int = 11, accumulation: int = 4,
+             epochs: float = 1):
+    """Float64 tiny Llama, padded rows with masked prompts; lr 0 keeps the weights of the reference."""
+    from hf_accum.batching import PaddingCollator
+    from hf_accum.testing import PAD, Scenario, tiny_causal_lm
+
+    return Scenario("noise", tiny_causal_lm, learnable_rows(rows, seed),
+                    RecordingCollator(PaddingCollator(PAD)), micro_batch=2, accumulation=accumulation, lr=lr,
+                    max_grad_norm=max_grad_norm, epochs=epochs, loop_kwargs={"noise_scale": True})
+
+
+def run_engine(engine: str, case, output_dir: str) -> tuple[list[dict], torch.nn.Module, str | None]:
+    """Train ``case`` in ``engine`` ('loop' or 'trainer'): (updates as dicts, the plain model, advice line)."""
+    from dataclasses import asdict
+
+    from hf_accum.testing import run_exact, run_trainer
+    from hf_accum.trainer import AccumTrainer
+
+    if engine == "loop":
+        models = []
+        result, _ = run_exact(case, on_model=models.append)
+        model = getattr(models[0], "module", models[0])
+        return [asdict(u) for u in result.updates], model, result.noise_scale_advice
+    run = run_trainer(case, output_dir, trainer_cls=AccumTrainer, trainer_kwargs={"noise_scale": True})
+    model = getattr(run.trainer.model, "module", run.trainer.model)
+    return [asdict(u) for u in run.trainer.updates], model, run.trainer.noise_scale_advice

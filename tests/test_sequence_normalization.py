@@ -1,0 +1,61 @@
+"""Per-sequence normalization (``normalization='sequence'``): every applied float64 gradient equals that of the
+mean over the update's sequences of each sequence's mean token loss (1e-10), with padding, packing, prompt
+masking, a short last window and 2 ranks, in both engines; the token mode fails the same check."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from sequence_reference import run
+
+from hf_accum.batching import PackingCollator, PaddingCollator
+from hf_accum.loop import LoopConfig, LoopConfigError
+from hf_accum.testing import PAD, random_rows
+from hf_accum.testing.launch import run_torchrun
+
+EXACT = 1e-10
+HERE = os.path.dirname(__file__)
+# 18 rows of 3..40 tokens (masked prompts), micro-batch 2, K=4: windows of 4, 4 and a short 1.
+CASES = {
+    "padding_prompt_masking_short_window": (lambda: PaddingCollator(PAD), random_rows(18, seed=31, prompt_masking=True),
+                                            2),
+    # micro-batch 3 packed into one row (3 sequences per row), 7 micro-batches: windows of 4 and a short 3.
+    "packing": (PackingCollator, random_rows(21, seed=32, prompt_masking=True), 3),
+}
+
+
+@pytest.mark.parametrize("engine", ["loop", "trainer"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_sequence_mode_equals_the_mean_of_sequence_means(engine, case, tmp_path):
+    collator, examples, micro = CASES[case]
+    errors, updates = run(engine, collator(), examples, "sequence", str(tmp_path), micro_batch=micro)
+    assert len(errors) == len(updates) >= 2
+    assert max(errors) < EXACT, errors
+
+
+@pytest.mark.parametrize("engine", ["loop", "trainer"])
+def test_token_mode_fails_the_same_check(engine, tmp_path):
+    collator, examples, micro = CASES["packing"]
+    errors, _ = run(engine, collator(), examples, "token", str(tmp_path), micro_batch=micro)
+    assert max(errors) > 1e-3, errors
+
+
+def test_bad_values_are_refused_in_one_line():
+    with pytest.raises(LoopConfigError, match="LoopConfig.normalization='row'; allowed: 'token', 'sequence'"):
+        LoopConfig(normalization="row")
+    with pytest.raises(LoopConfigError, match="needs loss_kind 'causal_lm'"):
+        LoopConfig(normalization="sequence", loss_kind="sequence")
+
+
+@pytest.fixture(scope="module")
+def ddp_report(tmp_path_factory):
+    return run_torchrun(os.path.join(HERE, "sequence_ddp_worker.py"), tmp_path_factory.mktemp("seq") / "r.json",
+                        timeout=600)
+
+
+@pytest.mark.parametrize("engine", ["loop", "trainer"])
+def test_two_ranks(ddp_report, engine):
+    assert ddp_report["world_size"] == 2
+    assert max(ddp_report[f"{engine}_sequence"]) < EXACT, ddp_report
+    assert max(ddp_report[f"{engine}_token"]) > 1e-3, ddp_report
