@@ -37,8 +37,8 @@ from hf_accum.schedule import BatchPlan  # noqa: E402
 from hf_accum.recipe.config import ConfigError, load_recipe_config  # noqa: E402
 from hf_accum.recipe.data import exact_match, load_tokenizer_and_data  # noqa: E402
 from hf_accum.recipe.launch import (  # noqa: E402
-    check_engine, check_launch, check_offload_optimizer, fsdp_training_arguments, loop_accelerator, loop_fsdp_options,
-    start_process_group,
+    check_engine, check_launch, check_offload_optimizer, fsdp_training_arguments, launch_line, loop_accelerator,
+    loop_fsdp_options, start_process_group,
 )
 from hf_accum.recipe.modeling import build_model, trainable_summary  # noqa: E402
 from hf_accum.recipe.outputs import (  # noqa: E402
@@ -194,6 +194,7 @@ def run(config):
                                      deepspeed=config.training.get("deepspeed") if config.engine == "trainer" else None,
                                      **fsdp_training_arguments(config.training, launch))
     start_process_group(args, launch)  # before any model load (a quantized one, ZeRO-3's zero.Init)
+    say(f"engine {config.engine}: {launch_line(args, launch)}")
     train_engine, honoured = ENGINES[config.engine]
     if resume:  # another micro-batch, accumulation or world size would misplace the data position
         check_resume_engine(resume, deepspeed=launch.backend == "deepspeed")  # DeepSpeed's files, or ours

@@ -346,7 +346,22 @@ def fsdp_training_arguments(training: Mapping[str, Any], launch: Launch) -> dict
     if layers and "transformer_layer_cls_to_wrap" not in fsdp_config:
         fsdp_config["transformer_layer_cls_to_wrap"] = layers.split(",")
     fsdp_config["activation_checkpointing"] = checkpointing_requested(dict(training))
-    return {"fsdp": training.get("fsdp") or "full_shard", "fsdp_config": fsdp_config}
+    # "full_shard" is FSDP2's default (reshard after forward); transformers deprecates the string form.
+    fsdp = training.get("fsdp")
+    return {"fsdp": True if fsdp in (None, True, "full_shard") else fsdp, "fsdp_config": fsdp_config}
+
+
+def launch_line(args, launch: Launch) -> str:
+    """``8 per device x 2 accumulation x 2 processes, FSDP2 full_shard``: the batch arithmetic and what shards."""
+    processes = f"{launch.world_size} process{'es' if launch.world_size != 1 else ''}"
+    line = (f"{args.per_device_train_batch_size} per device x {args.gradient_accumulation_steps} accumulation x "
+            f"{processes}")
+    if launch.backend == FSDP:
+        resharded = args.fsdp_config.get("reshard_after_forward", True)
+        return f"{line}, FSDP2 {'full_shard' if resharded else 'shard_grad_op'}"
+    if launch.backend == DEEPSPEED:
+        return f"{line}, DeepSpeed ZeRO-{launch.deepspeed_config['zero_optimization']['stage']}"
+    return line
 
 
 def loop_fsdp_options(args) -> dict[str, Any]:
