@@ -108,7 +108,11 @@ def force_trainer_fsdp2(accelerator, args) -> None:
         raise FsdpUnavailableError(
             f"fsdp was requested but Accelerate set up {accelerator.distributed_type.value} with "
             f"{accelerator.num_processes} process(es); launch 2 or more processes (torchrun --nproc_per_node N)")
-    force_fsdp_distributed_type(accelerator, FullyShardedDataParallelPlugin(**plugin_args))
+    plugin = FullyShardedDataParallelPlugin(**plugin_args)
+    if plugin.activation_checkpointing and args.activation_checkpointing:  # Trainer's own check, skipped on CPU
+        raise FsdpUnavailableError("fsdp_config.activation_checkpointing and activation_checkpointing are both set: "
+                                   "keep FSDP's (fsdp_config) only")
+    force_fsdp_distributed_type(accelerator, plugin)
     if not accelerator.is_fsdp2:
         raise FsdpUnavailableError(f"Accelerate set up {accelerator.distributed_type.value}, not FSDP2")
 
