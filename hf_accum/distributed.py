@@ -87,10 +87,11 @@ def gathered_state_dict(model: torch.nn.Module, keep: bool = True, trainable_onl
         state = {name: tensor for name, tensor in state.items() if getattr(tensor, "requires_grad", False)}
     # FSDP's activation-checkpoint wrapper renames modules; its state-dict hook gives the model's own names.
     # strip_wrappers=False: the module path names instead (with the wrapper), which PEFT matches by.
-    module_names = {} if strip_wrappers else {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    module_names = {} if strip_wrappers else {
+        (id(p), n.replace(CHECKPOINT_WRAPPER, "")): n for n, p in model.named_parameters(remove_duplicate=False)}
     full = {}
     for name, tensor in state.items():
-        key = module_names.get(id(tensor), name)
+        key = module_names.get((id(tensor), name), name)  # by tensor and name: tied weights keep both names
         if hasattr(tensor, "full_tensor"):  # an FSDP2 shard (DTensor): all-gathered, a collective
             tensor = tensor.full_tensor()
         with _gathered(tensor):
