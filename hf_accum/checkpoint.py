@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from hf_accum.errors import InputError
+from hf_accum.fsdp_checkpoint import check_fsdp_resume, is_fsdp_model, load_fsdp_state, save_fsdp_state
 from hf_accum.manifest import check_named_checkpoint, newest_verified_checkpoint, write_manifest
 from hf_accum.schedule import BatchPlan
 
@@ -574,10 +575,13 @@ class LoopCheckpointer:
         ) as folder:
             torch.save(random_states, os.path.join(folder, _rng_file(accelerator.process_index)))
             engine = _deepspeed_engine(accelerator)
+            fsdp = is_fsdp_model(self.model)
             if engine is not None:  # collective: every rank writes its shards of weights and optimizer state
                 engine.save_checkpoint(folder, tag=DEEPSPEED_TAG, save_latest=False)
+            elif fsdp:  # collective as well (torch.distributed.checkpoint)
+                save_fsdp_state(folder, self.model, self.optimizer, accelerator.num_processes, is_main)
             if is_main:
-                if engine is None:
+                if engine is None and not fsdp:
                     _save_model(accelerator.unwrap_model(self.model), folder)
                     torch.save(self.optimizer.state_dict(), os.path.join(folder, OPTIMIZER_FILE))
                 torch.save(self.scheduler.state_dict(), os.path.join(folder, SCHEDULER_FILE))
@@ -607,8 +611,12 @@ class LoopCheckpointer:
         random_states = _load(rng_path)
         engine = _deepspeed_engine(self.accelerator)
         check_resume_engine(checkpoint, deepspeed=engine is not None)
+        fsdp = is_fsdp_model(self.model)
+        check_fsdp_resume(checkpoint, self.model if fsdp else None, self.accelerator.num_processes)
         if engine is not None:
             _load_deepspeed_state(engine, checkpoint)
+        elif fsdp:
+            load_fsdp_state(checkpoint, self.model, self.optimizer)
         else:
             _load_model(self.accelerator.unwrap_model(self.model), checkpoint)
             self.optimizer.load_state_dict(_load(os.path.join(checkpoint, OPTIMIZER_FILE)))

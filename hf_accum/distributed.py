@@ -7,8 +7,9 @@ the loop engine's Accelerator) belongs to the recipe kit, :mod:`hf_accum.recipe.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -44,10 +45,36 @@ def is_partitioned(model: torch.nn.Module) -> bool:
     return any(hasattr(parameter, "ds_id") for parameter in model.parameters())
 
 
+def is_fsdp_sharded(model: torch.nn.Module) -> bool:
+    """True when FSDP2 holds the model's parameters as shards (DTensors gathered in every forward)."""
+    return any(type(parameter).__name__ == "DTensor" for parameter in model.parameters())
+
+
+@contextlib.contextmanager
+def fsdp_unsharded_root(model: torch.nn.Module) -> Iterator[None]:
+    """Gather FSDP2's root-level parameters (embeddings, final norm, head) for the block: ``generate`` (and a
+    PEFT model's) calls the inner model's ``forward``, bypassing the root's pre-forward hook that would
+    gather them. The sharded layers still gather in their own hooks. Collective: every rank, in step."""
+    from torch.distributed.fsdp import FSDPModule
+
+    roots = [module for module in model.modules() if isinstance(module, FSDPModule)][:1]
+    for root in roots:
+        root.unshard()
+    try:
+        yield
+    finally:
+        for root in roots:
+            root.reshard()
+
+
 # -- saving under ZeRO-3 ------------------------------------------------------------------------------
 
 
-def gathered_state_dict(model: torch.nn.Module, keep: bool = True, trainable_only: bool = False) -> dict:
+CHECKPOINT_WRAPPER = "_checkpoint_wrapped_module."
+
+
+def gathered_state_dict(model: torch.nn.Module, keep: bool = True, trainable_only: bool = False,
+                        strip_wrappers: bool = True) -> dict:
     """The model's state dict at full size, as CPU copies, also where ZeRO-3 or FSDP2 hold one shard per rank.
 
     Collective under ZeRO-3 and FSDP2: every rank must call it, with the same ``trainable_only`` (one
@@ -58,14 +85,19 @@ def gathered_state_dict(model: torch.nn.Module, keep: bool = True, trainable_onl
     state = model.state_dict(keep_vars=True)
     if trainable_only:
         state = {name: tensor for name, tensor in state.items() if getattr(tensor, "requires_grad", False)}
+    # FSDP's activation-checkpoint wrapper renames modules; its state-dict hook gives the model's own names.
+    # strip_wrappers=False: the module path names instead (with the wrapper), which PEFT matches by.
+    module_names = {} if strip_wrappers else {
+        (id(p), n.replace(CHECKPOINT_WRAPPER, "")): n for n, p in model.named_parameters(remove_duplicate=False)}
     full = {}
     for name, tensor in state.items():
+        key = module_names.get((id(tensor), name), name)  # by tensor and name: tied weights keep both names
         if hasattr(tensor, "full_tensor"):  # an FSDP2 shard (DTensor): all-gathered, a collective
             tensor = tensor.full_tensor()
         with _gathered(tensor):
             if keep:
-                # FSDP's activation-checkpoint wrapper renames modules; saved names are the model's own.
-                full[name.replace("_checkpoint_wrapped_module.", "")] = tensor.detach().to("cpu", copy=True)
+                full[key.replace(CHECKPOINT_WRAPPER, "") if strip_wrappers else key] = tensor.detach().to(
+                    "cpu", copy=True)
     return full
 
 
@@ -88,6 +120,20 @@ def save_pretrained(model: torch.nn.Module, directory: str, is_main_process: boo
     """
     model = getattr(model, "module", model)  # a DeepSpeed engine or DDP wrapper
     is_peft = hasattr(model, "peft_config")
-    state = gathered_state_dict(model, keep=is_main_process, trainable_only=is_peft)
+    # PEFT picks the adapter's tensors by the model's module names, which FSDP's checkpoint wrapper changes:
+    # keep its names for that, and take them out of the written file (loadable without FSDP).
+    state = gathered_state_dict(model, keep=is_main_process, trainable_only=is_peft, strip_wrappers=not is_peft)
     if is_main_process:
         model.save_pretrained(directory, state_dict=state, safe_serialization=True, **kwargs)
+        if is_peft and any(CHECKPOINT_WRAPPER in name for name in state):
+            _strip_wrapper_names(directory)
+
+
+def _strip_wrapper_names(directory: str) -> None:
+    """Rewrite a saved adapter without FSDP's checkpoint-wrapper module names."""
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(directory, "adapter_model.safetensors")
+    tensors = load_file(path)
+    save_file({name.replace(CHECKPOINT_WRAPPER, ""): tensor for name, tensor in tensors.items()}, path,
+              metadata={"format": "pt"})

@@ -88,6 +88,35 @@ def fsdp_accelerator(plugin, gradient_accumulation_steps: int, cpu: bool | None 
     return accelerator
 
 
+def refuse_fsdp1(plugin_args: dict | None) -> None:
+    """``TrainingArguments.fsdp_plugin_args`` asking for FSDP1: refused, naming the key."""
+    if plugin_args is not None and int(plugin_args.get("fsdp_version", 1)) != 2:
+        raise FsdpUnavailableError("fsdp_config.version=1 (FSDP1) is refused: hf_accum runs FSDP2 only (FSDP1 "
+                                   "segfaults gathering a full state dict on CPU); set fsdp_config.version=2")
+
+
+def force_trainer_fsdp2(accelerator, args) -> None:
+    """``Trainer`` built its Accelerator with ``args.fsdp_plugin_args`` but Accelerate dropped the plugin (CPU
+    processes): rebuild the same plugin and run it, or refuse -- never train DDP in its place."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    from hf_accum.compat import force_fsdp_distributed_type
+
+    plugin_args = dict(args.fsdp_plugin_args)
+    refuse_fsdp1(plugin_args)
+    if accelerator.distributed_type != DistributedType.MULTI_CPU:
+        raise FsdpUnavailableError(
+            f"fsdp was requested but Accelerate set up {accelerator.distributed_type.value} with "
+            f"{accelerator.num_processes} process(es); launch 2 or more processes (torchrun --nproc_per_node N)")
+    plugin = FullyShardedDataParallelPlugin(**plugin_args)
+    if plugin.activation_checkpointing and args.activation_checkpointing:  # Trainer's own check, skipped on CPU
+        raise FsdpUnavailableError("fsdp_config.activation_checkpointing and activation_checkpointing are both set: "
+                                   "keep FSDP's (fsdp_config) only")
+    force_fsdp_distributed_type(accelerator, plugin)
+    if not accelerator.is_fsdp2:
+        raise FsdpUnavailableError(f"Accelerate set up {accelerator.distributed_type.value}, not FSDP2")
+
+
 def is_fsdp(accelerator) -> bool:
     from accelerate.utils import DistributedType
 

@@ -482,7 +482,10 @@ def _head_resolvers() -> dict[type, Callable[[nn.Module], LinearHead]]:
 
 def _require_no_hooks(module: nn.Module) -> None:
     if module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__:
-        raise NotFusable(f"the output layer {type(module).__name__} has forward hooks or a patched forward")
+        # FSDP2 shards the head and gathers it in a forward pre-hook: the fused pass would read a shard.
+        reason = "FSDP shards it (gathered only inside its forward)" if type(module).__name__.startswith("FSDP") \
+            else "it has forward hooks or a patched forward"
+        raise NotFusable(f"the output layer {type(module).__name__} cannot be read directly: {reason}")
 
 
 def _plain_linear(module: nn.Linear) -> LinearHead:

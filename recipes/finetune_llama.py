@@ -14,6 +14,7 @@ engines (the table ENGINES below) -> evaluation -> outputs. Copy it to make your
 helpers it calls stay in the recipe kit, hf_accum.recipe (config, data, modeling, launch, outputs).
 """
 
+import contextlib
 import time
 from dataclasses import asdict
 
@@ -30,7 +31,7 @@ from hf_accum.checkpoint import (  # noqa: E402
     resolve_resume_checkpoint, verified_resume_checkpoint,
 )
 from hf_accum.control import NonFiniteLossError, TrainingStopped  # noqa: E402
-from hf_accum.distributed import is_partitioned  # noqa: E402
+from hf_accum.distributed import fsdp_unsharded_root, is_fsdp_sharded, is_partitioned  # noqa: E402
 from hf_accum.errors import InputError  # noqa: E402
 from hf_accum.schedule import BatchPlan  # noqa: E402
 from hf_accum.recipe.accumulation import noise_scale_enabled, normalization  # noqa: E402
@@ -38,7 +39,8 @@ from hf_accum.recipe.config import ConfigError, load_recipe_config  # noqa: E402
 from hf_accum.recipe.accumulation import loop_settings  # noqa: E402
 from hf_accum.recipe.data import exact_match, load_tokenizer_and_data  # noqa: E402
 from hf_accum.recipe.launch import (  # noqa: E402
-    check_engine, check_launch, check_offload_optimizer, loop_accelerator, start_process_group,
+    check_engine, check_launch, check_offload_optimizer, fsdp_training_arguments, launch_line, loop_accelerator,
+    loop_fsdp_options, start_process_group,
 )
 from hf_accum.recipe.modeling import build_model, trainable_summary  # noqa: E402
 from hf_accum.recipe.outputs import (  # noqa: E402
@@ -60,9 +62,10 @@ def train_with_loop(model, tokenizer, data, collator, args, record, resume, laun
     """hf_accum.train on Accelerate: accumulate() with a summed loss and one W/N rescale per update
     (under DeepSpeed: the window counted first, the loss scaled before backward)."""
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
-    if launch.backend == "deepspeed":  # Accelerate on CPU would drop DeepSpeed with cpu=True: built for it
+    if launch.backend in ("deepspeed", "fsdp"):  # Accelerate on CPU would drop both: built for them
         accelerator = loop_accelerator(
-            launch, args.gradient_accumulation_steps, args.max_grad_norm, precision, args.use_cpu
+            launch, args.gradient_accumulation_steps, args.max_grad_norm, precision, args.use_cpu,
+            fsdp=loop_fsdp_options(args) if launch.backend == "fsdp" else None,
         )
     else:
         accelerator = Accelerator(
@@ -125,7 +128,7 @@ LOOP_READS = LoopConfig.training_argument_names() | {
     "output_dir", "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate", "weight_decay",
     "adam_beta1", "adam_beta2", "adam_epsilon", "seed", "data_seed", "bf16", "fp16", "use_cpu",
     "dataloader_num_workers", "logging_steps", "per_device_eval_batch_size", "report_to", "run_name",
-    "activation_checkpointing", "gradient_checkpointing", "deepspeed", "resume_from_checkpoint",
+    "activation_checkpointing", "gradient_checkpointing", "deepspeed", "resume_from_checkpoint", "fsdp", "fsdp_config",
 }
 # engine name -> (train function, the TrainingArguments fields it honours; None: all of them).
 ENGINES = {
@@ -141,14 +144,16 @@ def evaluate(model, tokenizer, data, config, args):
     parameters in every forward, so every rank generates the same answers in step (synced_gpus);
     before training, a model partitioned at load (trainer engine) has no DeepSpeed hooks yet to
     gather with, and is not scored."""
-    partitioned = is_partitioned(model)
-    hooked = partitioned and hasattr(model, "ds_id")  # DeepSpeed numbers the modules it hooks
+    # FSDP2 (DTensor parameters) gathers in every forward too: every rank generates, in step.
+    partitioned = is_partitioned(model) or is_fsdp_sharded(model)
+    hooked = is_fsdp_sharded(model) or hasattr(model, "ds_id")  # DeepSpeed numbers the modules it hooks
     if not data.eval_rows or (partitioned and not hooked) or (not partitioned and args.process_index != 0):
         return None
-    score = exact_match(
-        model, tokenizer, data.eval_rows, config.data.eval_max_new_tokens, batch_size=args.per_device_eval_batch_size,
-        synced_gpus=partitioned,
-    )
+    with fsdp_unsharded_root(model) if is_fsdp_sharded(model) else contextlib.nullcontext():
+        score = exact_match(
+            model, tokenizer, data.eval_rows, config.data.eval_max_new_tokens,
+            batch_size=args.per_device_eval_batch_size, synced_gpus=partitioned,
+        )
     return score if args.process_index == 0 else None
 
 
@@ -191,10 +196,13 @@ def run(config):
         raise ConfigError(f"training.resume_from_checkpoint: {error}") from None
     # Activation checkpointing is set up on the model below (before PEFT wraps it): not by Trainer again.
     # The loop engine builds its own DeepSpeed Accelerator (train_with_loop): TrainingArguments must not.
+    # Under FSDP, activation checkpointing goes through FSDP's plugin (fsdp_config), not the model.
     args = config.training_arguments(activation_checkpointing=False, gradient_checkpointing=None,
                                      resume_from_checkpoint=None,
-                                     deepspeed=config.training.get("deepspeed") if config.engine == "trainer" else None)
+                                     deepspeed=config.training.get("deepspeed") if config.engine == "trainer" else None,
+                                     **fsdp_training_arguments(config.training, launch))
     start_process_group(args, launch)  # before any model load (a quantized one, ZeRO-3's zero.Init)
+    say(f"engine {config.engine}: {launch_line(args, launch)}")
     train_engine, honoured = ENGINES[config.engine]
     if resume:  # another micro-batch, accumulation or world size would misplace the data position
         check_resume_engine(resume, deepspeed=launch.backend == "deepspeed")  # DeepSpeed's files, or ours
@@ -221,7 +229,7 @@ def run(config):
     collator = PackingCollator() if config.data.packing else PaddingCollator(tokenizer.pad_token_id)
 
     # 3. Model: LoRA targets checked on a weightless skeleton, then weights, LoRA/QLoRA, checkpointing.
-    model = build_model(config, tokenizer, seed=args.seed)
+    model = build_model(config, tokenizer, seed=args.seed, model_checkpointing=launch.backend != "fsdp")
     record.facts["trainable"] = trainable_summary(model)
     say(describe_trainable(record.facts["trainable"]))
 

@@ -9,7 +9,6 @@ import logging
 from typing import Any
 
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
 
 from hf_accum.boundary import Decision, UpdateBoundary
 from hf_accum.checkpoint import (
@@ -119,12 +118,6 @@ def build_checkpointer(config: LoopConfig, accelerator: Accelerator, resume_from
                        scheduler, dataloader, plan: RunPlan) -> tuple[LoopCheckpointer | None, str | None]:
     """Probe ``output_dir`` before any work; the checkpointer (None without checkpoints) and the checkpoint to
     resume from (None for a fresh start)."""
-    checkpointing = config.output_dir or resume_from_checkpoint not in (None, False)
-    if checkpointing and accelerator.distributed_type == DistributedType.FSDP:
-        raise NotImplementedError(
-            "loop checkpoints of FSDP-sharded models are not implemented (and FSDP cannot run on this project's "
-            "CPU test machines); use engine: trainer (AccumTrainer) for checkpoints with FSDP"
-        )
     if config.output_dir:
         check_output_dir_writable(config.output_dir, "LoopConfig.output_dir")
     resume_path = resolve_resume_checkpoint(resume_from_checkpoint, config.output_dir)

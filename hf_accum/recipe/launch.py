@@ -163,19 +163,33 @@ def _asked_process_count() -> int | None:
 
 
 def _check_fsdp_device(training: Mapping[str, Any], environ: Mapping[str, str], source: str) -> None:
-    """Accelerate turns FSDP on only for GPU-like devices (CUDA, XPU, NPU, ...); on CPU it trains plain
-    DDP, every process holding the whole model, and says nothing."""
-    use_cpu = bool(training.get("use_cpu")) or _flag(environ, "ACCELERATE_USE_CPU")
-    if not use_cpu and gpu_like_device_available():
-        return
-    where = "use_cpu is set" if use_cpu else "this machine has no GPU"
-    raise LaunchError(
-        f"FSDP was asked for ({source}) but {where}: Accelerate enables FSDP only on GPUs (CUDA/XPU/NPU/...), so "
-        "this run would train with plain DDP, every process holding the whole model and its optimizer states. "
-        f"On GPUs: accelerate launch --config_file recipes/accelerate/fsdp.yaml {_script()} ...; to shard on CPU "
-        f"use DeepSpeed ZeRO-3: torchrun --nproc_per_node 2 {_script()} ... training.deepspeed={ZERO3_CONFIG} "
-        "(and no training.fsdp)"
-    )
+    """FSDP2 on 2 or more processes, GPUs or CPU (on CPU the loop and AccumTrainer force Accelerate's FSDP
+    type, which it would otherwise silently replace with DDP). One process would run unsharded; FSDP1 is
+    refused (it segfaults gathering a full state dict on CPU)."""
+    world_size = launched_world_size(environ) or 1
+    if world_size < 2:
+        raise LaunchError(
+            f"FSDP was asked for ({source}) but only {world_size} process was started: Accelerate would train "
+            f"unsharded (plain single-process), saying nothing. Start 2 or more: torchrun --nproc_per_node 2 "
+            f"{_script()} ... training.fsdp=full_shard"
+        )
+    version = fsdp_version(training, environ)
+    if version != 2:
+        raise LaunchError(
+            f"FSDP version {version} was asked for ({source}); allowed: 2 (training.fsdp_config.version=2, "
+            "fsdp_version: 2 in the accelerate config): hf_accum runs FSDP2 only"
+        )
+
+
+def fsdp_version(training: Mapping[str, Any], environ: Mapping[str, str]) -> int:
+    """The FSDP version asked for: ``training.fsdp_config`` (``version`` / ``fsdp_version``), else the
+    ``accelerate launch`` config's ``fsdp_version`` (``FSDP_VERSION``), else 2."""
+    fsdp_config = training.get("fsdp_config") or {}
+    if isinstance(fsdp_config, Mapping):
+        for key in ("version", "fsdp_version"):
+            if key in fsdp_config:
+                return int(fsdp_config[key])
+    return int(environ.get("FSDP_VERSION", "2")) if _flag(environ, "ACCELERATE_USE_FSDP") else 2
 
 
 def gpu_like_device_available() -> bool:
@@ -283,7 +297,8 @@ def _deepspeed_source(training: Mapping[str, Any], environ: Mapping[str, str]) -
 
 
 def loop_accelerator(
-    launch: Launch, accumulation_steps: int, max_grad_norm: float, mixed_precision: str = "no", use_cpu: bool = False
+    launch: Launch, accumulation_steps: int, max_grad_norm: float, mixed_precision: str = "no", use_cpu: bool = False,
+    fsdp: Mapping[str, Any] | None = None,
 ):
     """The ``Accelerator`` of the loop engine for ``launch``, checked with :func:`check_engine`.
 
@@ -300,7 +315,9 @@ def loop_accelerator(
     from accelerate.utils import DeepSpeedPlugin
 
     kwargs: dict[str, Any] = {"gradient_accumulation_steps": accumulation_steps, "mixed_precision": mixed_precision}
-    if launch.backend != DEEPSPEED:
+    if launch.backend == FSDP:
+        accelerator = _fsdp_loop_accelerator(accumulation_steps, mixed_precision, use_cpu, fsdp or {})
+    elif launch.backend != DEEPSPEED:
         accelerator = Accelerator(cpu=use_cpu, **kwargs)
     else:
         if use_cpu or not gpu_like_device_available():
@@ -313,6 +330,60 @@ def loop_accelerator(
         accelerator = Accelerator(deepspeed_plugin=plugin, **kwargs)
     check_engine(accelerator, launch)
     return accelerator
+
+
+def fsdp_training_arguments(training: Mapping[str, Any], launch: Launch) -> dict[str, Any]:
+    """``fsdp`` / ``fsdp_config`` for ``TrainingArguments`` under FSDP (asked by the config or by ``accelerate
+    launch``): FSDP2 unless the config says otherwise (refused by :func:`check_launch`), the layer classes
+    the accelerate config names, activation checkpointing through FSDP's plugin."""
+    if launch.backend != FSDP:
+        return {}
+    from hf_accum.recipe.modeling import checkpointing_requested
+
+    fsdp_config = dict(training.get("fsdp_config") or {})
+    fsdp_config.setdefault("version", 2)
+    layers = os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP")
+    if layers and "transformer_layer_cls_to_wrap" not in fsdp_config:
+        fsdp_config["transformer_layer_cls_to_wrap"] = layers.split(",")
+    fsdp_config["activation_checkpointing"] = checkpointing_requested(dict(training))
+    # "full_shard" is FSDP2's default (reshard after forward); transformers deprecates the string form.
+    fsdp = training.get("fsdp")
+    return {"fsdp": True if fsdp in (None, True, "full_shard") else fsdp, "fsdp_config": fsdp_config}
+
+
+def launch_line(args, launch: Launch) -> str:
+    """``8 per device x 2 accumulation x 2 processes, FSDP2 full_shard``: the batch arithmetic and what shards."""
+    processes = f"{launch.world_size} process{'es' if launch.world_size != 1 else ''}"
+    line = (f"{args.per_device_train_batch_size} per device x {args.gradient_accumulation_steps} accumulation x "
+            f"{processes}")
+    if launch.backend == FSDP:
+        resharded = args.fsdp_config.get("reshard_after_forward", True)
+        return f"{line}, FSDP2 {'full_shard' if resharded else 'shard_grad_op'}"
+    if launch.backend == DEEPSPEED:
+        return f"{line}, DeepSpeed ZeRO-{launch.deepspeed_config['zero_optimization']['stage']}"
+    return line
+
+
+def loop_fsdp_options(args) -> dict[str, Any]:
+    """What :func:`loop_accelerator` needs from ``TrainingArguments`` built with :func:`fsdp_training_arguments`."""
+    config = args.fsdp_config or {}
+    return {"layers": config.get("transformer_layer_cls_to_wrap"),
+            "activation_checkpointing": bool(config.get("activation_checkpointing"))}
+
+
+def _fsdp_loop_accelerator(accumulation_steps: int, mixed_precision: str, use_cpu: bool, fsdp: Mapping[str, Any]):
+    """FSDP2 through :func:`hf_accum.fsdp.fsdp_accelerator` (forced on CPU, refused rather than DDP).
+
+    ``fsdp``: ``layers`` (class names to shard by: the model's ``_no_split_modules``) and
+    ``activation_checkpointing``. bf16 becomes FSDP2's ``param_dtype`` with fp32 master weights and fp32
+    gradient reduction, not an autocast: the precision exact accumulation needs."""
+    from hf_accum.fsdp import fsdp2_plugin, fsdp_accelerator
+
+    if mixed_precision == "fp16":
+        raise LaunchError("training.fp16 with FSDP is not supported by the loop engine; allowed: training.bf16")
+    plugin = fsdp2_plugin(fsdp.get("layers"), param_dtype=torch.bfloat16 if mixed_precision == "bf16" else None,
+                          activation_checkpointing=bool(fsdp.get("activation_checkpointing")))
+    return fsdp_accelerator(plugin, accumulation_steps, cpu=use_cpu or not gpu_like_device_available())
 
 
 def start_process_group(args, launch: Launch) -> None:
@@ -384,7 +455,8 @@ def check_engine(accelerator: Any, launch: Launch) -> None:
         raise LaunchError(
             f"{launch.backend} was asked for ({launch.source}) but the Accelerator runs {actual.value}; "
             + ("for the loop engine build it with hf_accum.recipe.launch.loop_accelerator (Accelerate drops "
-               "DeepSpeed when cpu=True)" if launch.backend == DEEPSPEED else "FSDP needs GPUs")
+               "DeepSpeed when cpu=True)" if launch.backend == DEEPSPEED
+               else "build it with hf_accum.fsdp.fsdp_accelerator")
         )
     if accelerator.num_processes != launch.world_size:
         raise LaunchError(

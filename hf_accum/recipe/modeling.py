@@ -244,7 +244,7 @@ def trainable_summary(model: torch.nn.Module) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------
 
 
-def build_model(config, tokenizer, seed: int):
+def build_model(config, tokenizer, seed: int, model_checkpointing: bool = True):
     """The recipe's model: LoRA targets checked on a weightless skeleton first (a typo fails before
     gigabytes load), then the weights, then LoRA/QLoRA and activation checkpointing."""
     m, lora_config, quantization = config.model, config.lora_config(), config.bnb_config()
@@ -255,7 +255,8 @@ def build_model(config, tokenizer, seed: int):
         m.name_or_path, tokenizer, m.dtype, quantization, seed=seed, config_overrides=m.config_overrides,
         attn_implementation=m.attn_implementation, trust_remote_code=m.trust_remote_code,
     )
-    checkpointing = checkpointing_requested(config.training)
+    # model_checkpointing=False: FSDP wraps the layers for checkpointing itself (twice would recompute twice).
+    checkpointing = model_checkpointing and checkpointing_requested(config.training)
     if lora_config is not None:
         return apply_lora(model, lora_config, quantization is not None, checkpointing)
     if checkpointing:

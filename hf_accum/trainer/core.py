@@ -150,6 +150,18 @@ class AccumTrainer(Trainer):
     def batch_plan(self) -> BatchPlan | None:
         return self._planner.plan
 
+    def create_accelerator_and_postprocess(self) -> None:
+        """Trainer's set-up, plus FSDP2 on CPU processes, where Accelerate 1.15 would silently run DDP."""
+        from hf_accum.fsdp import refuse_fsdp1
+
+        refuse_fsdp1(self.args.fsdp_plugin_args)  # before Accelerate, which fails on CPU with a vaguer message
+        super().create_accelerator_and_postprocess()
+        if self.args.fsdp_plugin_args is not None and not self.is_fsdp_enabled:
+            from hf_accum.fsdp import force_trainer_fsdp2
+
+            force_trainer_fsdp2(self.accelerator, self.args)
+            self.is_fsdp_enabled = True
+
     # -- the loss and its override point ------------------------------------------------------------------
     @property
     def loss_kind(self) -> LossKind:
