@@ -1,7 +1,7 @@
 """Fused linear cross-entropy: a causal LM's summed token loss from its last hidden states and its
 output layer, without ever holding the ``(tokens x vocab)`` logits.
 
-This module owns the fused loss and the choice between it and the logits path:
+This module owns the fused loss itself; the choice between it and the logits path lives beside it:
 
 1. :func:`linear_cross_entropy_sum` -- the loss. Target positions are processed in chunks; for each
    chunk the logits are computed, the summed cross-entropy taken and, in the same pass, the
@@ -11,31 +11,14 @@ This module owns the fused loss and the choice between it and the logits path:
    chunk's logits exist at a time and no forward is recomputed -- the approach of Liger-Kernel's
    FusedLinearCrossEntropy and Apple's Cut Cross-Entropy. On CUDA with ``liger-kernel`` installed,
    Liger's kernel does the same job (``reduction="sum"``).
-2. :func:`resolve_head` -- what a model's output layer computes, as tensors (:class:`LinearHead`):
-   ``logits = h W^T + b + scale * (h A^T) B^T``, and then what the model does to those logits
-   (:class:`LogitTransform`: a constant scale, a ``c * tanh(z / c)`` soft-cap), folded into each
-   chunk's forward and gradient. It knows ``nn.Linear``, PEFT's
-   ``ModulesToSaveWrapper`` (the active trainable copy) and PEFT's LoRA ``Linear`` (one adapter,
-   dropout off); anything else raises :class:`NotFusable` and the caller keeps the logits path.
-3. :class:`FusedCausalLMLoss` -- running a model so that its head *returns the loss*. Why inside the
-   model's forward, not by calling the decoder and then the loss: under DDP the forward must go
-   through the DDP wrapper (its reducer prepares for backward there), and with
-   ``find_unused_parameters=True`` (``Trainer``'s default) every parameter that receives a gradient
-   must be reachable from that forward's outputs -- the output layer included. So for one call the
-   head module's ``forward`` is replaced by one that computes the loss from the hidden states it is
-   given; the model returns it (as a ``[1, 1, 1]`` tensor, through whatever it does to logits) where
-   the logits would be, and the loss is taken as the head computed it.
-
-   Before fusing anything, the first micro-batch of a run is *probed* (a short slice, no gradient):
-   the head must be called once, on hidden states of every position, its output must equal
-   :meth:`LinearHead.logits` of its input, and the model must return that output unchanged or
-   transformed exactly as its configuration declares (Gemma 2/3 ``final_logit_softcapping``, Cohere
-   ``logit_scale``, Granite ``logits_scaling``), bit for bit. If any of this fails the run keeps the
-   logits path and says why, once.
-4. :class:`MicroBatchLoss` -- what both front-ends call per micro-batch: the fused path for causal
-   LMs while training, the logits path (``hf_accum.loss.token_loss_sum`` or a custom loss) otherwise;
-   optionally with :class:`TokenStats` (entropy and arg-max accuracy sums, TRL's metrics) from the
-   same chunks.
+2. :mod:`hf_accum.fused_head` -- which output layers can be fused (``resolve_head``: what the head computes,
+   as tensors, :class:`LinearHead`, and what the model does to its logits, :class:`LogitTransform`),
+   proven on the first micro-batch by a probe, and :class:`~hf_accum.fused_head.FusedCausalLMLoss`, which
+   runs a model so that its head *returns the loss* (inside the model's forward: DDP's reducer and
+   ``find_unused_parameters`` need the head reached from that forward).
+3. :mod:`hf_accum.micro_batch` -- :class:`~hf_accum.micro_batch.MicroBatchLoss`, what both front-ends call per
+   micro-batch: the fused path for causal LMs while training, the logits path otherwise, the model's own
+   extra loss terms, and optionally :class:`TokenStats` (TRL's metrics) from the same chunks.
 
 Sums are taken in :func:`hf_accum.loss.compute_dtype` (at least fp32; fp64 stays fp64), except a bf16
 output layer's weight gradient within one chunk, summed in bf16 (see :class:`_GradientSums`); the targets
@@ -45,36 +28,20 @@ are the causal ones of :func:`hf_accum.loss.aligned_targets`, so the count is th
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
 import inspect
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from hf_accum.distributed import is_main_process
 from hf_accum.loss import (
     DEFAULT_CHUNK_BYTES,
     IGNORE_INDEX,
-    LossKind,
-    aligned_targets,
     check_label_smoothing,
     compute_dtype,
-    count_targets,
-    infer_loss_kind,
-    loss_kind_spec,
-    model_loss_terms,
-    probe_model_loss,
-    probing,
-    resolve_loss_kind,
-    rows_per_chunk,
-    token_loss_sum,
-    unwrap_model,
 )
 
 logger = logging.getLogger(__name__)
@@ -452,412 +419,18 @@ def _liger_loss_sum(hidden, head: LinearHead, targets, label_smoothing: float) -
     )
 
 
-# ----------------------------------------------------------------------------------------------
-# The head: what a model's output layer computes
-# ----------------------------------------------------------------------------------------------
-
-
-class NotFusable(Exception):
-    """This model's output layer (or what the model does with its output) is not a plain linear map."""
-
-
-def resolve_head(module: nn.Module) -> LinearHead:
-    """The tensors ``module`` computes its logits with; :class:`NotFusable` (with the reason) otherwise."""
-    _require_no_hooks(module)
-    for cls, resolver in _head_resolvers().items():
-        if type(module) is cls:  # exact type: a subclass may override forward
-            return resolver(module)
-    raise NotFusable(
-        f"the output layer is a {type(module).__name__}, not nn.Linear or a PEFT LoRA/modules_to_save wrapper"
-    )
-
-
-def _head_resolvers() -> dict[type, Callable[[nn.Module], LinearHead]]:
-    """Module type -> how to read its linear map (one entry per supported kind of output layer)."""
-    from peft.tuners.lora.layer import Linear as LoraLinear
-    from peft.utils.other import ModulesToSaveWrapper
-
-    return {nn.Linear: _plain_linear, ModulesToSaveWrapper: _modules_to_save, LoraLinear: _lora_linear}
-
-
-def _require_no_hooks(module: nn.Module) -> None:
-    if module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__:
-        # FSDP2 shards the head and gathers it in a forward pre-hook: the fused pass would read a shard.
-        reason = "FSDP shards it (gathered only inside its forward)" if type(module).__name__.startswith("FSDP") \
-            else "it has forward hooks or a patched forward"
-        raise NotFusable(f"the output layer {type(module).__name__} cannot be read directly: {reason}")
-
-
-def _plain_linear(module: nn.Linear) -> LinearHead:
-    return LinearHead(module.weight, module.bias)
-
-
-def _modules_to_save(wrapper: nn.Module) -> LinearHead:
-    """PEFT's modules_to_save: the active adapter's trainable copy (the frozen original when disabled)."""
-    adapters = wrapper.active_adapters
-    if wrapper.disable_adapters or not adapters or adapters[0] not in wrapper.modules_to_save:
-        return resolve_head(wrapper.original_module)
-    return resolve_head(wrapper.modules_to_save[adapters[0]])
-
-
-def _lora_linear(layer: nn.Module) -> LinearHead:
-    """PEFT LoRA on the output layer: ``W x + scale * B A x`` with one active adapter and no dropout."""
-    base = resolve_head(layer.get_base_layer())
-    if layer.disable_adapters or layer.merged:  # merged: the base weight already holds B A
-        return base
-    active = [name for name in layer.active_adapters if name in layer.lora_A]
-    if not active:
-        return base
-    if len(active) > 1:
-        raise NotFusable(f"LoRA on the output layer with {len(active)} active adapters")
-    name = active[0]
-    dropout = layer.lora_dropout[name]
-    if name in getattr(layer, "lora_variant", {}):
-        raise NotFusable(f"LoRA variant {type(layer.lora_variant[name]).__name__} on the output layer")
-    if not isinstance(dropout, nn.Identity) and not (dropout.p == 0 or not dropout.training):
-        raise NotFusable(f"LoRA dropout {dropout.p} on the output layer (the fused head computes dropout-free LoRA)")
-    lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
-    plain = all(type(matrix) is nn.Linear and matrix.bias is None for matrix in (lora_a, lora_b))
-    if not plain:
-        raise NotFusable("LoRA matrices of the output layer are not bias-free nn.Linear")
-    for part in (lora_a, lora_b, dropout):
-        _require_no_hooks(part)
-    return LinearHead(base.weight, base.bias, lora_a.weight, lora_b.weight, float(layer.scaling[name]))
-
-
-# ----------------------------------------------------------------------------------------------
-# Running a causal LM with a loss-returning head
-# ----------------------------------------------------------------------------------------------
-
-
-class FusedCausalLMLoss:
-    """The fused loss for one training run of one causal LM.
-
-    Call :meth:`forward_loss` per micro-batch: the first call probes the model (see the module
-    docstring) and decides, once, whether this run fuses; it returns ``None`` when it does not (the
-    caller then takes the logits path) and ``(outputs, loss_sum)`` when it does.
-    """
-
-    def __init__(self, label_smoothing: float = 0.0, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
-        check_label_smoothing(label_smoothing)
-        self.label_smoothing = label_smoothing
-        self.chunk_bytes = chunk_bytes
-        self.head_module: nn.Module | None = None
-        self.transform: LogitTransform = IDENTITY  # what the model does to the head's logits (probed)
-        self.reason: str | None = None  # why not fused, once decided
-        self._decided = False
-
-    @property
-    def active(self) -> bool:
-        return self._decided and self.head_module is not None
-
-    def forward_loss(
-        self, model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor, stats: TokenStats | None = None
-    ):
-        """``(outputs, loss_sum)`` from one forward whose head returned the summed loss, or None.
-        ``stats``, when given, gets the micro-batch's :class:`TokenStats` added."""
-        if not self._decided:
-            self._decide(model, inputs)
-        if self.head_module is None:
-            return None
-        targets = aligned_targets(labels, "causal_lm")
-        # Read per call: the active adapter may change between calls.
-        head = dataclasses.replace(resolve_head(self.head_module), transform=self.transform)
-        with _head_returns_loss(self.head_module, self._loss_of(head, targets, stats)) as calls:
-            outputs = model(**inputs)
-        marker = outputs["logits"]
-        if len(calls) != 1 or marker.shape != (1, 1, 1):
-            raise RuntimeError(
-                f"the model called its output layer {len(calls)} times / returned logits of shape "
-                f"{tuple(marker.shape)} although the probe saw one plain call; pass fused_loss=False"
-            )
-        # The loss as the head computed it: what the model returns went through its logit transform
-        # (x scale, soft-cap), which applies to the logits, not to a loss. The returned marker still
-        # depends on it, so every parameter with a gradient is reachable from the outputs (DDP).
-        return outputs, calls[0]
-
-    def disable(self, reason: str) -> None:
-        """Decide for the logits path (e.g. a custom loss needs the logits)."""
-        self._decided, self.head_module, self.reason = True, None, reason
-
-    def _loss_of(self, head: LinearHead, targets: torch.Tensor, stats: TokenStats | None):
-        def loss(hidden: torch.Tensor) -> torch.Tensor:
-            if hidden.shape[:-1] != targets.shape:
-                raise RuntimeError(f"hidden states {tuple(hidden.shape)} do not match labels {tuple(targets.shape)}")
-            return linear_cross_entropy_sum(hidden, head, targets, self.label_smoothing, self.chunk_bytes, stats)
-
-        return loss
-
-    def _decide(self, model: nn.Module, inputs: dict[str, Any]) -> None:
-        self._decided = True
-        try:
-            self.head_module, self.transform = probe_fusable_head(model, inputs)
-        except NotFusable as reason:
-            self.reason = str(reason)
-            if is_main_process():  # every rank decides alike: say it once
-                logger.warning("fused linear cross-entropy off, logits path for this run: %s", reason)
-            return
-        vocab = resolve_head(self.head_module).weight.shape[0]
-        if is_main_process():
-            logger.info("fused linear cross-entropy on (vocabulary %d, at most %d MiB of logits per chunk%s)",
-                        vocab, self.chunk_bytes // 2**20, _describe(self.transform))
-
-
-def _describe(transform: LogitTransform) -> str:
-    steps = [f"{name} {value:g}" for name, value in (("logits x", transform.multiply), ("logits /", transform.divide),
-                                                      ("soft-capped at", transform.softcap)) if value is not None]
-    return "; " + ", ".join(steps) if steps else ""
-
-
-def probe_fusable_head(model: nn.Module, inputs: dict[str, Any]) -> tuple[nn.Module, LogitTransform]:
-    """The output-layer module to fuse and what the model does to its logits, after checking on a short
-    slice of ``inputs`` that the model returns exactly that from every position's hidden state."""
-    if isinstance(model, nn.DataParallel):
-        raise NotFusable("nn.DataParallel replicates modules per call (use DDP)")
-    inner = unwrap_model(model)
-    get_head = getattr(inner, "get_output_embeddings", None)
-    head_module = get_head() if callable(get_head) else None
-    if head_module is None:
-        raise NotFusable(f"{type(inner).__name__} has no output embeddings (get_output_embeddings)")
-    expected = resolve_head(head_module)
-    # Through the model as training calls it (DDP and Accelerate's autocast included); every rank
-    # probes its first micro-batch at the same point, so DDP's buffer broadcast stays in step.
-    seen = _probe_forward(model, head_module, _probe_slice(inputs))
-    if len(seen["calls"]) != 1:
-        raise NotFusable(f"the output layer was called {len(seen['calls'])} times in one forward")
-    (hidden, head_output), positions = seen["calls"][0], seen["positions"]
-    if positions is None or tuple(hidden.shape[:-1]) != positions:
-        raise NotFusable("the output layer does not see every position's hidden state")
-    _require_equal(
-        expected.logits(hidden), head_output, "the output layer computes something other than its linear map"
-    )
-    returned = seen["logits"]
-    if returned is None or returned.dtype.itemsize < head_output.dtype.itemsize:
-        raise NotFusable("the model does not return its output layer's logits")
-    return head_module, _proven_transform(inner, head_output, returned.to(head_output.dtype))
-
-
-def _proven_transform(inner: nn.Module, head_output: torch.Tensor, returned: torch.Tensor) -> LogitTransform:
-    """What the model does between its output layer and the logits it returns: nothing, or the
-    soft-cap / scale its configuration declares -- each accepted only if applying it to the output
-    layer's logits gives the returned logits bit for bit (same ops, same order)."""
-    if torch.equal(returned, head_output):
-        return IDENTITY
-    declared = declared_transform(inner)
-    if declared != IDENTITY and torch.equal(declared(head_output), returned):
-        return declared
-    raise NotFusable(
-        "the model changes the logits after its output layer in a way the fused loss does not reproduce "
-        f"(configured: {_describe(declared).lstrip('; ') or 'nothing'}; e.g. final_logit_softcapping, logit_scale)"
-    )
-
-
-def declared_transform(inner: nn.Module) -> LogitTransform:
-    """The logit soft-cap and scale a model's configuration declares (transformers' names: Gemma 2/3
-    ``final_logit_softcapping``, Cohere ``logit_scale`` (also a model attribute), Granite
-    ``logits_scaling``, which divides); a hypothesis for the probe to prove, never trusted alone."""
-    config = getattr(inner, "config", None)
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-
-    def number(*owners_and_names) -> float | None:
-        for owner, name in owners_and_names:
-            value = getattr(owner, name, None)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                return float(value)
-        return None
-
-    return LogitTransform(
-        multiply=number((inner, "logit_scale"), (text_config, "logit_scale")),
-        divide=number((text_config, "logits_scaling")),
-        softcap=number((text_config, "final_logit_softcapping")),
-    )
-
-
-def _probe_forward(model: nn.Module, head_module: nn.Module, inputs: dict[str, Any]) -> dict:
-    calls = []
-
-    def record(module, args, output):
-        calls.append((args[0].detach(), output.detach()))
-
-    handle = head_module.register_forward_hook(record)
-    try:
-        with probing(model):
-            outputs = model(**inputs)
-    finally:
-        handle.remove()
-    positions = next((tuple(inputs[k].shape[:2]) for k in ("input_ids", "inputs_embeds") if k in inputs), None)
-    logits = outputs["logits"] if "logits" in outputs else None
-    return {"calls": calls, "positions": positions, "logits": logits}
-
-
-def _probe_slice(inputs: dict[str, Any]) -> dict[str, Any]:
-    """The first row's first positions, when every tensor input is laid out [batch, positions, ...]
-    (else the whole micro-batch: correct, only costlier)."""
-    reference = inputs.get("input_ids", inputs.get("inputs_embeds"))
-    tensors = {k: v for k, v in inputs.items() if torch.is_tensor(v)}
-    if reference is None or any(tuple(v.shape[:2]) != tuple(reference.shape[:2]) for v in tensors.values()):
-        return dict(inputs)
-    return {k: v[:1, :PROBE_POSITIONS] if k in tensors else v for k, v in inputs.items()}
-
-
-def _require_equal(ours: torch.Tensor, theirs: torch.Tensor, message: str) -> None:
-    if ours.shape != theirs.shape:
-        raise NotFusable(message)
-    tolerance = max(1e-6, 4 * torch.finfo(theirs.dtype).eps) * float(theirs.abs().max().clamp_min(1.0))
-    same = bool((ours.to(theirs.dtype) - theirs).abs().max() <= tolerance)
-    if not same:
-        raise NotFusable(message)
-
-
-@contextlib.contextmanager
-def _head_returns_loss(head_module: nn.Module, loss: Callable[[torch.Tensor], torch.Tensor]):
-    """For one forward: the head returns ``loss(hidden_states)`` as a ``[1, 1, 1]`` tensor (the losses
-    it computed are in the yielded list)."""
-    calls: list[torch.Tensor] = []
-
-    def forward(hidden_states, *args, **kwargs):
-        if args or kwargs:
-            raise RuntimeError(f"the output layer was called with extra arguments {list(kwargs) or len(args)}")
-        calls.append(loss(hidden_states))
-        # A copy: a model that transforms its logits in place must not change the loss.
-        return calls[-1].reshape(1, 1, 1).clone()
-
-    head_module.forward = forward  # an instance attribute: nn.Module.__call__ finds it first
-    try:
-        yield calls
-    finally:
-        del head_module.forward
-
-
-# ----------------------------------------------------------------------------------------------
-# One micro-batch: fused where possible, from the logits otherwise (both front-ends)
-# ----------------------------------------------------------------------------------------------
-
-# (outputs, labels, inputs) -> (summed loss, number of targets). Must sum, never average.
-LossSumFn = Callable[[Any, torch.Tensor, dict], "tuple[torch.Tensor, torch.Tensor]"]
-
-
-class MicroBatchLoss:
-    """A run's forward and summed loss per micro-batch: ``(outputs, loss_sum, n_targets)``.
-
-    * ``kind`` -- the target layout; None: from the model class, else probed on the first micro-batch
-      (:func:`hf_accum.loss.resolve_loss_kind`).
-    * ``loss_sum_fn(outputs, labels, inputs)`` -- the loss from the forward's outputs (the logits path);
-      None: :func:`hf_accum.loss.token_loss_sum`.
-    * ``fused`` -- whether layouts that allow it (causal LMs) may use :class:`FusedCausalLMLoss` while
-      training; ``outputs.logits`` then holds the loss, not logits. Pass False when ``loss_sum_fn``
-      needs the logits (a custom loss).
-    * ``token_stats`` -- also compute each micro-batch's :class:`TokenStats` (entropy, arg-max hits) into
-      :attr:`last_token_stats`: inside the fused pass, else from the logits (per-token loss kinds).
-
-    **Terms the model adds to its own loss.** The first micro-batch is probed once
-    (:func:`hf_accum.loss.probe_model_loss`): the model's own ``forward(labels=...)`` loss must equal
-    the cross-entropy from its logits plus its known terms (:data:`hf_accum.loss.MODEL_LOSS_TERMS`, e.g.
-    a MoE router's ``router_aux_loss_coef * aux_loss``), else the run stops naming the model and the
-    difference. While training, the known terms are added to the micro-batch's loss *sum* weighted by its
-    target count: micro-batch ``k`` (``n_k`` targets, router loss ``aux_k``) adds ``coef * aux_k * n_k``.
-    The front-ends divide the update's sum by its ``N`` targets (all micro-batches, all ranks) once, so the
-    update minimizes ``CE mean + coef * sum_k (n_k / N) aux_k``: ``coef`` times the token-weighted mean of
-    the micro-batches' router losses. Its weight does not grow with K or the number of ranks (stock
-    ``Trainer`` adds ``coef * aux_k`` per micro-batch: K times), and when every micro-batch holds the same
-    rows it is the big batch's own term exactly. (A load-balancing loss is not a sum over tokens, so no
-    accumulation equals a big batch of *different* micro-batches without a pre-pass over the window.)
-    :attr:`aux_sum` is the term's detached part of the last training micro-batch's sum (None: none), so
-    the front-ends log the cross-entropy and the term apart. Evaluation sums the cross-entropy alone.
-    """
-
-    def __init__(
-        self,
-        kind: LossKind | None = None,
-        label_smoothing: float = 0.0,
-        problem_type: str | None = None,
-        loss_sum_fn: LossSumFn | None = None,
-        fused: bool = True,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        token_stats: bool = False,
-    ):
-        check_label_smoothing(label_smoothing)
-        self.kind = kind
-        self.label_smoothing = label_smoothing
-        self.problem_type = problem_type
-        self.loss_sum_fn = loss_sum_fn or self._token_loss_sum
-        self.fused = FusedCausalLMLoss(label_smoothing, chunk_bytes) if fused else None
-        self.terms_checked = False
-        self.aux_sum: torch.Tensor | None = None
-        self.token_stats = token_stats
-        self.last_token_stats: TokenStats | None = None
-
-    def __call__(self, model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor, need_logits: bool = False):
-        if not self.terms_checked:
-            self._probe_model_loss(model, inputs, labels)
-        if self.kind is None:
-            self.kind = resolve_loss_kind(model, inputs, labels)
-        outputs, loss_sum, n_targets = self._cross_entropy(model, inputs, labels, need_logits)
-        self.aux_sum = None
-        terms = model_loss_terms(model, outputs) if model.training else None
-        if terms is not None:
-            # coef * aux_k * n_k: the update's W / N turns it into the token-weighted mean (class docstring).
-            self.aux_sum = terms.to(loss_sum.device, loss_sum.dtype) * torch.as_tensor(
-                n_targets, device=loss_sum.device, dtype=loss_sum.dtype
-            )
-            loss_sum = loss_sum + self.aux_sum
-            self.aux_sum = self.aux_sum.detach()
-        return outputs, loss_sum, n_targets
-
-    def _cross_entropy(self, model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor, need_logits: bool):
-        stats = TokenStats.zeros(torch.float64, labels.device) if self.token_stats else None
-        self.last_token_stats = stats
-        if self._may_fuse(model) and not need_logits:
-            fused = self.fused.forward_loss(model, inputs, labels, stats)
-            if fused is not None:
-                outputs, loss_sum = fused
-                return outputs, loss_sum, count_targets(labels, self.kind)
-        outputs = model(**inputs)  # no labels: no model-side loss, no wasted (fp32) loss math
-        loss_sum, n_targets = self.loss_sum_fn(outputs, labels, inputs)
-        if stats is not None and loss_kind_spec(self.kind).per_token:
-            stats.add_(logits_token_stats(outputs.logits, labels, self.kind))
-        return outputs, loss_sum, n_targets
-
-    def _probe_model_loss(self, model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor) -> None:
-        """Once, on the first micro-batch: the layout (when unknown) and no dropped term. Every rank probes
-        its first micro-batch (the forward goes through DDP, whose buffer broadcast is a collective); a
-        micro-batch without targets has no loss to compare, and is not compared."""
-        kind = self.kind
-        if kind is None:
-            try:
-                kind = infer_loss_kind(model)
-            except ValueError:
-                kind = None  # probe_model_loss finds it from the model's own loss
-        self.kind = probe_model_loss(model, inputs, labels, kind).kind
-        self.terms_checked = True
-
-    def _may_fuse(self, model: nn.Module) -> bool:
-        # Training only: evaluation and prediction want logits, and the fused path computes gradients.
-        return (
-            self.fused is not None and loss_kind_spec(self.kind).fused and model.training and torch.is_grad_enabled()
-        )
-
-    def _token_loss_sum(self, outputs, labels, inputs):
-        return token_loss_sum(outputs.logits, labels, self.kind, self.label_smoothing, problem_type=self.problem_type)
-
-
-@torch.no_grad()
-def logits_token_stats(logits: torch.Tensor, labels: torch.Tensor, kind: LossKind = "causal_lm") -> TokenStats:
-    """:class:`TokenStats` of a micro-batch from its materialized logits (the logits path's counterpart of
-    the fused pass's): entropy ``-sum_c p_c log p_c`` and first-arg-max hits over the prediction targets,
-    one chunk of upcast logits at a time. Every position is evaluated and non-targets are masked
-    afterwards, so no data-dependent shape forces a host sync."""
-    targets = aligned_targets(labels, kind).reshape(-1).to(logits.device)
-    flat_logits = logits.detach().reshape(-1, logits.shape[-1])
-    is_target = targets.ne(IGNORE_INDEX)
-    stats = TokenStats.zeros(compute_dtype(flat_logits.dtype), logits.device)
-    stats.targets += is_target.sum()
-    rows = rows_per_chunk(flat_logits.shape[-1], flat_logits.dtype)
-    for start in range(0, flat_logits.shape[0], rows):
-        chunk = flat_logits[start : start + rows].to(compute_dtype(flat_logits.dtype))
-        chunk_is_target = is_target[start : start + rows]
-        log_p = chunk.log_softmax(-1)
-        entropy = -(log_p.exp() * log_p).sum(-1)
-        stats.entropy_sum += entropy.masked_fill(~chunk_is_target, 0).sum()
-        stats.top1_hits += (chunk.argmax(-1).eq(targets[start : start + rows]) & chunk_is_target).sum()
-    return stats
+# Moved to their own modules (the head probe, the per-micro-batch loss); importable from here as before.
+_MOVED = {
+    "NotFusable": "fused_head", "resolve_head": "fused_head", "FusedCausalLMLoss": "fused_head",
+    "probe_fusable_head": "fused_head", "declared_transform": "fused_head",
+    "MicroBatchLoss": "micro_batch", "LossSumFn": "micro_batch", "logits_token_stats": "micro_batch",
+}
+
+
+def __getattr__(name: str):
+    module = _MOVED.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hf_accum.fused_loss' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"hf_accum.{module}"), name)

@@ -7,9 +7,9 @@ from accelerate import Accelerator
 
 from hf_accum.accumulation import WindowTally
 from hf_accum.distributed import is_partitioned
-from hf_accum.fused_loss import MicroBatchLoss
 from hf_accum.loop.config import LoopConfig
 from hf_accum.loop.steppers import split_labels
+from hf_accum.micro_batch import MicroBatchLoss
 
 
 def evaluation_due(config: LoopConfig, step: int, total_updates: int, epoch_ended: bool) -> bool:

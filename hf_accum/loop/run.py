@@ -20,13 +20,13 @@ from tqdm.auto import tqdm
 from hf_accum.boundary import UpdateBoundary
 from hf_accum.compat import keep_4bit_training_layout
 from hf_accum.control import NonFiniteGuard, StopSignals, TrainingControl
-from hf_accum.fused_loss import LossSumFn, MicroBatchLoss
 from hf_accum.loop.config import LoopConfig, LoopConfigError
 from hf_accum.loop.evaluation import evaluate_loss, evaluation_due
 from hf_accum.loop.plan import RunPlan, check_supported
 from hf_accum.loop.steppers import Step, Stepper, build_stepper, is_deepspeed
 from hf_accum.loop.supervisor import Supervisor, build_checkpointer
 from hf_accum.loss import model_problem_type, unwrap_model
+from hf_accum.micro_batch import LossSumFn, MicroBatchLoss
 from hf_accum.records import TrainResult, UpdateLog
 from hf_accum.run_lock import locks_output_dir
 from hf_accum.schedule import create_update_scheduler

@@ -35,10 +35,10 @@ from hf_accum.accumulation import (
 )
 from hf_accum.boundary import Decision, UpdateBoundary, count_window_targets, discard_window_
 from hf_accum.compat import set_sync_gradients
-from hf_accum.fused_loss import MicroBatchLoss
 from hf_accum.loop.config import LoopConfig, LoopConfigError
 from hf_accum.loop.windows import PlanDriftError, check_window_targets
 from hf_accum.loss import infer_loss_kind
+from hf_accum.micro_batch import MicroBatchLoss
 from hf_accum.noise_probe import NOT_UNDER_DEEPSPEED, NOT_UNDER_FSDP, small_batch_grad_sq, squared_norm
 from hf_accum.noise_scale import NoiseScaleReading
 

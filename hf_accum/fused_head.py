@@ -1,0 +1,318 @@
+"""Which output layers the fused loss can take, proven on the model itself, and running a model so that its head
+returns the loss (:class:`FusedCausalLMLoss`). The loss itself is :mod:`hf_accum.fused_loss`; what both
+front-ends call per micro-batch is :mod:`hf_accum.micro_batch`.
+
+See :mod:`hf_accum.fused_loss` (its docstring, items 2 and 3) for why the head's ``forward`` is replaced for
+one call instead of calling the decoder and the loss apart, and for what the probe proves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from hf_accum.distributed import is_main_process
+from hf_accum.fused_loss import (
+    IDENTITY,
+    PROBE_POSITIONS,
+    LinearHead,
+    LogitTransform,
+    TokenStats,
+    linear_cross_entropy_sum,
+)
+from hf_accum.loss import (
+    DEFAULT_CHUNK_BYTES,
+    aligned_targets,
+    check_label_smoothing,
+    probing,
+    unwrap_model,
+)
+
+logger = logging.getLogger("hf_accum.fused_loss")
+
+
+# ----------------------------------------------------------------------------------------------
+# The head: what a model's output layer computes
+# ----------------------------------------------------------------------------------------------
+
+
+class NotFusable(Exception):
+    """This model's output layer (or what the model does with its output) is not a plain linear map."""
+
+
+def resolve_head(module: nn.Module) -> LinearHead:
+    """The tensors ``module`` computes its logits with; :class:`NotFusable` (with the reason) otherwise."""
+    _require_no_hooks(module)
+    for cls, resolver in _head_resolvers().items():
+        if type(module) is cls:  # exact type: a subclass may override forward
+            return resolver(module)
+    raise NotFusable(
+        f"the output layer is a {type(module).__name__}, not nn.Linear or a PEFT LoRA/modules_to_save wrapper"
+    )
+
+
+def _head_resolvers() -> dict[type, Callable[[nn.Module], LinearHead]]:
+    """Module type -> how to read its linear map (one entry per supported kind of output layer)."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+    from peft.utils.other import ModulesToSaveWrapper
+
+    return {nn.Linear: _plain_linear, ModulesToSaveWrapper: _modules_to_save, LoraLinear: _lora_linear}
+
+
+def _require_no_hooks(module: nn.Module) -> None:
+    if module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__:
+        # FSDP2 shards the head and gathers it in a forward pre-hook: the fused pass would read a shard.
+        reason = "FSDP shards it (gathered only inside its forward)" if type(module).__name__.startswith("FSDP") \
+            else "it has forward hooks or a patched forward"
+        raise NotFusable(f"the output layer {type(module).__name__} cannot be read directly: {reason}")
+
+
+def _plain_linear(module: nn.Linear) -> LinearHead:
+    return LinearHead(module.weight, module.bias)
+
+
+def _modules_to_save(wrapper: nn.Module) -> LinearHead:
+    """PEFT's modules_to_save: the active adapter's trainable copy (the frozen original when disabled)."""
+    adapters = wrapper.active_adapters
+    if wrapper.disable_adapters or not adapters or adapters[0] not in wrapper.modules_to_save:
+        return resolve_head(wrapper.original_module)
+    return resolve_head(wrapper.modules_to_save[adapters[0]])
+
+
+def _lora_linear(layer: nn.Module) -> LinearHead:
+    """PEFT LoRA on the output layer: ``W x + scale * B A x`` with one active adapter and no dropout."""
+    base = resolve_head(layer.get_base_layer())
+    if layer.disable_adapters or layer.merged:  # merged: the base weight already holds B A
+        return base
+    active = [name for name in layer.active_adapters if name in layer.lora_A]
+    if not active:
+        return base
+    if len(active) > 1:
+        raise NotFusable(f"LoRA on the output layer with {len(active)} active adapters")
+    name = active[0]
+    dropout = layer.lora_dropout[name]
+    if name in getattr(layer, "lora_variant", {}):
+        raise NotFusable(f"LoRA variant {type(layer.lora_variant[name]).__name__} on the output layer")
+    if not isinstance(dropout, nn.Identity) and not (dropout.p == 0 or not dropout.training):
+        raise NotFusable(f"LoRA dropout {dropout.p} on the output layer (the fused head computes dropout-free LoRA)")
+    lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
+    plain = all(type(matrix) is nn.Linear and matrix.bias is None for matrix in (lora_a, lora_b))
+    if not plain:
+        raise NotFusable("LoRA matrices of the output layer are not bias-free nn.Linear")
+    for part in (lora_a, lora_b, dropout):
+        _require_no_hooks(part)
+    return LinearHead(base.weight, base.bias, lora_a.weight, lora_b.weight, float(layer.scaling[name]))
+
+
+# ----------------------------------------------------------------------------------------------
+# Running a causal LM with a loss-returning head
+# ----------------------------------------------------------------------------------------------
+
+
+class FusedCausalLMLoss:
+    """The fused loss for one training run of one causal LM.
+
+    Call :meth:`forward_loss` per micro-batch: the first call probes the model (see the module
+    docstring) and decides, once, whether this run fuses; it returns ``None`` when it does not (the
+    caller then takes the logits path) and ``(outputs, loss_sum)`` when it does.
+    """
+
+    def __init__(self, label_smoothing: float = 0.0, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+        check_label_smoothing(label_smoothing)
+        self.label_smoothing = label_smoothing
+        self.chunk_bytes = chunk_bytes
+        self.head_module: nn.Module | None = None
+        self.transform: LogitTransform = IDENTITY  # what the model does to the head's logits (probed)
+        self.reason: str | None = None  # why not fused, once decided
+        self._decided = False
+
+    @property
+    def active(self) -> bool:
+        return self._decided and self.head_module is not None
+
+    def forward_loss(
+        self, model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor, stats: TokenStats | None = None
+    ):
+        """``(outputs, loss_sum)`` from one forward whose head returned the summed loss, or None.
+        ``stats``, when given, gets the micro-batch's :class:`TokenStats` added."""
+        if not self._decided:
+            self._decide(model, inputs)
+        if self.head_module is None:
+            return None
+        targets = aligned_targets(labels, "causal_lm")
+        # Read per call: the active adapter may change between calls.
+        head = dataclasses.replace(resolve_head(self.head_module), transform=self.transform)
+        with _head_returns_loss(self.head_module, self._loss_of(head, targets, stats)) as calls:
+            outputs = model(**inputs)
+        marker = outputs["logits"]
+        if len(calls) != 1 or marker.shape != (1, 1, 1):
+            raise RuntimeError(
+                f"the model called its output layer {len(calls)} times / returned logits of shape "
+                f"{tuple(marker.shape)} although the probe saw one plain call; pass fused_loss=False"
+            )
+        # The loss as the head computed it: what the model returns went through its logit transform
+        # (x scale, soft-cap), which applies to the logits, not to a loss. The returned marker still
+        # depends on it, so every parameter with a gradient is reachable from the outputs (DDP).
+        return outputs, calls[0]
+
+    def disable(self, reason: str) -> None:
+        """Decide for the logits path (e.g. a custom loss needs the logits)."""
+        self._decided, self.head_module, self.reason = True, None, reason
+
+    def _loss_of(self, head: LinearHead, targets: torch.Tensor, stats: TokenStats | None):
+        def loss(hidden: torch.Tensor) -> torch.Tensor:
+            if hidden.shape[:-1] != targets.shape:
+                raise RuntimeError(f"hidden states {tuple(hidden.shape)} do not match labels {tuple(targets.shape)}")
+            return linear_cross_entropy_sum(hidden, head, targets, self.label_smoothing, self.chunk_bytes, stats)
+
+        return loss
+
+    def _decide(self, model: nn.Module, inputs: dict[str, Any]) -> None:
+        self._decided = True
+        try:
+            self.head_module, self.transform = probe_fusable_head(model, inputs)
+        except NotFusable as reason:
+            self.reason = str(reason)
+            if is_main_process():  # every rank decides alike: say it once
+                logger.warning("fused linear cross-entropy off, logits path for this run: %s", reason)
+            return
+        vocab = resolve_head(self.head_module).weight.shape[0]
+        if is_main_process():
+            logger.info("fused linear cross-entropy on (vocabulary %d, at most %d MiB of logits per chunk%s)",
+                        vocab, self.chunk_bytes // 2**20, _describe(self.transform))
+
+
+def _describe(transform: LogitTransform) -> str:
+    steps = [f"{name} {value:g}" for name, value in (("logits x", transform.multiply), ("logits /", transform.divide),
+                                                      ("soft-capped at", transform.softcap)) if value is not None]
+    return "; " + ", ".join(steps) if steps else ""
+
+
+def probe_fusable_head(model: nn.Module, inputs: dict[str, Any]) -> tuple[nn.Module, LogitTransform]:
+    """The output-layer module to fuse and what the model does to its logits, after checking on a short
+    slice of ``inputs`` that the model returns exactly that from every position's hidden state."""
+    if isinstance(model, nn.DataParallel):
+        raise NotFusable("nn.DataParallel replicates modules per call (use DDP)")
+    inner = unwrap_model(model)
+    get_head = getattr(inner, "get_output_embeddings", None)
+    head_module = get_head() if callable(get_head) else None
+    if head_module is None:
+        raise NotFusable(f"{type(inner).__name__} has no output embeddings (get_output_embeddings)")
+    expected = resolve_head(head_module)
+    # Through the model as training calls it (DDP and Accelerate's autocast included); every rank
+    # probes its first micro-batch at the same point, so DDP's buffer broadcast stays in step.
+    seen = _probe_forward(model, head_module, _probe_slice(inputs))
+    if len(seen["calls"]) != 1:
+        raise NotFusable(f"the output layer was called {len(seen['calls'])} times in one forward")
+    (hidden, head_output), positions = seen["calls"][0], seen["positions"]
+    if positions is None or tuple(hidden.shape[:-1]) != positions:
+        raise NotFusable("the output layer does not see every position's hidden state")
+    _require_equal(
+        expected.logits(hidden), head_output, "the output layer computes something other than its linear map"
+    )
+    returned = seen["logits"]
+    if returned is None or returned.dtype.itemsize < head_output.dtype.itemsize:
+        raise NotFusable("the model does not return its output layer's logits")
+    return head_module, _proven_transform(inner, head_output, returned.to(head_output.dtype))
+
+
+def _proven_transform(inner: nn.Module, head_output: torch.Tensor, returned: torch.Tensor) -> LogitTransform:
+    """What the model does between its output layer and the logits it returns: nothing, or the
+    soft-cap / scale its configuration declares -- each accepted only if applying it to the output
+    layer's logits gives the returned logits bit for bit (same ops, same order)."""
+    if torch.equal(returned, head_output):
+        return IDENTITY
+    declared = declared_transform(inner)
+    if declared != IDENTITY and torch.equal(declared(head_output), returned):
+        return declared
+    raise NotFusable(
+        "the model changes the logits after its output layer in a way the fused loss does not reproduce "
+        f"(configured: {_describe(declared).lstrip('; ') or 'nothing'}; e.g. final_logit_softcapping, logit_scale)"
+    )
+
+
+def declared_transform(inner: nn.Module) -> LogitTransform:
+    """The logit soft-cap and scale a model's configuration declares (transformers' names: Gemma 2/3
+    ``final_logit_softcapping``, Cohere ``logit_scale`` (also a model attribute), Granite
+    ``logits_scaling``, which divides); a hypothesis for the probe to prove, never trusted alone."""
+    config = getattr(inner, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+
+    def number(*owners_and_names) -> float | None:
+        for owner, name in owners_and_names:
+            value = getattr(owner, name, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+        return None
+
+    return LogitTransform(
+        multiply=number((inner, "logit_scale"), (text_config, "logit_scale")),
+        divide=number((text_config, "logits_scaling")),
+        softcap=number((text_config, "final_logit_softcapping")),
+    )
+
+
+def _probe_forward(model: nn.Module, head_module: nn.Module, inputs: dict[str, Any]) -> dict:
+    calls = []
+
+    def record(module, args, output):
+        calls.append((args[0].detach(), output.detach()))
+
+    handle = head_module.register_forward_hook(record)
+    try:
+        with probing(model):
+            outputs = model(**inputs)
+    finally:
+        handle.remove()
+    positions = next((tuple(inputs[k].shape[:2]) for k in ("input_ids", "inputs_embeds") if k in inputs), None)
+    logits = outputs["logits"] if "logits" in outputs else None
+    return {"calls": calls, "positions": positions, "logits": logits}
+
+
+def _probe_slice(inputs: dict[str, Any]) -> dict[str, Any]:
+    """The first row's first positions, when every tensor input is laid out [batch, positions, ...]
+    (else the whole micro-batch: correct, only costlier)."""
+    reference = inputs.get("input_ids", inputs.get("inputs_embeds"))
+    tensors = {k: v for k, v in inputs.items() if torch.is_tensor(v)}
+    if reference is None or any(tuple(v.shape[:2]) != tuple(reference.shape[:2]) for v in tensors.values()):
+        return dict(inputs)
+    return {k: v[:1, :PROBE_POSITIONS] if k in tensors else v for k, v in inputs.items()}
+
+
+def _require_equal(ours: torch.Tensor, theirs: torch.Tensor, message: str) -> None:
+    if ours.shape != theirs.shape:
+        raise NotFusable(message)
+    tolerance = max(1e-6, 4 * torch.finfo(theirs.dtype).eps) * float(theirs.abs().max().clamp_min(1.0))
+    same = bool((ours.to(theirs.dtype) - theirs).abs().max() <= tolerance)
+    if not same:
+        raise NotFusable(message)
+
+
+@contextlib.contextmanager
+def _head_returns_loss(head_module: nn.Module, loss: Callable[[torch.Tensor], torch.Tensor]):
+    """For one forward: the head returns ``loss(hidden_states)`` as a ``[1, 1, 1]`` tensor (the losses
+    it computed are in the yielded list)."""
+    calls: list[torch.Tensor] = []
+
+    def forward(hidden_states, *args, **kwargs):
+        if args or kwargs:
+            raise RuntimeError(f"the output layer was called with extra arguments {list(kwargs) or len(args)}")
+        calls.append(loss(hidden_states))
+        # A copy: a model that transforms its logits in place must not change the loss.
+        return calls[-1].reshape(1, 1, 1).clone()
+
+    head_module.forward = forward  # an instance attribute: nn.Module.__call__ finds it first
+    try:
+        yield calls
+    finally:
+        del head_module.forward
+
+
+# ----------------------------------------------------------------------------------------------
+# One micro-batch: fused where possible, from the logits otherwise (both front-ends)
+# ----------------------------------------------------------------------------------------------

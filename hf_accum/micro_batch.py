@@ -1,0 +1,168 @@
+"""What both front-ends call per micro-batch: the forward and the summed loss, ``(outputs, loss_sum, n_targets)``.
+
+:class:`MicroBatchLoss` takes the fused path (:mod:`hf_accum.fused_head`, :mod:`hf_accum.fused_loss`) for
+causal LMs while training, the logits path otherwise; it adds the terms a model adds to its own loss (a MoE
+router loss) by the rule in its docstring, and optionally sums TRL's metrics (:class:`TokenStats`) in the
+same pass. :func:`logits_token_stats` gives those metrics from logits.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from hf_accum.fused_head import FusedCausalLMLoss
+from hf_accum.fused_loss import (
+    TokenStats,
+)
+from hf_accum.loss import (
+    DEFAULT_CHUNK_BYTES,
+    IGNORE_INDEX,
+    LossKind,
+    aligned_targets,
+    check_label_smoothing,
+    compute_dtype,
+    count_targets,
+    infer_loss_kind,
+    loss_kind_spec,
+    model_loss_terms,
+    probe_model_loss,
+    resolve_loss_kind,
+    rows_per_chunk,
+    token_loss_sum,
+)
+
+logger = logging.getLogger("hf_accum.fused_loss")
+
+
+# (outputs, labels, inputs) -> (summed loss, number of targets). Must sum, never average.
+LossSumFn = Callable[[Any, torch.Tensor, dict], "tuple[torch.Tensor, torch.Tensor]"]
+
+
+class MicroBatchLoss:
+    """A run's forward and summed loss per micro-batch: ``(outputs, loss_sum, n_targets)``.
+
+    * ``kind`` -- the target layout; None: from the model class, else probed on the first micro-batch
+      (:func:`hf_accum.loss.resolve_loss_kind`).
+    * ``loss_sum_fn(outputs, labels, inputs)`` -- the loss from the forward's outputs (the logits path);
+      None: :func:`hf_accum.loss.token_loss_sum`.
+    * ``fused`` -- whether layouts that allow it (causal LMs) may use :class:`FusedCausalLMLoss` while
+      training; ``outputs.logits`` then holds the loss, not logits. Pass False when ``loss_sum_fn``
+      needs the logits (a custom loss).
+    * ``token_stats`` -- also compute each micro-batch's :class:`TokenStats` (entropy, arg-max hits) into
+      :attr:`last_token_stats`: inside the fused pass, else from the logits (per-token loss kinds).
+
+    **Terms the model adds to its own loss.** The first micro-batch is probed once
+    (:func:`hf_accum.loss.probe_model_loss`): the model's own ``forward(labels=...)`` loss must equal
+    the cross-entropy from its logits plus its known terms (:data:`hf_accum.loss.MODEL_LOSS_TERMS`, e.g.
+    a MoE router's ``router_aux_loss_coef * aux_loss``), else the run stops naming the model and the
+    difference. While training, the known terms are added to the micro-batch's loss *sum* weighted by its
+    target count: micro-batch ``k`` (``n_k`` targets, router loss ``aux_k``) adds ``coef * aux_k * n_k``.
+    The front-ends divide the update's sum by its ``N`` targets (all micro-batches, all ranks) once, so the
+    update minimizes ``CE mean + coef * sum_k (n_k / N) aux_k``: ``coef`` times the token-weighted mean of
+    the micro-batches' router losses. Its weight does not grow with K or the number of ranks (stock
+    ``Trainer`` adds ``coef * aux_k`` per micro-batch: K times), and when every micro-batch holds the same
+    rows it is the big batch's own term exactly. (A load-balancing loss is not a sum over tokens, so no
+    accumulation equals a big batch of *different* micro-batches without a pre-pass over the window.)
+    :attr:`aux_sum` is the term's detached part of the last training micro-batch's sum (None: none), so
+    the front-ends log the cross-entropy and the term apart. Evaluation sums the cross-entropy alone.
+    """
+
+    def __init__(
+        self,
+        kind: LossKind | None = None,
+        label_smoothing: float = 0.0,
+        problem_type: str | None = None,
+        loss_sum_fn: LossSumFn | None = None,
+        fused: bool = True,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        token_stats: bool = False,
+    ):
+        check_label_smoothing(label_smoothing)
+        self.kind = kind
+        self.label_smoothing = label_smoothing
+        self.problem_type = problem_type
+        self.loss_sum_fn = loss_sum_fn or self._token_loss_sum
+        self.fused = FusedCausalLMLoss(label_smoothing, chunk_bytes) if fused else None
+        self.terms_checked = False
+        self.aux_sum: torch.Tensor | None = None
+        self.token_stats = token_stats
+        self.last_token_stats: TokenStats | None = None
+
+    def __call__(self, model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor, need_logits: bool = False):
+        if not self.terms_checked:
+            self._probe_model_loss(model, inputs, labels)
+        if self.kind is None:
+            self.kind = resolve_loss_kind(model, inputs, labels)
+        outputs, loss_sum, n_targets = self._cross_entropy(model, inputs, labels, need_logits)
+        self.aux_sum = None
+        terms = model_loss_terms(model, outputs) if model.training else None
+        if terms is not None:
+            # coef * aux_k * n_k: the update's W / N turns it into the token-weighted mean (class docstring).
+            self.aux_sum = terms.to(loss_sum.device, loss_sum.dtype) * torch.as_tensor(
+                n_targets, device=loss_sum.device, dtype=loss_sum.dtype
+            )
+            loss_sum = loss_sum + self.aux_sum
+            self.aux_sum = self.aux_sum.detach()
+        return outputs, loss_sum, n_targets
+
+    def _cross_entropy(self, model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor, need_logits: bool):
+        stats = TokenStats.zeros(torch.float64, labels.device) if self.token_stats else None
+        self.last_token_stats = stats
+        if self._may_fuse(model) and not need_logits:
+            fused = self.fused.forward_loss(model, inputs, labels, stats)
+            if fused is not None:
+                outputs, loss_sum = fused
+                return outputs, loss_sum, count_targets(labels, self.kind)
+        outputs = model(**inputs)  # no labels: no model-side loss, no wasted (fp32) loss math
+        loss_sum, n_targets = self.loss_sum_fn(outputs, labels, inputs)
+        if stats is not None and loss_kind_spec(self.kind).per_token:
+            stats.add_(logits_token_stats(outputs.logits, labels, self.kind))
+        return outputs, loss_sum, n_targets
+
+    def _probe_model_loss(self, model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor) -> None:
+        """Once, on the first micro-batch: the layout (when unknown) and no dropped term. Every rank probes
+        its first micro-batch (the forward goes through DDP, whose buffer broadcast is a collective); a
+        micro-batch without targets has no loss to compare, and is not compared."""
+        kind = self.kind
+        if kind is None:
+            try:
+                kind = infer_loss_kind(model)
+            except ValueError:
+                kind = None  # probe_model_loss finds it from the model's own loss
+        self.kind = probe_model_loss(model, inputs, labels, kind).kind
+        self.terms_checked = True
+
+    def _may_fuse(self, model: nn.Module) -> bool:
+        # Training only: evaluation and prediction want logits, and the fused path computes gradients.
+        return (
+            self.fused is not None and loss_kind_spec(self.kind).fused and model.training and torch.is_grad_enabled()
+        )
+
+    def _token_loss_sum(self, outputs, labels, inputs):
+        return token_loss_sum(outputs.logits, labels, self.kind, self.label_smoothing, problem_type=self.problem_type)
+
+
+@torch.no_grad()
+def logits_token_stats(logits: torch.Tensor, labels: torch.Tensor, kind: LossKind = "causal_lm") -> TokenStats:
+    """:class:`TokenStats` of a micro-batch from its materialized logits (the logits path's counterpart of
+    the fused pass's): entropy ``-sum_c p_c log p_c`` and first-arg-max hits over the prediction targets,
+    one chunk of upcast logits at a time. Every position is evaluated and non-targets are masked
+    afterwards, so no data-dependent shape forces a host sync."""
+    targets = aligned_targets(labels, kind).reshape(-1).to(logits.device)
+    flat_logits = logits.detach().reshape(-1, logits.shape[-1])
+    is_target = targets.ne(IGNORE_INDEX)
+    stats = TokenStats.zeros(compute_dtype(flat_logits.dtype), logits.device)
+    stats.targets += is_target.sum()
+    rows = rows_per_chunk(flat_logits.shape[-1], flat_logits.dtype)
+    for start in range(0, flat_logits.shape[0], rows):
+        chunk = flat_logits[start : start + rows].to(compute_dtype(flat_logits.dtype))
+        chunk_is_target = is_target[start : start + rows]
+        log_p = chunk.log_softmax(-1)
+        entropy = -(log_p.exp() * log_p).sum(-1)
+        stats.entropy_sum += entropy.masked_fill(~chunk_is_target, 0).sum()
+        stats.top1_hits += (chunk.argmax(-1).eq(targets[start : start + rows]) & chunk_is_target).sum()
+    return stats
