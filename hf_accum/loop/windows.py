@@ -27,13 +27,9 @@ from typing import Any
 
 import torch
 
-from hf_accum.checkpoint import (
-    ResumeMismatchError,
-    capture_random_states,
-    data_generators,
-    restore_random_states,
-)
+from hf_accum.checkpoint import ResumeMismatchError
 from hf_accum.errors import InputError
+from hf_accum.loop_checkpoint import capture_random_states, data_generators, restore_random_states
 from hf_accum.loss import count_targets
 from hf_accum.rampup import RampUp, describe_stages, plan_windows
 
