@@ -27,6 +27,7 @@ _BUDGET = "accumulation.tokens_per_update"
 
 def check_accumulation_section(section: Any, config: Any) -> None:
     """``Section.validator`` of ``accumulation``: values, the engine, the batch keys a budget replaces."""
+    _check_measurement(section, config)  # first: its messages name the accumulation.* key itself
     if config.engine != "loop":
         refuse_planned_windows("accumulation.", section.rampup_batch_size, section.tokens_per_update)
     LoopConfig(**loop_settings(section))  # the loop's own checks (one line naming the LoopConfig field)
@@ -34,7 +35,6 @@ def check_accumulation_section(section: Any, config: Any) -> None:
         _check_ramp(section.rampup_batch_size, config)
     if section.tokens_per_update is not None:
         _yield_batch_keys(config)
-    _check_measurement(section, config)
 
 
 def loop_settings(section: Any) -> dict[str, Any]:
