@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from typing import Sequence
 
 
@@ -26,31 +27,81 @@ def run_torchrun(worker: str, out_path, nproc: int = 2, timeout: int = 300, extr
 
 
 def run_torchrun_nodes(
-    worker: str, out_path, nodes: int = 2, timeout: int = 300, extra_args: Sequence[str] = ()
+    worker: str, out_path, nodes: int = 2, timeout: int = 300, extra_args: Sequence[str] = (), attempts: int = 2
 ) -> dict:
     """Run ``worker OUT.json`` as ``nodes`` torchrun "nodes" of 1 process each on this host (c10d rendezvous
-    on a free local port), as a multi-node job starts; return the JSON the global rank 0 wrote."""
+    on a free local port), as a multi-node job starts; return the JSON the global rank 0 wrote.
+
+    Why it is built this way (it once hung in CI while passing everywhere else):
+    - each agent's output goes to a file, not a pipe: with pipes read one agent after the other, a node
+      whose pipe filled blocked in ``write`` while the other waited for it in torchrun's exit barrier;
+    - node 0 hosts the rendezvous store (``is_host``), stated rather than raced for, and starts first;
+    - a fresh rendezvous id and port per attempt; a job whose rendezvous never completed within the time
+      (no report written) is started once more on a new port, the first attempt's logs kept in the error.
+    """
+    failures: list[str] = []
+    for attempt in range(1, attempts + 1):
+        outcome = _run_nodes_once(worker, out_path, nodes, timeout, extra_args, attempt)
+        if outcome is None:
+            with open(out_path) as handle:
+                return json.load(handle)
+        failures.append(f"attempt {attempt}: {outcome}")
+        if os.path.exists(out_path):
+            break  # the job ran and failed: running it again would not say anything new
+    raise AssertionError("\n\n".join(failures))
+
+
+def _run_nodes_once(worker, out_path, nodes, timeout, extra_args, attempt) -> str | None:
+    """One try of :func:`run_torchrun_nodes`; None when every agent exited 0 and the report exists, else
+    what went wrong with each agent's log tail."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     endpoint = f"localhost:{_free_port()}"
-    commands = [
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc_per_node", "1",
-         "--node_rank", str(rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "hf_accum_test",
-         worker, str(out_path), *extra_args]
-        for rank in range(nodes)
-    ]
-    agents = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in commands]
-    outputs = []
+    run_id = f"hf_accum_test_{os.getpid()}_{attempt}_{time.monotonic_ns()}"
+    log_dir = os.path.join(os.path.dirname(os.path.abspath(out_path)), f"agents-{attempt}")
+    os.makedirs(log_dir, exist_ok=True)
+    agents, logs = [], []
+    deadline = time.monotonic() + timeout
     try:
-        for agent in agents:
-            outputs.append(agent.communicate(timeout=timeout))
+        for rank in range(nodes):
+            command = [
+                sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc_per_node", "1",
+                "--node_rank", str(rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                "--rdzv-id", run_id, "--rdzv-conf", f"is_host={1 if rank == 0 else 0}",
+                worker, str(out_path), *extra_args,
+            ]
+            log = open(os.path.join(log_dir, f"node{rank}.log"), "w")
+            logs.append(log)
+            agents.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True))
+        timed_out = _wait_all(agents, deadline)
     finally:
         for agent in agents:
             if agent.poll() is None:
                 agent.kill()
-    for agent, (_, stderr) in zip(agents, outputs):
-        assert agent.returncode == 0, stderr[-4000:]
-    with open(out_path) as handle:
-        return json.load(handle)
+                agent.wait()
+        for log in logs:
+            log.close()
+    problems = [f"node {rank} exit {agent.returncode}" for rank, agent in enumerate(agents) if agent.returncode != 0]
+    if not timed_out and not problems and os.path.exists(out_path):
+        return None
+    what = f"timed out after {timeout} s" if timed_out else ", ".join(problems) or "no report written"
+    tails = "\n".join(f"--- node {rank} ({path}) ---\n{_tail(path)}"
+                      for rank, path in enumerate(os.path.join(log_dir, f"node{r}.log") for r in range(nodes)))
+    return f"{what} (rendezvous {endpoint}, id {run_id})\n{tails}"
+
+
+def _wait_all(agents, deadline: float) -> bool:
+    """Wait for every agent until ``deadline``; True when the time ran out first."""
+    for agent in agents:
+        try:
+            agent.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            return True
+    return False
+
+
+def _tail(path: str, size: int = 3000) -> str:
+    with open(path, errors="replace") as handle:
+        return handle.read()[-size:]
 
 
 def _free_port() -> int:
