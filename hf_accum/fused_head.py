@@ -29,6 +29,7 @@ from hf_accum.loss import (
     DEFAULT_CHUNK_BYTES,
     aligned_targets,
     check_label_smoothing,
+    leading_slice,
     probing,
     unwrap_model,
 )
@@ -275,13 +276,10 @@ def _probe_forward(model: nn.Module, head_module: nn.Module, inputs: dict[str, A
 
 
 def _probe_slice(inputs: dict[str, Any]) -> dict[str, Any]:
-    """The first row's first positions, when every tensor input is laid out [batch, positions, ...]
-    (else the whole micro-batch: correct, only costlier)."""
-    reference = inputs.get("input_ids", inputs.get("inputs_embeds"))
-    tensors = {k: v for k, v in inputs.items() if torch.is_tensor(v)}
-    if reference is None or any(tuple(v.shape[:2]) != tuple(reference.shape[:2]) for v in tensors.values()):
-        return dict(inputs)
-    return {k: v[:1, :PROBE_POSITIONS] if k in tensors else v for k, v in inputs.items()}
+    """The first row's first positions (padding-free rows included, :func:`hf_accum.loss.leading_slice`),
+    when the inputs' layout lets them be cut (else the whole micro-batch: correct, only costlier)."""
+    cut = leading_slice(inputs, 0, PROBE_POSITIONS)
+    return cut if cut is not None else dict(inputs)
 
 
 def _require_equal(ours: torch.Tensor, theirs: torch.Tensor, message: str) -> None:

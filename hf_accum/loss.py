@@ -310,31 +310,78 @@ def _unaccounted(model: torch.nn.Module, name: str, own: float, mean: float, ext
 
 
 def _probe_rows(inputs: dict[str, Any], labels: torch.Tensor, kind: LossKind) -> tuple[dict[str, Any], torch.Tensor]:
-    """A small slice of the micro-batch that holds a target, when every tensor input is laid out per row
-    (else all of it): the first row with a target and, for per-position labels, its first positions up to
-    that target (at least :data:`PROBE_POSITIONS`). The own loss and ours are compared on the same forward,
-    so any slice compares like with like; a small one keeps the probe's logits far below one training chunk."""
+    """A small slice of the micro-batch that holds a target, when the inputs' layout lets it be cut (else all
+    of it): the first row with a target and, for per-position labels, its first positions up to that target
+    (at least :data:`PROBE_POSITIONS`). Padding-free rows (several sequences flattened into one row, as TRL's
+    ``padding_free``/``packing`` and transformers' ``DataCollatorWithFlattening`` make) are cut too
+    (:func:`leading_slice`). The own loss and ours are compared on the same forward, so any slice compares
+    like with like; a small one keeps the probe's logits far below one training chunk."""
     rows = labels.shape[0] if labels.dim() else 0
-    tensors = [v for v in inputs.values() if torch.is_tensor(v)]
-    if rows == 0 or any(v.dim() == 0 or v.shape[0] != rows for v in tensors):
+    if rows == 0:
         return inputs, labels
     has_target = aligned_targets(labels, kind).reshape(rows, -1).ne(IGNORE_INDEX).any(1)
     row = int(has_target.nonzero()[0]) if bool(has_target.any()) else 0
-    inputs = {k: v[row : row + 1] if torch.is_tensor(v) else v for k, v in inputs.items()}
-    labels = labels[row : row + 1]
-    if not _per_position(inputs, labels, kind):
-        return inputs, labels
-    offset = 1 if kind == "causal_lm" else 0  # the first label a causal LM predicts is at position 1
-    found = labels[0, offset:].ne(IGNORE_INDEX).nonzero()
-    end = max(PROBE_POSITIONS, int(found[0]) + offset + 1 if found.numel() else 0)
-    return {k: v[:, :end] if torch.is_tensor(v) else v for k, v in inputs.items()}, labels[:, :end]
+    if LOSS_KIND_SPECS[kind].per_token and labels.dim() == 2:
+        offset = 1 if kind == "causal_lm" else 0  # the first label a causal LM predicts is at position 1
+        found = labels[row, offset:].ne(IGNORE_INDEX).nonzero()
+        end = max(PROBE_POSITIONS, int(found[0]) + offset + 1 if found.numel() else 0)
+        cut = leading_slice(inputs, row, end, layout=tuple(labels.shape))
+        if cut is not None:
+            return cut, labels[row : row + 1, :end]
+    cut = leading_slice(inputs, row, None, layout=(rows,))
+    return (cut, labels[row : row + 1]) if cut is not None else (inputs, labels)
 
 
-def _per_position(inputs: dict[str, Any], labels: torch.Tensor, kind: LossKind) -> bool:
-    """Labels and every tensor input laid out ``[rows, positions, ...]`` alike (positions can be cut)."""
-    if not LOSS_KIND_SPECS[kind].per_token or labels.dim() != 2:
-        return False
-    return all(tuple(v.shape[:2]) == tuple(labels.shape) for v in inputs.values() if torch.is_tensor(v))
+# Flash-attention keyword arguments of padding-free batches: the boundaries of the sequences flattened
+# into the one row (cumulative lengths) and the longest of them. Cutting the row's positions cuts them too.
+_SEQUENCE_BOUNDS = {"cu_seq_lens_q": "max_length_q", "cu_seq_lens_k": "max_length_k"}
+
+
+def leading_slice(
+    inputs: dict[str, Any], row: int, end: int | None, layout: tuple[int, ...] | None = None
+) -> dict[str, Any] | None:
+    """``inputs`` reduced to row ``row`` and, with ``end``, to that row's first ``end`` positions; None when
+    some input is not known to be cut that way (the caller then keeps the whole micro-batch: correct, only
+    costlier).
+
+    ``layout`` is ``(rows,)`` or ``(rows, positions)`` of the batch (default: ``input_ids``' or
+    ``inputs_embeds``'); a tensor input must start with it, except a padding-free row's sequence
+    boundaries (``cu_seq_lens_q/k``: those up to ``end``, then ``end``) and their maxima (``max_length_q/k``),
+    recomputed for the cut. A prefix of a causal sequence is itself a valid input: every position attends to
+    earlier positions only."""
+    if layout is None:
+        reference = inputs.get("input_ids", inputs.get("inputs_embeds"))
+        if reference is None or reference.dim() < 2:
+            return None
+        layout = tuple(reference.shape[: 1 if end is None else 2])
+    if end is not None and len(layout) < 2:
+        return None
+    flattened = layout[0] == 1 and any(k in inputs for k in _SEQUENCE_BOUNDS)
+    cut: dict[str, Any] = {}
+    for key, value in inputs.items():
+        if key in _SEQUENCE_BOUNDS and flattened and torch.is_tensor(value) and value.dim() == 1:
+            bounds = _cut_bounds(value, end)
+            cut[key] = bounds
+            if _SEQUENCE_BOUNDS[key] in inputs:
+                cut[_SEQUENCE_BOUNDS[key]] = int((bounds[1:] - bounds[:-1]).max()) if bounds.numel() > 1 else 0
+        elif key in _SEQUENCE_BOUNDS.values() and flattened:
+            continue  # recomputed with its boundaries
+        elif torch.is_tensor(value):
+            if value.dim() < len(layout) or tuple(value.shape[: len(layout)]) != layout:
+                return None
+            value = value[row : row + 1]
+            cut[key] = value if end is None else value[:, :end]
+        else:
+            cut[key] = value
+    return cut
+
+
+def _cut_bounds(bounds: torch.Tensor, end: int | None) -> torch.Tensor:
+    """Cumulative sequence lengths ``[0, l1, l1 + l2, ...]`` of a row cut to its first ``end`` positions."""
+    if end is None or end >= int(bounds[-1]):
+        return bounds
+    kept = bounds[bounds < end]
+    return torch.cat([kept, kept.new_tensor([end])])
 
 
 @contextlib.contextmanager

@@ -270,30 +270,67 @@ class LargestTensor(TorchDispatchMode):
 LARGE_VOCAB = 128256
 
 
-def _train_large_vocab(front_end: str, row_length: int, output_dir: str, fused_loss: bool = True) -> None:
+def _collator(layout: str):
+    """``padded`` rows, or ``flattened``: each micro-batch one padding-free row with position ids and the
+    flash-attention sequence boundaries, as TRL's ``padding_free``/``packing`` hand it to the model."""
+    if layout == "padded":
+        return PaddingCollator(PAD)
+    from transformers import DataCollatorWithFlattening
+
+    return DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)
+
+
+def _train_large_vocab(front_end: str, row_length: int, output_dir: str, fused_loss: bool = True,
+                       layout: str = "padded") -> None:
     """One update (2 micro-batches of 2 rows) at a Llama-3 vocabulary, fp32, without the auditor (its
     big-batch reference materializes logits on purpose)."""
     model = tiny_causal_lm(dtype=torch.float32, vocab_size=LARGE_VOCAB)
     rows = [{"input_ids": list(range(3 + i, 3 + i + row_length))} for i in range(4)]
     if front_end == "loop":
         accelerator = fresh_accelerator(2)
-        loader = DataLoader(rows, batch_size=2, collate_fn=PaddingCollator(PAD))
+        loader = DataLoader(rows, batch_size=2, collate_fn=_collator(layout))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         train(model, optimizer, loader, accelerator, LoopConfig(disable_tqdm=True, fused_loss=fused_loss))
     else:
-        scenario = Scenario("large_vocab", None, rows, PaddingCollator(PAD), micro_batch=2, accumulation=2)
+        scenario = Scenario("large_vocab", None, rows, _collator(layout), micro_batch=2, accumulation=2)
         AccumTrainer(model=model, args=training_args(scenario, output_dir), train_dataset=rows,
                      data_collator=scenario.collator, fused_loss=fused_loss).train()
 
 
+@pytest.mark.parametrize("layout", ["padded", "flattened"])
 @pytest.mark.parametrize("front_end", ["loop", "trainer"])
-def test_no_tokens_by_vocab_tensor_is_allocated_while_training(front_end, tmp_path):
+def test_no_tokens_by_vocab_tensor_is_allocated_while_training(front_end, layout, tmp_path):
+    """Neither the training forwards nor the first micro-batch's probes (the model's own loss, the head)
+    hold the micro-batch's logits: the probes cut a padding-free row too (its sequence boundaries with it)."""
     row_length = 640  # 1280 positions per micro-batch: 164M logits (656 MB in fp32) on the logits path
     with LargestTensor() as watch:
-        _train_large_vocab(front_end, row_length, str(tmp_path))
+        _train_large_vocab(front_end, row_length, str(tmp_path), layout=layout)
     chunk = rows_per_chunk(LARGE_VOCAB, torch.float32) * LARGE_VOCAB
     assert LARGE_VOCAB * TEST_SHAPE["hidden_size"] <= watch.largest <= chunk < 2 * row_length * LARGE_VOCAB / 2
+
+
+def test_leading_slice_cuts_a_padding_free_row_with_its_sequence_boundaries():
+    from hf_accum.loss import leading_slice
+
+    # three sequences of 5, 4 and 6 positions flattened into one row of 15
+    inputs = {"input_ids": torch.arange(15).view(1, 15), "position_ids": torch.tensor([list(range(5)) + list(range(4))
+              + list(range(6))]), "cu_seq_lens_q": torch.tensor([0, 5, 9, 15]), "cu_seq_lens_k": torch.tensor([0, 5, 9, 15]),
+              "max_length_q": 6, "max_length_k": 6, "use_cache": False}
+    cut = leading_slice(inputs, 0, 7)
+    assert cut["input_ids"].tolist() == [list(range(7))]
+    assert cut["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1]]
+    assert cut["cu_seq_lens_q"].tolist() == cut["cu_seq_lens_k"].tolist() == [0, 5, 7]
+    assert cut["max_length_q"] == cut["max_length_k"] == 5 and cut["use_cache"] is False
+    # a cut on a boundary, and one past the row's end, keep whole sequences only
+    assert leading_slice(inputs, 0, 9)["cu_seq_lens_q"].tolist() == [0, 5, 9]
+    assert leading_slice(inputs, 0, 40)["cu_seq_lens_q"].tolist() == [0, 5, 9, 15]
+    # padded rows: the row, then its positions
+    padded = {"input_ids": torch.arange(12).view(3, 4), "attention_mask": torch.ones(3, 4, dtype=torch.long)}
+    assert leading_slice(padded, 1, 2)["input_ids"].tolist() == [[4, 5]]
+    # an input of a layout it does not know: not cut (the caller keeps the whole micro-batch)
+    assert leading_slice({**padded, "extra": torch.zeros(5)}, 0, 2) is None
+    assert leading_slice({**inputs, "input_ids": torch.arange(30).view(2, 15)}, 0, 7) is None
 
 
 @pytest.mark.parametrize("front_end", ["loop", "trainer"])
