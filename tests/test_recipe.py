@@ -27,8 +27,18 @@ def run_script(launcher: list[str], out, *overrides: str, timeout: int = 240) ->
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     cmd = [*launcher, SCRIPT, *SMALL, f"training.output_dir={out}", *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n--- stdout\n{proc.stdout[-3000:]}\n{_stderr_by_rank(proc.stderr)}"
     return proc
+
+
+def _stderr_by_rank(stderr: str, lines: int = 30) -> str:
+    """The end of each rank's traceback (torchrun prefixes them ``[rankN]:``) and of the rest: the rank that
+    failed first is rarely the one whose traceback ends the output."""
+    ranks = sorted({line.split("]:", 1)[0] + "]" for line in stderr.splitlines() if line.startswith("[rank")})
+    parts = [f"--- stderr {rank}\n" + "\n".join([ln for ln in stderr.splitlines() if ln.startswith(rank)][-lines:])
+             for rank in ranks]
+    rest = [ln for ln in stderr.splitlines() if not ln.startswith("[rank")]
+    return "\n".join(parts + ["--- stderr (other lines)\n" + "\n".join(rest[-lines:])])
 
 
 def read_metrics(out) -> dict:
