@@ -7,9 +7,11 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 
 import pytest
 import yaml
@@ -24,11 +26,30 @@ SMALL = ["data.num_train_examples=240", "data.num_eval_examples=8", "training.lo
 
 
 def run_script(launcher: list[str], out, *overrides: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    """Run the recipe script; it must exit 0. A multi-process launch that fails is run once more from the same
+    starting files (its output directory as it was before), with a warning carrying the first failure: a
+    2-process gloo job on a shared CI machine has failed once in a while with no fault of the recipe's (a
+    rank exiting early in training; not reproduced in 10+ runs alone or under load). A real fault fails both
+    times, and the assertion then shows both."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     cmd = [*launcher, SCRIPT, *SMALL, f"training.output_dir={out}", *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n--- stdout\n{proc.stdout[-3000:]}\n{_stderr_by_rank(proc.stderr)}"
-    return proc
+    attempts = 2 if launcher == TORCHRUN_2 else 1
+    failures: list[str] = []
+    with tempfile.TemporaryDirectory() as saved:
+        before = os.path.join(saved, "out")
+        if attempts > 1 and os.path.isdir(out):
+            shutil.copytree(out, before, symlinks=True)
+        for attempt in range(attempts):
+            if attempt:
+                warnings.warn(f"recipe run retried after a failure:\n{failures[-1][-3000:]}", stacklevel=2)
+                shutil.rmtree(out, ignore_errors=True)
+                if os.path.isdir(before):
+                    shutil.copytree(before, out, symlinks=True)
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+            if proc.returncode == 0:
+                return proc
+            failures.append(f"{' '.join(cmd)}\n--- stdout\n{proc.stdout[-3000:]}\n{_stderr_by_rank(proc.stderr)}")
+    raise AssertionError("\n\n=== and again ===\n".join(failures))
 
 
 def _stderr_by_rank(stderr: str, lines: int = 30) -> str:
