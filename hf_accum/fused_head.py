@@ -137,10 +137,12 @@ class FusedCausalLMLoss:
         return self._decided and self.head_module is not None
 
     def forward_loss(
-        self, model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor, stats: TokenStats | None = None
+        self, model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor, stats: TokenStats | None = None,
+        weights: torch.Tensor | None = None,
     ):
         """``(outputs, loss_sum)`` from one forward whose head returned the summed loss, or None.
-        ``stats``, when given, gets the micro-batch's :class:`TokenStats` added."""
+        ``stats``, when given, gets the micro-batch's :class:`TokenStats` added; ``weights`` (aligned with the
+        causal LM's targets, one per position) weigh each target's loss."""
         if not self._decided:
             self._decide(model, inputs)
         if self.head_module is None:
@@ -148,7 +150,7 @@ class FusedCausalLMLoss:
         targets = aligned_targets(labels, "causal_lm")
         # Read per call: the active adapter may change between calls.
         head = dataclasses.replace(resolve_head(self.head_module), transform=self.transform)
-        with _head_returns_loss(self.head_module, self._loss_of(head, targets, stats)) as calls:
+        with _head_returns_loss(self.head_module, self._loss_of(head, targets, stats, weights)) as calls:
             outputs = model(**inputs)
         marker = outputs["logits"]
         if len(calls) != 1 or marker.shape != (1, 1, 1):
@@ -165,11 +167,13 @@ class FusedCausalLMLoss:
         """Decide for the logits path (e.g. a custom loss needs the logits)."""
         self._decided, self.head_module, self.reason = True, None, reason
 
-    def _loss_of(self, head: LinearHead, targets: torch.Tensor, stats: TokenStats | None):
+    def _loss_of(self, head: LinearHead, targets: torch.Tensor, stats: TokenStats | None,
+                 weights: torch.Tensor | None = None):
         def loss(hidden: torch.Tensor) -> torch.Tensor:
             if hidden.shape[:-1] != targets.shape:
                 raise RuntimeError(f"hidden states {tuple(hidden.shape)} do not match labels {tuple(targets.shape)}")
-            return linear_cross_entropy_sum(hidden, head, targets, self.label_smoothing, self.chunk_bytes, stats)
+            return linear_cross_entropy_sum(hidden, head, targets, self.label_smoothing, self.chunk_bytes, stats,
+                                            weights)
 
         return loss
 

@@ -170,6 +170,7 @@ def linear_cross_entropy_sum(
     label_smoothing: float = 0.0,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     stats: TokenStats | None = None,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Summed cross-entropy of ``head.model_logits(hidden)`` against ``targets`` (``-100``: no target).
 
@@ -177,21 +178,28 @@ def linear_cross_entropy_sum(
     aligned: for a causal LM, :func:`hf_accum.loss.aligned_targets`). Returns a 0-dim tensor in
     :func:`~hf_accum.loss.compute_dtype`; its gradient is exact (no recomputation, no approximation).
     ``chunk_bytes`` bounds the chunk's logit buffers, in the loss dtype. ``stats``, when given, gets
-    this call's :class:`TokenStats` added (computed from the same chunks: no extra logits).
+    this call's :class:`TokenStats` added (computed from the same chunks: no extra logits). ``weights``, when
+    given (one per position, like ``targets``), makes it ``sum_t w_t * loss_t``: each target row's loss and
+    logit gradient are scaled by its weight (per-sequence normalization, :mod:`hf_accum.sequence_norm`).
     """
     check_label_smoothing(label_smoothing)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_targets = targets.reshape(-1).to(hidden.device)
     if flat_hidden.shape[0] != flat_targets.shape[0]:
         raise ValueError(f"{flat_targets.shape[0]} targets for {flat_hidden.shape[0]} hidden positions")
-    if stats is None and head.transform == IDENTITY and _use_liger(flat_hidden, head):
+    flat_weights = None
+    if weights is not None:
+        flat_weights = weights.reshape(-1).to(hidden.device)
+        if flat_weights.shape != flat_targets.shape:
+            raise ValueError(f"{flat_weights.shape[0]} weights for {flat_targets.shape[0]} targets")
+    if stats is None and flat_weights is None and head.transform == IDENTITY and _use_liger(flat_hidden, head):
         return _liger_loss_sum(flat_hidden, head, flat_targets, label_smoothing)
     vocab = head.weight.shape[0]
     row_bytes = vocab * compute_dtype(head.weight.dtype).itemsize * head.transform.buffers
     chunk_rows = max(1, chunk_bytes // row_bytes)
     return _LinearCrossEntropySum.apply(
         flat_hidden, flat_targets, head.weight, head.bias, head.lora_a, head.lora_b, head.lora_scale,
-        label_smoothing, chunk_rows, head.transform, stats,
+        label_smoothing, chunk_rows, head.transform, stats, flat_weights,
     )
 
 
@@ -208,12 +216,14 @@ class _LinearCrossEntropySum(torch.autograd.Function):
 
     and ``dz`` is multiplied back through the head: ``dh = dz W (+ scale * dz B A)``,
     ``dW += dz^T h``, ``db += sum dz``, ``dB += scale * dz^T (h A^T)``, ``dA += scale * (dz B)^T h``.
-    Rows without a target are never computed (prompt and padding cost nothing here).
+    Rows without a target are never computed (prompt and padding cost nothing here). With per-row weights
+    ``w`` the loss is ``sum_r w_r loss_r`` and each row's ``dloss/dz`` is scaled by ``w_r`` before it goes
+    through the head: the weights are constants of the micro-batch (no gradient of their own).
     """
 
     @staticmethod
     def forward(ctx, hidden, targets, weight, bias, lora_a, lora_b, lora_scale, label_smoothing, chunk_rows,
-                transform, stats):
+                transform, stats, row_weights):
         needs = ctx.needs_input_grad
         rows = targets.ne(IGNORE_INDEX).nonzero().squeeze(1)
         accumulators = _GradientSums(hidden, weight, bias, lora_a, lora_b, needs)
@@ -223,8 +233,9 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             chunk = rows[start : start + chunk_rows]
             h = hidden.index_select(0, chunk)
             logits, low_rank_input = _chunk_logits(h, weight, bias, lora_a, lora_b, lora_scale, total.dtype)
+            chunk_weights = None if row_weights is None else row_weights.index_select(0, chunk).to(total.dtype)
             chunk_loss, grad_logits = _loss_and_logit_gradient(
-                logits, targets.index_select(0, chunk), label_smoothing, transform, chunk_stats
+                logits, targets.index_select(0, chunk), label_smoothing, transform, chunk_stats, chunk_weights
             )
             total += chunk_loss
             accumulators.add_chunk(chunk, h, grad_logits, low_rank_input, lora_scale)
@@ -243,7 +254,8 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                 "the fused linear cross-entropy frees its gradients after one backward; retain_graph=True "
                 "is not supported (use the logits path: fused_loss=False)"
             )
-        return (sums.hidden_grad(grad_total), None, *sums.head_grads(grad_total), None, None, None, None, None)
+        return (sums.hidden_grad(grad_total), None, *sums.head_grads(grad_total), None, None, None, None, None,
+                None)
 
 
 def _chunk_logits(h, weight, bias, lora_a, lora_b, lora_scale, loss_dtype):
@@ -259,11 +271,12 @@ def _chunk_logits(h, weight, bias, lora_a, lora_b, lora_scale, loss_dtype):
 
 def _loss_and_logit_gradient(
     z: torch.Tensor, targets: torch.Tensor, label_smoothing: float, transform: LogitTransform,
-    stats: TokenStats | None,
+    stats: TokenStats | None, row_weights: torch.Tensor | None = None,
 ):
-    """Summed loss of a chunk and d(loss)/dz, computed in place in the chunk's buffers (softmax in a
-    few passes, no other temporary of the chunk's size; a soft-cap needs a second buffer, which the
-    chunk size accounts for). ``stats``, when given, gets the chunk's entropy and arg-max hits added."""
+    """Summed (``row_weights``: weighted) loss of a chunk and d(loss)/dz, computed in place in the chunk's
+    buffers (softmax in a few passes, no other temporary of the chunk's size; a soft-cap needs a second buffer,
+    which the chunk size accounts for). ``stats``, when given, gets the chunk's entropy and arg-max hits added
+    (unweighted: TRL's per-target means)."""
     vocab = z.shape[-1]
     y, tanh = transform.apply_(z)
     picked = y.gather(1, targets[:, None]).squeeze(1)
@@ -273,9 +286,10 @@ def _loss_and_logit_gradient(
     dot = _exp_dot(shifted) if stats is not None else None
     exp_sum = shifted.exp_().sum(1, keepdim=True)
     log_sum_exp = (row_max + exp_sum.log()).squeeze(1)
-    loss = (log_sum_exp - (1.0 - label_smoothing) * picked).sum()
+    row_loss = log_sum_exp - (1.0 - label_smoothing) * picked
     if smooth_sum is not None:
-        loss = loss - label_smoothing / vocab * smooth_sum.sum()
+        row_loss = row_loss - label_smoothing / vocab * smooth_sum
+    loss = (row_loss if row_weights is None else row_loss * row_weights).sum()
     if stats is not None:
         # entropy = -sum_c p_c log p_c = log S - sum_c e_c x_c / S, with x = y - max, e = exp(x), S = sum e
         stats.entropy_sum += (exp_sum.log() - dot[:, None] / exp_sum).sum()
@@ -284,6 +298,8 @@ def _loss_and_logit_gradient(
     grad[torch.arange(grad.shape[0], device=grad.device), targets] -= 1.0 - label_smoothing
     if label_smoothing:
         grad.sub_(label_smoothing / vocab)
+    if row_weights is not None:
+        grad.mul_(row_weights[:, None])  # d(w_r loss_r)/dy = w_r dloss_r/dy; T'(z) is applied after, per element
     return loss, transform.chain_(grad, tanh)
 
 

@@ -34,6 +34,7 @@ from hf_accum.loss import (
     rows_per_chunk,
     token_loss_sum,
 )
+from hf_accum.sequence_norm import SequenceMeanLoss, sequence_weights
 
 logger = logging.getLogger("hf_accum.fused_loss")
 
@@ -54,6 +55,10 @@ class MicroBatchLoss:
       needs the logits (a custom loss).
     * ``token_stats`` -- also compute each micro-batch's :class:`TokenStats` (entropy, arg-max hits) into
       :attr:`last_token_stats`: inside the fused pass, else from the logits (per-token loss kinds).
+    * ``normalization`` -- ``token`` (the loss sums its targets' losses and counts its targets) or ``sequence``
+      (each target weighted by 1 / its sequence's targets, the count is the sequences:
+      :mod:`hf_accum.sequence_norm`); the weights go into the fused pass, or into the logits path's loss
+      (:class:`~hf_accum.sequence_norm.SequenceMeanLoss`, the default ``loss_sum_fn`` of that mode).
 
     **Terms the model adds to its own loss.** The first micro-batch is probed once
     (:func:`hf_accum.loss.probe_model_loss`): the model's own ``forward(labels=...)`` loss must equal
@@ -80,11 +85,15 @@ class MicroBatchLoss:
         fused: bool = True,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         token_stats: bool = False,
+        normalization: str = "token",
     ):
         check_label_smoothing(label_smoothing)
         self.kind = kind
         self.label_smoothing = label_smoothing
         self.problem_type = problem_type
+        self.normalization = normalization
+        if loss_sum_fn is None and normalization == "sequence":
+            loss_sum_fn = SequenceMeanLoss(label_smoothing)
         self.loss_sum_fn = loss_sum_fn or self._token_loss_sum
         self.fused = FusedCausalLMLoss(label_smoothing, chunk_bytes) if fused else None
         self.terms_checked = False
@@ -113,10 +122,13 @@ class MicroBatchLoss:
         stats = TokenStats.zeros(torch.float64, labels.device) if self.token_stats else None
         self.last_token_stats = stats
         if self._may_fuse(model) and not need_logits:
-            fused = self.fused.forward_loss(model, inputs, labels, stats)
+            weights = count = None
+            if self.normalization == "sequence":
+                weights, count = sequence_weights(labels, inputs.get("position_ids"))
+            fused = self.fused.forward_loss(model, inputs, labels, stats, weights)
             if fused is not None:
                 outputs, loss_sum = fused
-                return outputs, loss_sum, count_targets(labels, self.kind)
+                return outputs, loss_sum, count if count is not None else count_targets(labels, self.kind)
         outputs = model(**inputs)  # no labels: no model-side loss, no wasted (fp32) loss math
         loss_sum, n_targets = self.loss_sum_fn(outputs, labels, inputs)
         if stats is not None and loss_kind_spec(self.kind).per_token:

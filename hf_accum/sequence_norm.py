@@ -12,7 +12,9 @@ A sequence never spans two micro-batches, so ``n_s`` is known inside the micro-b
 sequence; a padding-free packed row (``position_ids`` restarting at 0, :class:`hf_accum.batching.PackingCollator`)
 holds one sequence per restart. Causal LMs only (a target at position ``i + 1`` is predicted from ``i``).
 
-The fused loss has no per-token weights: sequence mode takes the logits path (logged by the front-ends).
+The fused loss takes the weights per target row (:func:`hf_accum.fused_loss.linear_cross_entropy_sum`), so sequence
+mode keeps the fused path where token mode has it (:class:`hf_accum.micro_batch.MicroBatchLoss` computes the weights
+and the count); :class:`SequenceMeanLoss` is the logits path's loss (evaluation, DeepSpeed, heads not fused).
 """
 
 from __future__ import annotations
@@ -25,8 +27,6 @@ import torch.nn.functional as F
 from hf_accum.loss import IGNORE_INDEX, aligned_targets, compute_dtype
 
 NORMALIZATIONS = ("token", "sequence")
-FUSED_NOTE = ("per-sequence normalization takes the logits path: the fused loss has no per-token weights "
-              "(the logits of one micro-batch are materialized)")
 
 
 def check_normalization(value: Any, key: str, loss_kind: str | None = "causal_lm") -> None:

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -96,6 +97,35 @@ def test_equals_torch_cross_entropy_in_float64(head_kind, smoothing):
         assert loss.dtype == torch.float64
         torch.testing.assert_close(loss, reference, rtol=1e-13, atol=0)
         assert _max_relative(grads, reference_grads) < 1e-12
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("head_kind", ["plain", "lora"])
+def test_per_row_weights_equal_the_weighted_logits_loss_in_float64(head_kind, smoothing, softcap):
+    """``weights`` (per-sequence normalization's 1 / n_s) scale each target row's loss and gradient."""
+    from hf_accum.fused_loss import LogitTransform
+
+    h, head, targets = _head_and_inputs(head_kind)
+    head = dataclasses.replace(head, transform=LogitTransform(softcap=softcap))
+    weights = torch.rand(targets.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+    def logits_loss():
+        per_row = F.cross_entropy(head.model_logits(h), targets, reduction="none", label_smoothing=smoothing)
+        return (per_row * weights).sum()
+
+    reference, reference_grads = _value_and_grads(logits_loss, h, head)
+    for chunk_rows in (5, 1000):
+        loss, grads = _value_and_grads(
+            lambda rows=chunk_rows: linear_cross_entropy_sum(h, head, targets, smoothing, rows * 29 * 8 * 2,
+                                                             weights=weights), h, head)
+        torch.testing.assert_close(loss, reference, rtol=1e-13, atol=0)
+        assert _max_relative(grads, reference_grads) < 1e-12
+    # the weights matter: unweighted differs
+    unweighted = linear_cross_entropy_sum(h, head, targets, smoothing).detach()
+    assert abs(float(unweighted) / float(reference) - 1) > 1e-2
+    with pytest.raises(ValueError, match="36 weights for 37 targets"):
+        linear_cross_entropy_sum(h, head, targets, weights=weights[1:])
 
 
 @pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])

@@ -30,7 +30,6 @@ from hf_accum.micro_batch import LossSumFn, MicroBatchLoss
 from hf_accum.records import TrainResult, UpdateLog
 from hf_accum.run_lock import locks_output_dir
 from hf_accum.schedule import create_update_scheduler
-from hf_accum.sequence_norm import FUSED_NOTE, SequenceMeanLoss
 
 logger = logging.getLogger("hf_accum.loop")
 
@@ -136,14 +135,12 @@ def _micro_batch_loss(model: torch.nn.Module, config: LoopConfig, loss_sum_fn: L
         if loss_sum_fn is not None:
             raise LoopConfigError("LoopConfig.normalization='sequence' weighs the built-in loss per sequence; a "
                                   "custom loss_sum_fn must do its own weighting: pass normalization='token'")
-        loss_sum_fn = SequenceMeanLoss(config.label_smoothing)
-        if config.fused_loss:
-            logger.info("%s", FUSED_NOTE)
     elif loss_sum_fn is not None and config.fused_loss:
         logger.info("a custom loss_sum_fn receives the logits: this run takes the logits path, not the fused loss")
     return MicroBatchLoss(
         config.loss_kind, config.label_smoothing, model_problem_type(model), loss_sum_fn,
         fused=config.fused_loss and loss_sum_fn is None and not is_deepspeed(accelerator),
+        normalization=config.normalization,
     )
 
 

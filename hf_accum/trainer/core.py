@@ -41,7 +41,7 @@ from hf_accum.noise_probe import NOT_UNDER_DEEPSPEED, NOT_UNDER_FSDP
 from hf_accum.records import UpdateLog
 from hf_accum.run_lock import locks_output_dir
 from hf_accum.schedule import BatchPlan
-from hf_accum.sequence_norm import FUSED_NOTE, SequenceMeanLoss, check_normalization
+from hf_accum.sequence_norm import check_normalization
 from hf_accum.trainer.batch_plan import BatchPlanner
 from hf_accum.trainer.callbacks import BoundaryActions
 from hf_accum.trainer.checkpoints import TrainerCheckpoints
@@ -177,10 +177,8 @@ class AccumTrainer(Trainer):
             if overridden:
                 raise ValueError(f"AccumTrainer(normalization='sequence') weighs the built-in loss per sequence; "
                                  f"{type(self).__name__} overrides loss_sum_and_count: pass normalization='token'")
-            if fused_loss:
-                logger.info("%s", FUSED_NOTE)
             return MicroBatchLoss(loss_kind, self.args.label_smoothing_factor, self._problem_type,
-                                  SequenceMeanLoss(self.args.label_smoothing_factor), fused=False)
+                                  fused=fused_loss and not self.is_deepspeed_enabled, normalization="sequence")
         if overridden and fused_loss:
             logger.info("%s overrides loss_sum_and_count, which receives the logits: this run takes the logits "
                         "path, not the fused loss", type(self).__name__)
