@@ -357,14 +357,17 @@ def leading_slice(
     if end is not None and len(layout) < 2:
         return None
     flattened = layout[0] == 1 and any(k in inputs for k in _SEQUENCE_BOUNDS)
+    recomputed = {_SEQUENCE_BOUNDS[k] for k in _SEQUENCE_BOUNDS if k in inputs} if flattened else set()
     cut: dict[str, Any] = {}
     for key, value in inputs.items():
-        if key in _SEQUENCE_BOUNDS and flattened and torch.is_tensor(value) and value.dim() == 1:
+        if key in _SEQUENCE_BOUNDS and flattened:
+            if not (torch.is_tensor(value) and value.dim() == 1):
+                return None  # boundaries in a form this does not cut (a list, an array): keep the whole batch
             bounds = _cut_bounds(value, end)
             cut[key] = bounds
             if _SEQUENCE_BOUNDS[key] in inputs:
                 cut[_SEQUENCE_BOUNDS[key]] = int((bounds[1:] - bounds[:-1]).max()) if bounds.numel() > 1 else 0
-        elif key in _SEQUENCE_BOUNDS.values() and flattened:
+        elif key in recomputed:
             continue  # recomputed with its boundaries
         elif torch.is_tensor(value):
             if value.dim() < len(layout) or tuple(value.shape[: len(layout)]) != layout:

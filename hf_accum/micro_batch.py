@@ -34,7 +34,7 @@ from hf_accum.loss import (
     rows_per_chunk,
     token_loss_sum,
 )
-from hf_accum.sequence_norm import SequenceMeanLoss, sequence_weights
+from hf_accum.sequence_norm import SequenceMeanLoss, check_normalization, sequence_weights
 
 logger = logging.getLogger("hf_accum.fused_loss")
 
@@ -91,8 +91,12 @@ class MicroBatchLoss:
         self.kind = kind
         self.label_smoothing = label_smoothing
         self.problem_type = problem_type
+        check_normalization(normalization, "MicroBatchLoss(normalization)", kind)
+        if normalization == "sequence" and loss_sum_fn is not None:
+            raise ValueError("MicroBatchLoss(normalization='sequence') weighs the built-in loss per sequence; a "
+                             "custom loss_sum_fn must do its own weighting: pass normalization='token'")
         self.normalization = normalization
-        if loss_sum_fn is None and normalization == "sequence":
+        if normalization == "sequence":
             loss_sum_fn = SequenceMeanLoss(label_smoothing)
         self.loss_sum_fn = loss_sum_fn or self._token_loss_sum
         self.fused = FusedCausalLMLoss(label_smoothing, chunk_bytes) if fused else None

@@ -361,6 +361,9 @@ def test_leading_slice_cuts_a_padding_free_row_with_its_sequence_boundaries():
     # an input of a layout it does not know: not cut (the caller keeps the whole micro-batch)
     assert leading_slice({**padded, "extra": torch.zeros(5)}, 0, 2) is None
     assert leading_slice({**inputs, "input_ids": torch.arange(30).view(2, 15)}, 0, 7) is None
+    assert leading_slice({**inputs, "cu_seq_lens_q": [0, 5, 9, 15]}, 0, 7) is None  # boundaries it cannot cut
+    # a maximum without its boundaries is an ordinary value
+    assert leading_slice({"input_ids": torch.arange(15).view(1, 15), "max_length_k": 6}, 0, 7)["max_length_k"] == 6
 
 
 @pytest.mark.parametrize("front_end", ["loop", "trainer"])

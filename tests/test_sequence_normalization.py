@@ -50,6 +50,13 @@ def test_bad_values_are_refused_in_one_line():
         LoopConfig(normalization="row")
     with pytest.raises(LoopConfigError, match="needs loss_kind 'causal_lm'"):
         LoopConfig(normalization="sequence", loss_kind="sequence")
+    from hf_accum.micro_batch import MicroBatchLoss
+
+    with pytest.raises(ValueError, match="MicroBatchLoss\\(normalization\\)='sequences'; allowed: 'token', 'sequence'"):
+        MicroBatchLoss(normalization="sequences")
+    with pytest.raises(ValueError, match="custom loss_sum_fn must do its own weighting"):
+        MicroBatchLoss(loss_sum_fn=lambda outputs, labels, inputs: (labels.sum(), labels.numel()),
+                       normalization="sequence")
 
 
 @pytest.fixture(scope="module")
