@@ -287,11 +287,20 @@ def nonfinite_flag(tensors: Iterable[torch.Tensor | None], device: torch.device 
     return (~torch.isfinite(largest)).any().to(torch.float64)
 
 
+def packed_sequence_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """Where each sequence of padding-free packed rows starts (bool, ``position_ids``' shape): wherever the
+    positions do not increase -- a packed row restarts them, at 0 (``PackingCollator``,
+    ``DataCollatorWithFlattening``) or at 1 for collators counting from 1 -- and at each row's first position."""
+    starts = torch.ones(position_ids.shape, dtype=torch.bool, device=position_ids.device)
+    starts[..., 1:] = position_ids[..., 1:] <= position_ids[..., :-1]
+    return starts
+
+
 def batch_shape_counts(batch: Mapping[str, Any]) -> tuple[int | torch.Tensor, int | torch.Tensor, int]:
     """(sequences, real tokens, token positions) of a collated micro-batch.
 
-    Padding-free packed batches (``position_ids`` restarting at 0, no attention mask) count
-    one sequence per restart and have no padding.
+    Padding-free packed batches (``position_ids`` restarting, no attention mask) count one sequence per
+    restart (:func:`packed_sequence_starts`) and have no padding.
     """
     input_ids = batch.get("input_ids")
     if input_ids is None:
@@ -301,7 +310,7 @@ def batch_shape_counts(batch: Mapping[str, Any]) -> tuple[int | torch.Tensor, in
     mask = batch.get("attention_mask")
     position_ids = batch.get("position_ids")
     if mask is None and position_ids is not None and input_ids.shape[0] == 1:
-        return position_ids.eq(0).sum(), total, total  # a tensor: counted on the device
+        return packed_sequence_starts(position_ids).sum(), total, total  # a tensor: counted on the device
     real = mask.sum() if mask is not None else total
     return int(input_ids.shape[0]), real, total
 

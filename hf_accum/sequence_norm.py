@@ -9,8 +9,9 @@ its count, unchanged (``exact_mean_factor(N_sequences, W)``)::
     (1 / S) * sum_s (1 / n_s) * sum_{t in s} loss_t      S = sequences with >= 1 target, all micro-batches, ranks
 
 A sequence never spans two micro-batches, so ``n_s`` is known inside the micro-batch that holds it. A row is a
-sequence; a padding-free packed row (``position_ids`` restarting at 0, :class:`hf_accum.batching.PackingCollator`)
-holds one sequence per restart. Causal LMs only (a target at position ``i + 1`` is predicted from ``i``).
+sequence; a padding-free packed row (``position_ids`` restarting, :class:`hf_accum.batching.PackingCollator`)
+holds one sequence per restart of its positions (wherever they do not increase). Causal LMs only (a target at
+position ``i + 1`` is predicted from ``i``).
 
 The fused loss takes the weights per target row (:func:`hf_accum.fused_loss.linear_cross_entropy_sum`), so sequence
 mode keeps the fused path where token mode has it (:class:`hf_accum.micro_batch.MicroBatchLoss` computes the weights
@@ -24,6 +25,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
+from hf_accum.accumulation import packed_sequence_starts
 from hf_accum.loss import IGNORE_INDEX, aligned_targets, compute_dtype
 
 NORMALIZATIONS = ("token", "sequence")
@@ -43,8 +45,8 @@ def target_segments(labels: torch.Tensor, position_ids: torch.Tensor | None) -> 
     predicts (-100: none) and a micro-batch-wide id of the sequence that label belongs to."""
     rows, length = labels.shape
     if position_ids is not None and position_ids.shape == labels.shape:
-        # A new sequence wherever the positions restart at 0 (the first position of a row always starts one).
-        local = position_ids.to(labels.device).eq(0).long().cumsum(dim=1)
+        # A new sequence wherever a packed row restarts its positions; a row's first position always starts one.
+        local = packed_sequence_starts(position_ids.to(labels.device)).long().cumsum(dim=1)
     else:
         local = torch.ones_like(labels)
     segment = torch.arange(rows, device=labels.device).unsqueeze(1) * (length + 1) + local

@@ -8,6 +8,7 @@ import logging
 import os
 
 import pytest
+import torch
 from sequence_reference import run
 
 from hf_accum.batching import PackingCollator, PaddingCollator
@@ -70,3 +71,20 @@ def test_two_ranks(ddp_report, engine):
     assert ddp_report["world_size"] == 2
     assert max(ddp_report[f"{engine}_sequence"]) < EXACT, ddp_report
     assert max(ddp_report[f"{engine}_token"]) > 1e-3, ddp_report
+
+
+def test_packed_sequences_are_found_wherever_positions_restart():
+    from hf_accum.sequence_norm import sequence_weights
+
+    # one packed row: sequences of 4, 3 and 5 positions; labels -100 at each sequence's first position
+    labels = torch.tensor([[-100, 5, 6, 7, -100, 8, 9, -100, 10, 11, 12, 13]])
+    from_zero = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4]])
+    weights, sequences = sequence_weights(labels, from_zero)
+    assert int(sequences) == 3
+    # the logit at i predicts label i + 1: 3, 2 and 4 targets, each weighted 1 / its sequence's targets
+    assert weights[0].tolist() == pytest.approx([1 / 3] * 3 + [0] + [1 / 2] * 2 + [0] + [1 / 4] * 4 + [0])
+    for start in (1, 7):  # collators that count positions from elsewhere find the same sequences
+        again, count = sequence_weights(labels, from_zero + start)
+        assert int(count) == 3 and torch.equal(again, weights)
+    # without position ids a row is one sequence
+    assert int(sequence_weights(labels)[1]) == 1
