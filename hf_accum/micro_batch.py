@@ -34,7 +34,7 @@ from hf_accum.loss import (
     rows_per_chunk,
     token_loss_sum,
 )
-from hf_accum.sequence_norm import SequenceMeanLoss, check_normalization, sequence_weights
+from hf_accum.sequence_norm import SequenceMeanLoss, check_normalization, refuse_custom_loss, sequence_weights
 
 logger = logging.getLogger("hf_accum.fused_loss")
 
@@ -92,9 +92,8 @@ class MicroBatchLoss:
         self.label_smoothing = label_smoothing
         self.problem_type = problem_type
         check_normalization(normalization, "MicroBatchLoss(normalization)", kind)
-        if normalization == "sequence" and loss_sum_fn is not None:
-            raise ValueError("MicroBatchLoss(normalization='sequence') weighs the built-in loss per sequence; a "
-                             "custom loss_sum_fn must do its own weighting: pass normalization='token'")
+        refuse_custom_loss(normalization, "a custom loss_sum_fn" if loss_sum_fn else None,
+                           "MicroBatchLoss(normalization)")
         self.normalization = normalization
         if normalization == "sequence":
             loss_sum_fn = SequenceMeanLoss(label_smoothing)

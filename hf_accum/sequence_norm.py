@@ -40,6 +40,15 @@ def check_normalization(value: Any, key: str, loss_kind: str | None = "causal_lm
                          "loss is already one term per sequence: use 'token'")
 
 
+def refuse_custom_loss(normalization: str, custom: str | None, where: str,
+                       error: type[Exception] = ValueError) -> None:
+    """Sequence mode weighs the built-in loss per target; ``custom`` (a description of the user's own loss,
+    None when there is none) would have to weigh itself, so the combination is refused, naming ``where``."""
+    if normalization == "sequence" and custom:
+        raise error(f"{where}='sequence' weighs the built-in loss per sequence; {custom} must do its own weighting: "
+                    "pass normalization='token'")
+
+
 def target_segments(labels: torch.Tensor, position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(targets, segment)``, both ``[rows, positions]`` and aligned with the logits: the label each position
     predicts (-100: none) and a micro-batch-wide id of the sequence that label belongs to."""
@@ -60,12 +69,13 @@ def sequence_weights(labels: torch.Tensor, position_ids: torch.Tensor | None = N
     """``(w, sequences)``: per-position weights ``1 / n_s`` (0 where nothing is predicted) and the number of
     sequences with at least one target (an int64 tensor: no host sync)."""
     targets, segment = target_segments(labels, position_ids)
-    mask = targets.ne(IGNORE_INDEX)
-    _, inverse = torch.unique(segment, return_inverse=True)
-    counts = torch.zeros(int(inverse.max()) + 1 if inverse.numel() else 1, dtype=torch.long, device=labels.device)
-    counts.index_add_(0, inverse[mask], torch.ones_like(inverse[mask]))
-    weights = torch.where(mask, 1.0 / counts[inverse].clamp(min=1).to(dtype), torch.zeros((), dtype=dtype,
-                                                                                        device=labels.device))
+    is_target = targets.ne(IGNORE_INDEX)
+    # Segment ids are below rows * (positions + 1) (target_segments): count targets per id directly, with no
+    # data-dependent size (torch.unique, .item()) that would sync the host on every micro-batch.
+    counts = torch.zeros(labels.shape[0] * (labels.shape[1] + 1), dtype=torch.long, device=labels.device)
+    counts.index_add_(0, segment.reshape(-1), is_target.reshape(-1).long())
+    weights = torch.where(is_target, 1.0 / counts[segment].clamp(min=1).to(dtype),
+                          torch.zeros((), dtype=dtype, device=labels.device))
     return weights, counts.gt(0).sum()
 
 
@@ -78,8 +88,9 @@ def sequence_loss_sum(logits: torch.Tensor, labels: torch.Tensor, position_ids: 
                       label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sum_t w_t * loss_t, sequences)`` of one micro-batch (the front-ends divide by the update's count)."""
     dtype = compute_dtype(logits.dtype)
-    weights, sequences = sequence_weights(labels.to(logits.device), position_ids, dtype)
-    targets, _ = target_segments(labels.to(logits.device), position_ids)
+    labels = labels.to(logits.device)
+    weights, sequences = sequence_weights(labels, position_ids, dtype)
+    targets = aligned_targets(labels, "causal_lm")
     per_token = F.cross_entropy(logits.to(dtype).reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                 ignore_index=IGNORE_INDEX, reduction="none", label_smoothing=label_smoothing)
     return (per_token * weights.reshape(-1)).sum(), sequences

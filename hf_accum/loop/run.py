@@ -30,6 +30,7 @@ from hf_accum.micro_batch import LossSumFn, MicroBatchLoss
 from hf_accum.records import TrainResult, UpdateLog
 from hf_accum.run_lock import locks_output_dir
 from hf_accum.schedule import create_update_scheduler
+from hf_accum.sequence_norm import refuse_custom_loss
 
 logger = logging.getLogger("hf_accum.loop")
 
@@ -131,11 +132,9 @@ def _micro_batch_loss(model: torch.nn.Module, config: LoopConfig, loss_sum_fn: L
                       accelerator: Accelerator) -> MicroBatchLoss:
     """Forward + summed loss per micro-batch: fused for causal LMs unless a custom loss needs the logits.
     Under DeepSpeed the engine owns the (ZeRO-3: partitioned) head weight: the logits path there."""
-    if config.normalization == "sequence":
-        if loss_sum_fn is not None:
-            raise LoopConfigError("LoopConfig.normalization='sequence' weighs the built-in loss per sequence; a "
-                                  "custom loss_sum_fn must do its own weighting: pass normalization='token'")
-    elif loss_sum_fn is not None and config.fused_loss:
+    refuse_custom_loss(config.normalization, "a custom loss_sum_fn" if loss_sum_fn else None,
+                       "LoopConfig.normalization", LoopConfigError)
+    if loss_sum_fn is not None and config.fused_loss:
         logger.info("a custom loss_sum_fn receives the logits: this run takes the logits path, not the fused loss")
     return MicroBatchLoss(
         config.loss_kind, config.label_smoothing, model_problem_type(model), loss_sum_fn,

@@ -41,7 +41,7 @@ from hf_accum.noise_probe import NOT_UNDER_DEEPSPEED, NOT_UNDER_FSDP
 from hf_accum.records import UpdateLog
 from hf_accum.run_lock import locks_output_dir
 from hf_accum.schedule import BatchPlan
-from hf_accum.sequence_norm import check_normalization
+from hf_accum.sequence_norm import check_normalization, refuse_custom_loss
 from hf_accum.trainer.batch_plan import BatchPlanner
 from hf_accum.trainer.callbacks import BoundaryActions
 from hf_accum.trainer.checkpoints import TrainerCheckpoints
@@ -173,10 +173,9 @@ class AccumTrainer(Trainer):
     def _build_micro_batch_loss(self, loss_kind: LossKind | None, fused_loss: bool,
                                 normalization: str = "token") -> MicroBatchLoss:
         overridden = type(self).loss_sum_and_count is not AccumTrainer.loss_sum_and_count
+        refuse_custom_loss(normalization, f"{type(self).__name__}.loss_sum_and_count" if overridden else None,
+                           "AccumTrainer(normalization)")
         if normalization == "sequence":
-            if overridden:
-                raise ValueError(f"AccumTrainer(normalization='sequence') weighs the built-in loss per sequence; "
-                                 f"{type(self).__name__} overrides loss_sum_and_count: pass normalization='token'")
             return MicroBatchLoss(loss_kind, self.args.label_smoothing_factor, self._problem_type,
                                   fused=fused_loss and not self.is_deepspeed_enabled, normalization="sequence")
         if overridden and fused_loss:
