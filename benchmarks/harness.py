@@ -235,10 +235,11 @@ def run_ours(work: Workload, examples: list, micro_batch: int, accumulation: int
     return timing
 
 
-def build_trainer(scenario: Scenario, accum: bool, output_dir: str, device: torch.device, **arg_overrides):
+def build_trainer(scenario: Scenario, accum: bool, output_dir: str, device: torch.device,
+                  accum_options: dict | None = None, **arg_overrides):
     """Stock ``transformers.Trainer`` (``accum=False``) or :class:`hf_accum.AccumTrainer` on
-    ``scenario``, with ``TrainingArguments`` from the shared :func:`hf_accum.testing.training_args`
-    and no log lines on stdout."""
+    ``scenario`` (``accum_options``: its own keyword arguments), with ``TrainingArguments`` from the shared
+    :func:`hf_accum.testing.training_args` and no log lines on stdout."""
     from transformers import PrinterCallback, Trainer
 
     from hf_accum.trainer import AccumTrainer
@@ -247,7 +248,7 @@ def build_trainer(scenario: Scenario, accum: bool, output_dir: str, device: torc
     args = training_args(scenario, output_dir, logging_strategy="no", use_cpu=device.type == "cpu", **arg_overrides)
     cls = AccumTrainer if accum else Trainer
     trainer = cls(model=scenario.model_factory(), args=args, train_dataset=scenario.examples,
-                  data_collator=scenario.collator)
+                  data_collator=scenario.collator, **(accum_options or {}))
     trainer.remove_callback(PrinterCallback)
     return trainer
 

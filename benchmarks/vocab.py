@@ -76,6 +76,9 @@ class Options:
                                              "process, next to its baseline")
     vocab_hidden_size: int = HfArg(default=256, help="hidden size of the Llama (intermediate size 3x)")
     vocab_layers: int = HfArg(default=2, help="decoder layers of the Llama")
+    vocab_sequence_normalization: bool = HfArg(
+        default=False, help="also run AccumTrainer with normalization='sequence', fused and on the logits path "
+                            "(fused_loss=False), side by side (no target: what the fused weights save)")
 
 
 def validate(common: BenchOptions, options: Options) -> None:
@@ -172,8 +175,8 @@ class Measurement:
 
 
 def _run_trainer(scenario: Scenario, device: torch.device, measurement: Measurement, output_dir: str, *,
-                 accum: bool, liger: bool = False) -> None:
-    trainer = build_trainer(scenario, accum, output_dir, device, use_liger_kernel=liger)
+                 accum: bool, liger: bool = False, **accum_options) -> None:
+    trainer = build_trainer(scenario, accum, output_dir, device, accum_options, use_liger_kernel=liger)
     trainer.create_optimizer()  # Trainer's own default optimizer, created now so that its steps can be timed
     with measurement.around(trainer.optimizer):
         trainer.train()
@@ -212,10 +215,17 @@ VARIANTS = {
     "accum_trainer": Variant("hf_accum.AccumTrainer", lambda *a: _run_trainer(*a, accum=True)),
     "accelerate_loop": Variant("bare Accelerate loop (model(**batch).loss, accumulate())", _run_bare_loop),
     "hf_accum_train": Variant("hf_accum.train", _run_hf_accum_train),
+    "accum_sequence_logits": Variant("AccumTrainer, normalization='sequence', fused_loss=False",
+                                     lambda *a: _run_trainer(*a, accum=True, normalization="sequence",
+                                                             fused_loss=False)),
+    "accum_sequence": Variant("AccumTrainer, normalization='sequence' (fused)",
+                              lambda *a: _run_trainer(*a, accum=True, normalization="sequence")),
 }
 # Front-ends that run next to each other in a round (baselines first), and the ratios reported.
 GROUPS = (("trainer", "trainer_liger", "accum_trainer"), ("accelerate_loop", "hf_accum_train"))
-COMPARISONS = (("accum_trainer", "trainer"), ("accum_trainer", "trainer_liger"), ("hf_accum_train", "accelerate_loop"))
+SEQUENCE_GROUP = ("accum_sequence_logits", "accum_sequence")  # --vocab-sequence-normalization
+COMPARISONS = (("accum_trainer", "trainer"), ("accum_trainer", "trainer_liger"), ("hf_accum_train", "accelerate_loop"),
+               SEQUENCE_GROUP[::-1])
 TARGETED = {("accum_trainer", "trainer"), ("hf_accum_train", "accelerate_loop")}
 """Comparisons with a target (the paths our front-ends replace); the one against Liger is reported only."""
 
@@ -396,7 +406,8 @@ def measure(bench: Bench, options: Options) -> VocabResult:
     why = liger_unavailable(common.device)
     if why is not None:
         skipped["trainer_liger"] = why
-    groups = [[name for name in group if name not in skipped] for group in GROUPS]
+    chosen = GROUPS + ((SEQUENCE_GROUP,) if options.vocab_sequence_normalization else ())
+    groups = [[name for name in group if name not in skipped] for group in chosen]
     result = VocabResult(
         f"Llama ({options.vocab_layers} layers, hidden {options.vocab_hidden_size})", common.dtype, common.device,
         bench.clock, options.vocab_micro_batch, options.vocab_accumulation, options.vocab_min_length,

@@ -128,6 +128,21 @@ def test_vocab_section_prints_its_ratios(tmp_path, capsys):
     assert {r["path"] for r in row["runs"]["trainer"] + row["runs"]["accelerate_loop"]} == {"-"}
 
 
+def test_vocab_section_compares_sequence_normalization_fused_with_its_logits_path(tmp_path, capsys):
+    out = tmp_path / "vocab-sequence"
+    assert main(["bench", "--only", "vocab", *VOCAB_TINY, "--no-progress", "--vocab-sequence-normalization",
+                 "--output-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    (row,) = json.loads((out / "bench.json").read_text())["sections"]["vocab"]["rows"]
+    assert {"accum_sequence", "accum_sequence_logits"} <= set(row["runs"])
+    assert [r["path"] for r in row["runs"]["accum_sequence"]] == ["fused"]
+    assert [r["path"] for r in row["runs"]["accum_sequence_logits"]] == ["-"]  # no fused-loss log line: logits
+    (pair,) = [c for c in row["comparisons"] if (c["ours"], c["baseline"]) == ("accum_sequence", "accum_sequence_logits")]
+    ours, base = row["runs"]["accum_sequence"][0], row["runs"]["accum_sequence_logits"][0]
+    assert pair["memory_ratios"][0] == pytest.approx(ours["peak_bytes"] / base["peak_bytes"])
+    assert f"memory {pair['memory_ratios'][0]:.3f}x" in printed
+
+
 def test_padding_section_writes_its_numbers(tmp_path, capsys):
     out = tmp_path / "only-padding"
     assert main([*TINY, "--only", "padding", "--padding-repeats", "2", "--output-dir", str(out)]) == 0
