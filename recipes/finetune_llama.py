@@ -45,9 +45,10 @@ from hf_accum.recipe.launch import (  # noqa: E402
 from hf_accum.recipe.modeling import build_model, trainable_summary  # noqa: E402
 from hf_accum.recipe.outputs import (  # noqa: E402
     RunRecord, barrier, check_output_dir, claim_output_dir, describe_trainable, disk_full_is_one_line,
-    is_main_process, leave_process_group, percent, probe_writable, quiet_third_party_warnings, run_cli, save_outputs,
+    is_main_process, percent, probe_writable, quiet_third_party_warnings, run_cli, save_outputs,
     say,
 )
+from hf_accum.distributed import leave_process_group  # noqa: E402
 from hf_accum.run_lock import run_lock  # noqa: E402
 
 

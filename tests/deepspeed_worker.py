@@ -26,7 +26,7 @@ from transformers.integrations import unset_hf_deepspeed_config
 
 from hf_accum import AccumTrainer
 from hf_accum.batching import PaddingCollator
-from hf_accum.distributed import gathered_state_dict, save_pretrained
+from hf_accum.distributed import gathered_state_dict, leave_process_group, save_pretrained
 from hf_accum.loop import LoopConfig, train
 from hf_accum.recipe.launch import check_launch, loop_accelerator
 from hf_accum.schedule import create_update_scheduler
@@ -354,3 +354,4 @@ OUT_DIR = "."
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    leave_process_group()  # gloo may abort at exit otherwise: see its docstring

@@ -23,7 +23,7 @@ from accelerate.state import AcceleratorState, GradientState
 from torch.utils.data import DataLoader
 
 from hf_accum.batching import PaddingCollator
-from hf_accum.distributed import gathered_state_dict
+from hf_accum.distributed import gathered_state_dict, leave_process_group
 from hf_accum.fsdp import fsdp2_plugin, fsdp_accelerator
 from hf_accum.loop import LoopConfig, train
 from hf_accum.schedule import create_update_scheduler
@@ -214,10 +214,9 @@ def main(report_path: str) -> None:
     if dist.get_rank() == 0:
         with open(report_path, "w") as handle:
             json.dump(report, handle)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main(sys.argv[1])
+    leave_process_group()  # gloo may abort at exit otherwise: see its docstring

@@ -23,6 +23,7 @@ from peft import LoraConfig, get_peft_model
 
 from hf_accum import AccumTrainer
 from hf_accum.batching import PaddingCollator
+from hf_accum.distributed import leave_process_group
 from hf_accum.testing import PAD, Scenario, run_exact, run_trainer, tiny_causal_lm
 
 
@@ -87,3 +88,4 @@ def main(report_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    leave_process_group()  # gloo may abort at exit otherwise: see its docstring

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from hf_accum.batching import PaddingCollator
+from hf_accum.distributed import leave_process_group
 from hf_accum.testing import PAD, Scenario, random_rows, run_exact, run_naive, tiny_causal_lm
 
 # 28 rows, micro-batch 2 -> 14 micro-batches, 7 per rank -> windows of 3, 3 and a short 1.
@@ -75,3 +76,4 @@ def main(out_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    leave_process_group()  # gloo may abort at exit otherwise: see its docstring

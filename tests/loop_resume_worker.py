@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 
 from hf_accum import LoopConfig, train
 from hf_accum.batching import PaddingCollator
-from hf_accum.recipe.outputs import leave_process_group
+from hf_accum.distributed import leave_process_group
 from hf_accum.testing import PAD, fresh_accelerator, random_rows, tiny_lora_causal_lm
 
 MICRO_BATCH = 2

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from loop_ddp_worker import EXAMPLES, AllReduceCounter
 
 from hf_accum.batching import PaddingCollator
+from hf_accum.distributed import leave_process_group
 from hf_accum.testing import PAD, Scenario, run_exact, tiny_causal_lm
 
 SETTINGS = {
@@ -48,3 +49,4 @@ def main(out_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    leave_process_group()  # gloo may abort at exit otherwise: see its docstring

@@ -20,6 +20,7 @@ from accelerate import DistributedDataParallelKwargs
 
 from hf_accum import AccumTrainer
 from hf_accum.batching import PaddingCollator
+from hf_accum.distributed import leave_process_group
 from hf_accum.testing import PAD, Scenario, random_rows, run_exact, run_trainer
 from hf_accum.testing.float64 import float64_arithmetic
 from hf_accum.testing.models import MOE_FAMILIES, tiny_moe_causal_lm
@@ -80,3 +81,4 @@ def main(report_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    leave_process_group()  # gloo may abort at exit otherwise: see its docstring

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from hf_accum import AccumTrainer
 from hf_accum.batching import PaddingCollator
+from hf_accum.distributed import leave_process_group
 from hf_accum.testing import PAD, Scenario, random_rows, run_exact, run_trainer, tiny_causal_lm
 
 # 8 per device x 2 accumulation x 2 processes = 32 sequences per update; 80 rows = 10 micro-batches,
@@ -60,3 +61,4 @@ def main(out_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    leave_process_group()  # gloo may abort at exit otherwise: see its docstring

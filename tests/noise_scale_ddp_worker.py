@@ -12,6 +12,8 @@ import tempfile
 import torch.distributed as dist
 from noise_reference import expected_estimates, relative_errors, run_engine, scenario
 
+from hf_accum.distributed import leave_process_group
+
 
 def main(out_path: str) -> None:
     report = {}
@@ -33,3 +35,4 @@ def main(out_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    leave_process_group()  # gloo may abort at exit otherwise: see its docstring

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from sequence_reference import run
 
 from hf_accum.batching import PaddingCollator
+from hf_accum.distributed import leave_process_group
 from hf_accum.testing import PAD, random_rows
 
 # 28 rows, micro-batch 2: 7 micro-batches per rank, K=3: windows of 3, 3 and a short 1 on each rank.
@@ -30,3 +31,4 @@ def main(out_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    leave_process_group()  # gloo may abort at exit otherwise: see its docstring

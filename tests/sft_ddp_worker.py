@@ -16,6 +16,7 @@ import torch.distributed as dist
 from trl import SFTConfig, SFTTrainer
 
 from hf_accum import AccumSFTTrainer
+from hf_accum.distributed import leave_process_group
 from hf_accum.testing import Scenario, run_trainer
 from hf_accum.testing.sft import sft_model_factory, sft_rows, sft_tokenizer
 
@@ -64,3 +65,4 @@ def main(report_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    leave_process_group()  # gloo may abort at exit otherwise: see its docstring

@@ -286,3 +286,32 @@ def test_launcher_setting_mixed_precision_next_to_the_json_is_refused_by_acceler
 )
 def test_num_nodes_from_the_launcher(environ, nodes):
     assert D.num_nodes(environ) == nodes
+
+
+# -- leaving the process group (the gloo abort at interpreter exit) ---------------------------------
+
+
+def test_leave_process_group_tears_the_group_down_and_is_a_no_op_without_one(tmp_path):
+    """Run in a child: a process group in the pytest process would outlive the test."""
+    script = (
+        "import torch.distributed as dist\n"
+        "from hf_accum.distributed import leave_process_group\n"
+        "leave_process_group()\n"  # no group yet: nothing to do, no error
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path}/store', rank=0, world_size=1)\n"
+        "assert dist.is_initialized()\n"
+        "leave_process_group()\n"
+        "print('initialized after:', dist.is_initialized())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "initialized after: False" in done.stdout
+
+
+def test_every_torchrun_worker_leaves_its_process_group():
+    """A worker ending with its gloo group up may abort at exit (SIGABRT) and take the other rank's report
+    with it: CI failed that way. Every worker script the tests launch under torchrun ends by leaving it."""
+    workers = sorted(glob.glob(os.path.join(ROOT, "tests", "*worker*.py")))
+    assert len(workers) >= 10
+    missing = [os.path.basename(path) for path in workers
+               if "leave_process_group()" not in open(path).read().split('if __name__ == "__main__":')[-1]]
+    assert not missing, f"workers that exit with the process group up: {missing}"

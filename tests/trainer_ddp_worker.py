@@ -16,6 +16,7 @@ from transformers import Trainer
 
 from hf_accum import AccumTrainer
 from hf_accum.batching import PaddingCollator
+from hf_accum.distributed import leave_process_group
 from hf_accum.testing import PAD, Scenario, independent_mean_loss, random_rows, run_trainer, tiny_causal_lm
 
 MICRO_BATCH, ACCUMULATION, EXAMPLES, EPOCHS = 2, 3, 28, 2
@@ -73,3 +74,4 @@ def main(report_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    leave_process_group()  # gloo may abort at exit otherwise: see its docstring

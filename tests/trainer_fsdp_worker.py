@@ -23,6 +23,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_accum import AccumTrainer
 from hf_accum.batching import PaddingCollator
+from hf_accum.distributed import leave_process_group
 from hf_accum.testing import PAD, big_batch_learning_rates, random_rows, tiny_causal_lm
 from hf_accum.testing.deltas import DeltaRecorder, delta_errors
 
@@ -119,3 +120,4 @@ def main(report_path: str) -> None:
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main(sys.argv[1])
+    leave_process_group()  # gloo may abort at exit otherwise: see its docstring

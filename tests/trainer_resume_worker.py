@@ -29,7 +29,7 @@ from transformers import TrainerCallback
 
 from hf_accum import AccumTrainer
 from hf_accum.batching import PaddingCollator
-from hf_accum.recipe.outputs import leave_process_group
+from hf_accum.distributed import leave_process_group
 from hf_accum.testing import PAD, Scenario, random_rows, tiny_lora_causal_lm, training_args
 
 

@@ -53,16 +53,6 @@ def barrier() -> None:
         torch.distributed.barrier()
 
 
-def leave_process_group() -> None:
-    """The last step of a multi-process run: all ranks in step, then the process group torn down before
-    the interpreter exits (a rank leaving with the backend's threads still running may abort)."""
-    import torch
-
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-
-
 # ----------------------------------------------------------------------------------------------
 # The output directory, before anything is loaded
 # ----------------------------------------------------------------------------------------------
