@@ -7,8 +7,13 @@ micro-batches of ``--sft-micro-batch`` rows and ``--sft-accumulation`` micro-bat
 
 * stock ``transformers.Trainer`` (rows padded to the longest of each micro-batch), and
   :class:`hf_accum.AccumTrainer` with the same batching;
-* TRL's ``SFTTrainer`` with ``padding_free=True`` and with ``packing=True`` (its default strategy), and
-  :class:`hf_accum.AccumSFTTrainer` with each of the two;
+* TRL's ``SFTTrainer`` with ``padding_free=True`` and with ``packing=True`` (its default strategy, ``bfd``), and
+  :class:`hf_accum.AccumSFTTrainer` with each of the two. Packing puts ``--sft-packing-rows`` (1) packed rows
+  of ``--sft-packing-length`` tokens (default: the longest example, so nothing is truncated) in a micro-batch:
+  a micro-batch then holds no more positions than the padded micro-batch holding the longest example, and
+  the memory comparison with the padded front-ends is one on the same data. (TRL's default, 4 rows of 1024
+  tokens, puts this whole epoch in one micro-batch: no accumulation left, and 3-4x the positions of any
+  padded micro-batch.)
 * the loop, :func:`hf_accum.train` with :class:`hf_accum.PackingCollator` (a micro-batch's rows in one row).
 
 Every run is its own process (:mod:`benchmarks.workers`), so its peak memory is its own: the peak resident
@@ -60,6 +65,7 @@ TARGETS = (
     ("accum_sft_padding_free", "trl_padding_free", 1.5, 0.5),
     ("accum_sft_packing", "trl_packing", 1.5, 0.5),
     ("accum_sft_padding_free", "accum_trainer", None, 1.0),
+    ("accum_sft_packing", "accum_trainer", None, 1.0),
 )
 JUDGED_FROM_VOCAB = 32000
 """Below this vocabulary (the test's tiny runs) the targets are not judged: the loss step is not what they are about."""
@@ -78,6 +84,10 @@ class Options:
     sft_max_words: int = HfArg(default=384, help="longest prompt or completion in tokens (the tail's cut)")
     sft_micro_batch: int = HfArg(default=4, help="rows per micro-batch (per_device_train_batch_size)")
     sft_accumulation: int = HfArg(default=4, help="micro-batches per update (gradient_accumulation_steps)")
+    sft_packing_rows: int = HfArg(default=1, help="packed rows per micro-batch of the packing front-ends "
+                                                  "(their per_device_train_batch_size)")
+    sft_packing_length: int = HfArg(default=0, help="tokens per packed row (TRL's max_length) for the packing "
+                                                    "front-ends; 0: the longest example, so nothing is truncated")
     sft_rounds: int = HfArg(default=3, help="rounds: every front-end runs once per round, in its own process, "
                                             "the order rotated between rounds")
     sft_layers: int = HfArg(default=4, help="decoder layers of the Llama")
@@ -95,6 +105,7 @@ def validate(common: BenchOptions, options: Options) -> None:
         sft_rows=options.sft_rows, sft_prompt_words=options.sft_prompt_words,
         sft_completion_words=options.sft_completion_words, sft_max_words=options.sft_max_words,
         sft_micro_batch=options.sft_micro_batch, sft_accumulation=options.sft_accumulation,
+        sft_packing_rows=options.sft_packing_rows,
         sft_rounds=options.sft_rounds, sft_layers=options.sft_layers, sft_lora_r=options.sft_lora_r,
     )
     smallest = len(SPECIAL_TOKENS) + 2
@@ -104,6 +115,9 @@ def validate(common: BenchOptions, options: Options) -> None:
     if options.sft_hidden_size < 8 or options.sft_hidden_size % 8:
         raise BenchError(f"sft_hidden_size={options.sft_hidden_size} must be a positive multiple of 8 "
                          "(4 attention heads of an even size)")
+    if options.sft_packing_length < 0 or options.sft_packing_length > MAX_LENGTH:
+        raise BenchError(f"sft_packing_length={options.sft_packing_length}: must be 0 (the longest example) or "
+                         f"1..{MAX_LENGTH} tokens")
     if 2 * options.sft_max_words + 1 > MAX_LENGTH:
         raise BenchError(f"sft_max_words={options.sft_max_words}: a row (prompt + completion + EOS) must fit "
                          f"TRL's max_length of {MAX_LENGTH} tokens; at most {(MAX_LENGTH - 1) // 2}")
@@ -287,9 +301,13 @@ def _run_sft(spec: dict, meter: _Meter, output_dir: str, accum: bool, mode: str)
     tokenizer = word_tokenizer(spec["vocab_size"])
     model, lora = llama_with_lora(tokenizer, spec["hidden_size"], spec["layers"], spec["seed"], spec["lora_r"],
                                   wrap=False)
-    # TRL refuses max_length with padding_free alone (it cannot enforce it there); every row fits anyway.
-    max_length = MAX_LENGTH if mode == "packing" else None
-    args = SFTConfig(**_common_args(spec, output_dir), max_length=max_length, **{mode: True})
+    common = _common_args(spec, output_dir)
+    if mode == "packing":
+        common["per_device_train_batch_size"] = spec["packing_rows"]
+        max_length = spec["packing_length"] or packing_length(spec, tokenizer)
+    else:
+        max_length = None  # TRL refuses max_length with padding_free alone (it cannot enforce it); every row fits
+    args = SFTConfig(**common, max_length=max_length, **{mode: True})
     cls = AccumSFTTrainer if accum else SFTTrainer
     trainer = cls(model=model, args=args, train_dataset=Dataset.from_list(_texts(spec)), processing_class=tokenizer,
                   peft_config=lora)
@@ -333,6 +351,12 @@ RUNNERS: dict[str, Callable[[dict, _Meter, str], _Counting]] = {
     "accum_sft_packing": lambda *a: _run_sft(*a, accum=True, mode="packing"),
     "loop_packing": _run_loop,
 }
+
+
+def packing_length(spec: dict, tokenizer) -> int:
+    """The packed row length when none is given: the longest example (prompt + completion + EOS), so that
+    TRL's ``bfd`` packing truncates nothing."""
+    return max(len(row["input_ids"]) for row in tokenized(_texts(spec), tokenizer))
 
 
 def _texts(spec: dict) -> list[dict]:
@@ -477,6 +501,7 @@ def _spec(common: BenchOptions, options: Options, variant: str, vocab_size: int)
         variant=variant, vocab_size=vocab_size, rows=options.sft_rows, prompt_words=options.sft_prompt_words,
         completion_words=options.sft_completion_words, max_words=options.sft_max_words,
         micro_batch=options.sft_micro_batch, accumulation=options.sft_accumulation, hidden_size=options.sft_hidden_size,
+        packing_rows=options.sft_packing_rows, packing_length=options.sft_packing_length,
         layers=options.sft_layers, lora_r=options.sft_lora_r, gradient_checkpointing=options.sft_gradient_checkpointing,
         seed=common.seed, device=common.device, threads=common.threads,
     )
@@ -490,7 +515,10 @@ def measure(bench: Bench, options: Options) -> SftResult:
         f"{options.sft_lora_r} on q/v" + (", gradient checkpointing" if options.sft_gradient_checkpointing else ""),
         f"{options.sft_rows} prompt/completion rows (log-normal lengths, medians {options.sft_prompt_words}/"
         f"{options.sft_completion_words} tokens, at most {options.sft_max_words} each; loss on the completion), "
-        f"micro-batch {options.sft_micro_batch} x K={options.sft_accumulation}, one epoch",
+        f"micro-batch {options.sft_micro_batch} x K={options.sft_accumulation}, one epoch; packing: "
+        f"{options.sft_packing_rows} packed row(s) of "
+        f"{f'{options.sft_packing_length} tokens' if options.sft_packing_length else 'the longest example'} "
+        "per micro-batch",
         common.device, bench.clock, options.sft_rounds,
     )
     workers = Workers(common.threads, preload=["benchmarks.sft", "trl", "peft"])

@@ -174,6 +174,8 @@ def test_padding_section_writes_its_numbers(tmp_path, capsys):
         (["--model", "/nonexistent/model"], "neither 'tiny' nor a local model directory"),
         (["--only", "vocab", "--vocab-min-length", "9", "--vocab-max-length", "8"], "vocab_min_length <= vocab_max_length"),
         (["--only", "vocab", "--vocab-pairs", "0"], "vocab_pairs=0"),
+        (["--only", "sft", "--sft-packing-length", "5000"], "sft_packing_length=5000"),
+        (["--only", "sft", "--sft-packing-rows", "0"], "sft_packing_rows=0"),
     ],
 )
 def test_bad_input_is_refused_before_anything_is_written(tmp_path, capsys, args, message):
@@ -300,7 +302,8 @@ def test_sft_section_prints_every_front_end_and_ratio(tmp_path, capsys):
         for line in lines:
             assert len(re.findall(r"\d+\.\d\d \(\d+\.\d\d-\d+\.\d\d\)", line)) == 3, line  # median (min-max) x 3
     summary = [r for r in json.loads((out / "bench.json").read_text())["summary"] if r["target"].startswith("sft")]
-    assert len(summary) == 3 and {r["verdict"] for r in summary} == {"n/a (small)"}
+    assert len(summary) == 4 and {r["verdict"] for r in summary} == {"n/a (small)"}
+    assert "AccumSFTTrainer, packing=True / AccumTrainer, padded" in {r["target"].split(": ", 1)[1] for r in summary}
 
 
 SOFTCAP_TINY = ["--softcap-vocab-sizes", "512", "--softcap-min-length", "4", "--softcap-max-length", "8",
