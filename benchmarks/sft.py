@@ -12,8 +12,8 @@ micro-batches of ``--sft-micro-batch`` rows and ``--sft-accumulation`` micro-bat
   of ``--sft-packing-length`` tokens (default: the longest example, so nothing is truncated) in a micro-batch:
   a micro-batch then holds no more positions than the padded micro-batch holding the longest example, and
   the memory comparison with the padded front-ends is one on the same data. (TRL's default, 4 rows of 1024
-  tokens, puts this whole epoch in one micro-batch: no accumulation left, and 3-4x the positions of any
-  padded micro-batch.)
+  tokens, puts a 48-row epoch in one micro-batch and a 96-row one in two: fewer than one update's K, and
+  3-4x the positions of any padded micro-batch.)
 * the loop, :func:`hf_accum.train` with :class:`hf_accum.PackingCollator` (a micro-batch's rows in one row).
 
 Every run is its own process (:mod:`benchmarks.workers`), so its peak memory is its own: the peak resident
@@ -121,6 +121,7 @@ def validate(common: BenchOptions, options: Options) -> None:
     if 2 * options.sft_max_words + 1 > MAX_LENGTH:
         raise BenchError(f"sft_max_words={options.sft_max_words}: a row (prompt + completion + EOS) must fit "
                          f"TRL's max_length of {MAX_LENGTH} tokens; at most {(MAX_LENGTH - 1) // 2}")
+    _refuse_truncating_packing(common, options)
     try:
         import peft  # noqa: F401
         import trl  # noqa: F401
@@ -129,6 +130,21 @@ def validate(common: BenchOptions, options: Options) -> None:
     if common.device == "cpu" and not Path("/proc/self/clear_refs").exists():
         raise BenchError("the sft section measures peak RSS through /proc/self/clear_refs (Linux); "
                          "run it on Linux or with --device cuda")
+
+
+def _refuse_truncating_packing(common: BenchOptions, options: Options) -> None:
+    """A packed row shorter than the longest example would make TRL's ``bfd`` packing drop that example's
+    tail: the packing front-ends would train on less data than the others and still be judged."""
+    if not options.sft_packing_length:
+        return
+    for vocab_size in options.sft_vocab_sizes:
+        rows = sft_texts(options.sft_rows, vocab_size, common.seed, options.sft_prompt_words,
+                         options.sft_completion_words, options.sft_max_words)
+        longest = max(len(row["prompt"].split()) + len(row["completion"].split()) + 1 for row in rows)  # + EOS
+        if options.sft_packing_length < longest:
+            raise BenchError(f"sft_packing_length={options.sft_packing_length} is shorter than the longest example "
+                             f"({longest} tokens at vocab {vocab_size}): packing would truncate it; use 0 (the "
+                             f"longest example) or at least {longest}")
 
 
 # ----------------------------------------------------------------------------------------------

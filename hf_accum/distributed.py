@@ -46,7 +46,11 @@ def leave_process_group() -> None:
     when that thread drops it, releasing its tensors needs the GIL, ``take_gil`` exits the thread, and the
     unwind through a ``noexcept`` destructor aborts the process ("terminate called without an active
     exception", SIGABRT). A bare ``init / all_reduce / barrier`` script exits that way in 15 of 40 runs
-    here; ``destroy_process_group`` joins the worker threads first (0 of 40). A no-op without a group."""
+    here; ``destroy_process_group`` joins the worker threads first (0 of 40). A no-op without a group.
+
+    Call it on the path where every rank finished: its barrier waits for all of them (a launcher such as
+    torchrun or ``accelerate launch`` stops the other ranks when one fails; a failed run should tear the
+    group down without the barrier, as the recipe does)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

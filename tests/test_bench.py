@@ -176,6 +176,7 @@ def test_padding_section_writes_its_numbers(tmp_path, capsys):
         (["--only", "vocab", "--vocab-pairs", "0"], "vocab_pairs=0"),
         (["--only", "sft", "--sft-packing-length", "5000"], "sft_packing_length=5000"),
         (["--only", "sft", "--sft-packing-rows", "0"], "sft_packing_rows=0"),
+        (["--only", "sft", "--sft-rows", "8", "--sft-packing-length", "3"], "packing would truncate it"),
     ],
 )
 def test_bad_input_is_refused_before_anything_is_written(tmp_path, capsys, args, message):

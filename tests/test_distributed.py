@@ -315,3 +315,38 @@ def test_every_torchrun_worker_leaves_its_process_group():
     missing = [os.path.basename(path) for path in workers
                if "leave_process_group()" not in open(path).read().split('if __name__ == "__main__":')[-1]]
     assert not missing, f"workers that exit with the process group up: {missing}"
+
+
+ABORTING_WORKER = """
+import os, sys
+out, mode = sys.argv[1], sys.argv[2]
+with open(out + ".attempts", "a") as attempts:
+    attempts.write("x")
+first = os.path.getsize(out + ".attempts") == 1
+if mode == "abort_after_report":
+    with open(out, "w") as report:
+        report.write('{"ok": 1}')
+if mode == "abort_without_report" or first:
+    sys.stderr.write("terminate called without an active exception\\n")
+    sys.stderr.flush()
+    os.abort()
+"""
+
+
+@pytest.mark.parametrize("mode", ["abort_after_report", "abort_without_report"])
+def test_run_torchrun_retries_only_an_abort_after_the_report(tmp_path, mode):
+    """The gloo abort at exit after the report was written: run once more (with a warning). The same message
+    from a worker that wrote no report (one that raised and left its group up): a real failure, not retried."""
+    from hf_accum.testing.launch import run_torchrun
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(ABORTING_WORKER)
+    out = tmp_path / "report.json"
+    if mode == "abort_after_report":
+        with pytest.warns(UserWarning, match="retried after a rank aborted at exit"):
+            assert run_torchrun(str(worker), out, nproc=1, timeout=120, extra_args=[mode]) == {"ok": 1}
+        assert (tmp_path / "report.json.attempts").read_text() == "xx"
+    else:
+        with pytest.raises(AssertionError, match="terminate called without an active exception"):
+            run_torchrun(str(worker), out, nproc=1, timeout=120, extra_args=[mode])
+        assert (tmp_path / "report.json.attempts").read_text() == "x"

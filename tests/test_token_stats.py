@@ -135,8 +135,8 @@ def test_logits_path_stats_equal_the_fused_ones():
 
 
 def test_stats_over_several_entropy_blocks_equal_trl():
-    """A vocabulary wide enough that the entropy's scratch block holds fewer rows than the chunk (64 of 150
-    rows at 8192 float64 classes): three blocks, the last one partial."""
+    """A vocabulary wide enough that the entropy's scratch block holds fewer rows than the chunk (64 rows at
+    8192 float64 classes; 125 of the 150 rows are targets): two blocks, the last one partial."""
     h, head, targets = _inputs(rows=150, hidden=16, vocab=8192)
     reference = _trl_reference(head.model_logits(h), targets)
     _assert_same(_as_tuple(_fused_stats(h, head, targets)), reference)

@@ -26,11 +26,14 @@ EXIT_ABORT_SIGNATURE = "terminate called without an active exception"
 def run_torchrun(worker: str, out_path, nproc: int = 2, timeout: int = 300, extra_args: Sequence[str] = ()) -> dict:
     """Run ``worker OUT.json [extra_args]`` under torchrun; return the JSON it wrote (rank 0).
 
-    A job whose only fault is the gloo abort at exit is run once more, with a warning carrying the first
-    output: the abort says nothing about the worker's result, but it kills the other rank before its
-    report is written. Any other failure fails at once."""
+    A job that wrote its report and then failed with the gloo abort at exit is run once more, with a warning
+    carrying the first output: the abort comes after the worker's last collective, so it says nothing about
+    the result, but torchrun then kills the other rank. Any other failure -- a worker that raised exits with
+    its group up and may print the same abort after its traceback, but writes no report -- fails at once."""
+    if os.path.exists(out_path):
+        os.remove(out_path)  # a report left by an earlier run must not pass for this one's
     completed = torchrun(worker, [str(out_path), *extra_args], nproc, timeout)
-    if completed.returncode != 0 and EXIT_ABORT_SIGNATURE in completed.stderr:
+    if completed.returncode != 0 and EXIT_ABORT_SIGNATURE in completed.stderr and os.path.exists(out_path):
         warnings.warn(f"torchrun job retried after a rank aborted at exit:\n{completed.stderr[-3000:]}", stacklevel=2)
         completed = torchrun(worker, [str(out_path), *extra_args], nproc, timeout)
     assert completed.returncode == 0, completed.stderr[-4000:]
