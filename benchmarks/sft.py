@@ -138,9 +138,8 @@ def _refuse_truncating_packing(common: BenchOptions, options: Options) -> None:
     if not options.sft_packing_length:
         return
     for vocab_size in options.sft_vocab_sizes:
-        rows = sft_texts(options.sft_rows, vocab_size, common.seed, options.sft_prompt_words,
-                         options.sft_completion_words, options.sft_max_words)
-        longest = max(len(row["prompt"].split()) + len(row["completion"].split()) + 1 for row in rows)  # + EOS
+        longest = longest_example(sft_texts(options.sft_rows, vocab_size, common.seed, options.sft_prompt_words,
+                                            options.sft_completion_words, options.sft_max_words))
         if options.sft_packing_length < longest:
             raise BenchError(f"sft_packing_length={options.sft_packing_length} is shorter than the longest example "
                              f"({longest} tokens at vocab {vocab_size}): packing would truncate it; use 0 (the "
@@ -317,15 +316,16 @@ def _run_sft(spec: dict, meter: _Meter, output_dir: str, accum: bool, mode: str)
     tokenizer = word_tokenizer(spec["vocab_size"])
     model, lora = llama_with_lora(tokenizer, spec["hidden_size"], spec["layers"], spec["seed"], spec["lora_r"],
                                   wrap=False)
+    texts = _texts(spec)
     common = _common_args(spec, output_dir)
     if mode == "packing":
         common["per_device_train_batch_size"] = spec["packing_rows"]
-        max_length = spec["packing_length"] or packing_length(spec, tokenizer)
+        max_length = spec["packing_length"] or longest_example(texts)
     else:
         max_length = None  # TRL refuses max_length with padding_free alone (it cannot enforce it); every row fits
     args = SFTConfig(**common, max_length=max_length, **{mode: True})
     cls = AccumSFTTrainer if accum else SFTTrainer
-    trainer = cls(model=model, args=args, train_dataset=Dataset.from_list(_texts(spec)), processing_class=tokenizer,
+    trainer = cls(model=model, args=args, train_dataset=Dataset.from_list(texts), processing_class=tokenizer,
                   peft_config=lora)
     counting = _Counting(trainer.data_collator)
     trainer.data_collator = counting  # read when the train dataloader is built, inside train()
@@ -369,10 +369,10 @@ RUNNERS: dict[str, Callable[[dict, _Meter, str], _Counting]] = {
 }
 
 
-def packing_length(spec: dict, tokenizer) -> int:
-    """The packed row length when none is given: the longest example (prompt + completion + EOS), so that
-    TRL's ``bfd`` packing truncates nothing."""
-    return max(len(row["input_ids"]) for row in tokenized(_texts(spec), tokenizer))
+def longest_example(rows: list[dict]) -> int:
+    """Tokens of the longest row (prompt + completion + EOS): the packed row length when none is given, so that
+    TRL's ``bfd`` packing truncates nothing. The word-level tokenizer gives one token per word."""
+    return max(len(row["prompt"].split()) + len(row["completion"].split()) + 1 for row in rows)
 
 
 def _texts(spec: dict) -> list[dict]:

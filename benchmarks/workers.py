@@ -117,7 +117,7 @@ def release_free_heap() -> None:
     """Hand the heap's free memory back to the OS before the baseline is read. Without it, memory that setup
     freed (tokenizing, TRL's packing, model construction) stays resident, counts in the baseline, and is
     then reused by training without raising the RSS: the measured increment shrank by whatever setup happened
-    to leave behind (it was not the whole story: see the sft section in benchmarks/README.md)."""
+    to leave behind."""
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
         ctypes.CDLL("libc.so.6").malloc_trim(0)

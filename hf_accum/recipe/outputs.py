@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 from hf_accum.checkpoint import write_text_atomically
-from hf_accum.distributed import is_main_process, leave_process_group  # noqa: F401 (still importable here)
+from hf_accum.distributed import is_main_process
 from hf_accum.errors import EXIT_BAD_INPUT, EXIT_DISK_FULL, EXIT_INTERRUPTED, EXIT_NONFINITE, InputError
 from hf_accum.recipe import config as config_module
 from hf_accum.run_lock import LOCK_NAME

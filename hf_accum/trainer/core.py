@@ -175,16 +175,15 @@ class AccumTrainer(Trainer):
         overridden = type(self).loss_sum_and_count is not AccumTrainer.loss_sum_and_count
         refuse_custom_loss(normalization, f"{type(self).__name__}.loss_sum_and_count" if overridden else None,
                            "AccumTrainer(normalization)")
-        if normalization == "sequence":
-            return MicroBatchLoss(loss_kind, self.args.label_smoothing_factor, self._problem_type,
-                                  fused=fused_loss and not self.is_deepspeed_enabled, normalization="sequence")
         if overridden and fused_loss:
             logger.info("%s overrides loss_sum_and_count, which receives the logits: this run takes the logits "
                         "path, not the fused loss", type(self).__name__)
-        # Under DeepSpeed the engine owns the (ZeRO-3: partitioned) head weight: the logits path there.
+        # Sequence mode brings its own weighted loss (MicroBatchLoss); under DeepSpeed the engine owns the
+        # (ZeRO-3: partitioned) head weight: the logits path there.
         return MicroBatchLoss(
-            loss_kind, self.args.label_smoothing_factor, self._problem_type, self.loss_sum_and_count,
-            fused=fused_loss and not overridden and not self.is_deepspeed_enabled,
+            loss_kind, self.args.label_smoothing_factor, self._problem_type,
+            None if normalization == "sequence" else self.loss_sum_and_count,
+            fused=fused_loss and not overridden and not self.is_deepspeed_enabled, normalization=normalization,
         )
 
     def loss_sum_and_count(
