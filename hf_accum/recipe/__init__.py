@@ -9,7 +9,7 @@
 * :mod:`~hf_accum.recipe.launch` -- launch policy: what was asked vs what would run, DeepSpeed configs;
 * :mod:`~hf_accum.recipe.outputs` -- the output directory, per-update records, the final files, the process edge.
 
-The library (``hf_accum`` outside this package) never imports from here (``tests/test_layout.py``):
+The library (``hf_accum`` outside this package) never imports from here (``tests/unit/test_layout.py``):
 the kit is one way to drive the library, and a user's own script can replace it. Every error the kit
 raises for bad input derives from :class:`hf_accum.errors.InputError`.
 """

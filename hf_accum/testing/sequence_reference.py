@@ -66,11 +66,11 @@ def relative_errors(model: torch.nn.Module, batches: list[dict], accumulation: i
 def run(engine: str, collator, examples: list, normalization: str, output_dir: str, micro_batch: int = 2,
         accumulation: int = 4) -> tuple[list[float], list]:
     """Train (lr 0: the weights stay) in ``engine``; the relative errors of every applied gradient and the logs."""
-    from noise_reference import RecordingCollator
     from torch.utils.data import DataLoader
 
     from hf_accum.loop import LoopConfig, train
     from hf_accum.testing import Scenario, fresh_accelerator, run_trainer, tiny_causal_lm
+    from hf_accum.testing.noise_reference import RecordingCollator
     from hf_accum.trainer import AccumTrainer
 
     recorder = RecordingCollator(collator)

@@ -30,12 +30,19 @@ from hf_accum.distributed import gathered_state_dict, leave_process_group, save_
 from hf_accum.loop import LoopConfig, train
 from hf_accum.recipe.launch import check_launch, loop_accelerator
 from hf_accum.schedule import create_update_scheduler
-from hf_accum.testing import PAD, Scenario, fresh_accelerator, random_rows, tiny_causal_lm, training_args
+from hf_accum.testing import PAD, Scenario, fresh_accelerator, training_args
+from hf_accum.testing.cases.deepspeed_case import (
+    ACCUMULATION,
+    EPOCHS,
+    LR,
+    MICRO_BATCH,
+    examples,
+    fp32_model,
+    lora_model,
+)
 from hf_accum.testing.deltas import DeltaRecorder, delta_errors
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MICRO_BATCH, ACCUMULATION, EXAMPLES, EPOCHS = 2, 3, 28, 2
-LR = 6.0
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SAVE_UPDATES = 10
 
 
@@ -47,16 +54,6 @@ def ds_config(stage: int | str):
         return path
     with open(path) as handle:
         return {**json.load(handle), "zero_force_ds_cpu_optimizer": False}
-
-
-def examples() -> list[dict]:
-    # Accelerate deals micro-batch j to rank j % 2: rows 4m, 4m+1 (40 tokens) go to rank 0, rows
-    # 4m+2, 4m+3 (3-5 tokens) to rank 1. 14 micro-batches = 7 per rank = windows of 3, 3 and 1.
-    return random_rows(EXAMPLES, seed=11, prompt_masking=True, long_rows=lambda i: (i // MICRO_BATCH) % 2 == 0)
-
-
-def fp32_model() -> torch.nn.Module:
-    return tiny_causal_lm(seed=0, dtype=torch.float32)
 
 
 def reset_accelerate() -> None:
@@ -260,20 +257,6 @@ def expected_lrs(updates: int, horizon: int = EPOCHS * 3, schedule: str = "linea
 # -- saving: ZeRO-3 adapter == DDP adapter -------------------------------------------------------------
 
 
-def lora_model():
-    from peft import LoraConfig, get_peft_model
-
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"],
-                        modules_to_save=["lm_head"], lora_dropout=0.0)
-    model = get_peft_model(fp32_model(), config)
-    torch.manual_seed(1)
-    with torch.no_grad():  # LoRA B starts at 0; make the first updates non-trivial for every tensor
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.02)
-    return model
-
-
 def saved_loop_adapter(stage: int | None) -> str:
     accelerator = build_accelerator(stage, max_grad_norm=1.0)
     model = lora_model()
@@ -331,7 +314,7 @@ def main(report_path: str) -> None:
         "loop_zero3_offload": lambda: exact_loop("3_offload"),
         "naive_loop_zero2": lambda: exact_loop(2, naive=True),
         "loop_zero2_window_without_targets": lambda: loop_window_without_targets(2),
-        # Planned windows (tests/test_deepspeed_windows.py): ramp 4 -> 8 -> 12 sequences, and a token budget.
+        # Planned windows (tests/distributed/test_deepspeed_windows.py): ramp 4 -> 8 -> 12 sequences, and a token budget.
         "loop_zero2_rampup": lambda: exact_loop(2, schedule="constant", rampup_batch_size=[4, 4, 16]),
         "loop_zero3_tokens": lambda: exact_loop(3, schedule="constant", tokens_per_update=150),
         "trainer_zero2": lambda: exact_trainer(2),

@@ -6,7 +6,7 @@
   every parameter with a gradient must be reachable from the forward's outputs: a plain Llama and the
   recipe's LoRA + ``modules_to_save=["lm_head", "embed_tokens"]``.
 
-Rank 0 writes a JSON report to ``argv[1]``; launched by tests/test_fused_ddp.py.
+Rank 0 writes a JSON report to ``argv[1]``; launched by tests/distributed/test_fused_ddp.py.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import sys
 
 import torch
 import torch.distributed as dist
-from loop_ddp_worker import EXAMPLES, AllReduceCounter
 from peft import LoraConfig, get_peft_model
 
 from hf_accum import AccumTrainer
 from hf_accum.batching import PaddingCollator
 from hf_accum.distributed import leave_process_group
 from hf_accum.testing import PAD, Scenario, run_exact, run_trainer, tiny_causal_lm
+from hf_accum.testing.cases.loop_ddp_case import EXAMPLES, AllReduceCounter
 
 
 class FusedDecisions(logging.Handler):

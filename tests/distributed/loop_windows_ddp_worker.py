@@ -2,18 +2,18 @@
 token counts. Rank 0 writes, per setting, the audited gradient errors, the windows, the LRs and the number of
 gradient all-reduce rounds (a DDP comm hook): one per update, whatever the window's length.
 
-Run as ``torchrun --nproc_per_node 2 tests/loop_windows_ddp_worker.py OUT.json``.
+Run as ``torchrun --nproc_per_node 2 tests/distributed/loop_windows_ddp_worker.py OUT.json``.
 """
 
 import json
 import sys
 
 import torch.distributed as dist
-from loop_ddp_worker import EXAMPLES, AllReduceCounter
 
 from hf_accum.batching import PaddingCollator
 from hf_accum.distributed import leave_process_group
 from hf_accum.testing import PAD, Scenario, run_exact, tiny_causal_lm
+from hf_accum.testing.cases.loop_ddp_case import EXAMPLES, AllReduceCounter
 
 SETTINGS = {
     # 28 rows, micro-batch 2 -> 7 micro-batches per rank; global batch 2 x 2 x 3 = 12, ramp from 4 by 4.

@@ -1,4 +1,4 @@
-"""torchrun worker (2 CPU processes, gloo): the MoE router loss under DDP (launched by tests/test_moe_ddp.py).
+"""torchrun worker (2 CPU processes, gloo): the MoE router loss under DDP (launched by tests/distributed/test_moe_ddp.py).
 
 For Mixtral and Qwen2-MoE, float64 without float32 islands, with the loop and AccumTrainer on the fused and
 logits paths: every update against the rule's reference (the token-weighted mean of every micro-batch's

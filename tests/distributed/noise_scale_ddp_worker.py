@@ -1,6 +1,6 @@
 """torchrun worker: the noise-scale measurement on 2 CPU processes, in both engines.
 
-Run as ``torchrun --nproc_per_node 2 tests/noise_scale_ddp_worker.py OUT.json``; rank 0 writes the world size,
+Run as ``torchrun --nproc_per_node 2 tests/distributed/noise_scale_ddp_worker.py OUT.json``; rank 0 writes the world size,
 per engine the relative errors of the logged raw estimates against the independent reference (every rank's first
 micro-batch gathered), and the noise scales of a short real (lr > 0) run.
 """
@@ -10,9 +10,9 @@ import sys
 import tempfile
 
 import torch.distributed as dist
-from noise_reference import expected_estimates, relative_errors, run_engine, scenario
 
 from hf_accum.distributed import leave_process_group
+from hf_accum.testing.noise_reference import expected_estimates, relative_errors, run_engine, scenario
 
 
 def main(out_path: str) -> None:

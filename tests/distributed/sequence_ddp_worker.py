@@ -6,11 +6,11 @@ import sys
 import tempfile
 
 import torch.distributed as dist
-from sequence_reference import run
 
 from hf_accum.batching import PaddingCollator
 from hf_accum.distributed import leave_process_group
 from hf_accum.testing import PAD, random_rows
+from hf_accum.testing.sequence_reference import run
 
 # 28 rows, micro-batch 2: 7 micro-batches per rank, K=3: windows of 3, 3 and a short 1 on each rank.
 EXAMPLES = random_rows(28, seed=33, prompt_masking=True)

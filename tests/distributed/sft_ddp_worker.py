@@ -3,7 +3,7 @@ prompt/completion preparation and collator, with ranks holding very different to
 ``average_tokens_across_devices`` True and False (stock: False), under a BigBatchAuditor that gathers every rank's
 micro-batches. Rank 0 writes a JSON report to ``argv[1]``.
 
-Launched by tests/test_sft_ddp.py; all runs share one launch (process start-up dominates).
+Launched by tests/distributed/test_sft_ddp.py; all runs share one launch (process start-up dominates).
 """
 
 from __future__ import annotations

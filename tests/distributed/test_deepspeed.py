@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO-2 and ZeRO-3 on 2 real CPU processes (torchrun; DeepSpeed's CPU accelerator, gloo),
 both engines: every update equals the big-batch update (weight deltas of SGD, fp32), the LR is the
 big batch's, the scheduler steps once per update; a ZeRO-3 run saves the same adapter as a DDP run.
-All runs share one torchrun launch (tests/deepspeed_worker.py): DeepSpeed's start-up dominates."""
+All runs share one torchrun launch (tests/distributed/deepspeed_worker.py): DeepSpeed's start-up dominates."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def test_update_equals_big_batch_update(report, name):
 
 
 def test_ranks_hold_very_different_token_counts():
-    from deepspeed_worker import MICRO_BATCH, examples
+    from hf_accum.testing.cases.deepspeed_case import MICRO_BATCH, examples
 
     per_rank = [0, 0]
     for index, example in enumerate(examples()):
@@ -74,7 +74,7 @@ def test_loop_skips_a_window_without_targets_under_deepspeed(report):
 
 @pytest.mark.parametrize("name", EXACT_RUNS)
 def test_lr_is_the_big_batch_lr_and_scheduler_steps_once_per_update(report, name):
-    from deepspeed_worker import EPOCHS, LR
+    from hf_accum.testing.cases.deepspeed_case import EPOCHS, LR
 
     run = report[name]
     expected = big_batch_learning_rates(LR, EPOCHS * 3, 0, "linear")
@@ -107,7 +107,7 @@ def max_abs_diff(a: dict, b: dict) -> float:
 def test_zero3_saves_the_adapter_ddp_saves(report, engine):
     """10 AdamW updates (clipping on), LoRA + a full lm_head, same config and seed: the adapter gathered
     from ZeRO-3's shards equals the DDP run's; training moved it far more than the tolerance."""
-    from deepspeed_worker import lora_model
+    from hf_accum.testing.cases.deepspeed_case import lora_model
 
     ddp, zero3 = report[f"save_{engine}_ddp"], report[f"save_{engine}_zero3"]
     ddp_dir, zero3_dirs = (ddp["ours"], zero3) if engine == "trainer" else (ddp, {"ours": zero3})

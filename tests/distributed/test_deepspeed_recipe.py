@@ -8,21 +8,25 @@
   the uninterrupted run's updates and adapter; its checkpoints hold DeepSpeed's own state files.
 
 The library-level exactness under ZeRO-2/3 (weight deltas of SGD against the big batch) is
-tests/test_deepspeed.py."""
+tests/distributed/test_deepspeed.py."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
-import shutil
 
 import pytest
-import yaml
-from test_recipe import TORCHRUN_2, read_metrics, run_script
 
-from hf_accum.recipe import outputs as run_outputs
-from hf_accum.recipe.config import RESOLVED_CONFIG_NAME
+from hf_accum.recipe.testing import (
+    TEN_UPDATES,
+    TORCHRUN_2,
+    cut_after_checkpoint,
+    load_adapter,
+    max_abs_diff,
+    read_metrics,
+    run_script,
+)
 
 pytestmark = [
     pytest.mark.slow,
@@ -30,30 +34,18 @@ pytestmark = [
 ]
 
 ZERO3 = "training.deepspeed=recipes/deepspeed/zero3.json"
-TEN_UPDATES = ["training.max_steps=10", "training.save_steps=5", "data.num_train_examples=400"]
-
-
-def load_adapter(out) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(os.path.join(out, run_outputs.ADAPTER_DIR, "adapter_model.safetensors"))
-
-
-def max_abs_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[key].double() - b[key].double()).abs().max()) for key in a)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """engine -> {"ddp": dir, "zero3": dir}, made on first use (each run ~25 s)."""
+def runs(tmp_path_factory, ddp_recipe_run):
+    """engine -> {"ddp": dir, "zero3": dir}, made on first use (each run ~25 s; the DDP run is shared with the
+    FSDP recipe tests, see conftest.py)."""
     made: dict[str, dict[str, str]] = {}
 
     def get(engine: str) -> dict[str, str]:
         if engine not in made:
             root = tmp_path_factory.mktemp(engine)
-            made[engine] = {"ddp": root / "ddp", "zero3": root / "zero3"}
-            run_script(TORCHRUN_2, made[engine]["ddp"], f"engine={engine}", *TEN_UPDATES, timeout=600)
+            made[engine] = {"ddp": ddp_recipe_run(engine), "zero3": root / "zero3"}
             run_script(TORCHRUN_2, made[engine]["zero3"], f"engine={engine}", *TEN_UPDATES, ZERO3, timeout=600)
         return made[engine]
 
@@ -105,22 +97,6 @@ def test_trainer_zero3_partitions_a_model_from_disk_as_it_loads(runs, tmp_path):
     assert max_abs_diff(load_adapter(out), load_adapter(runs("trainer")["ddp"])) <= 1e-4
 
 
-def cut_after_checkpoint(finished, cut, update: int) -> None:
-    """``cut``: ``finished`` as a kill right after ``checkpoint-<update>`` would have left it."""
-    shutil.copytree(finished, cut)
-    for name in os.listdir(cut):
-        later = name.startswith("checkpoint-") and int(name.split("-")[1]) > update
-        if later or name in (run_outputs.METRICS_NAME, run_outputs.ADAPTER_DIR, run_outputs.PLOT_NAME):
-            path = os.path.join(cut, name)
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    config_path = os.path.join(cut, RESOLVED_CONFIG_NAME)
-    with open(config_path) as handle:
-        resolved = yaml.safe_load(handle)
-    resolved["training"]["output_dir"] = str(cut)  # the same command, in its own directory
-    with open(config_path, "w") as handle:
-        yaml.safe_dump(resolved, handle)
-
-
 @pytest.mark.parametrize("engine", ["loop", "trainer"])
 def test_zero3_recipe_resumes_exactly_from_deepspeed_state_files(runs, engine, tmp_path):
     finished = runs(engine)["zero3"]
@@ -170,7 +146,7 @@ def test_loop_held_out_loss_under_zero3_with_uneven_shards(tmp_path):
     forward more (counting nothing) or both wait forever; the loss equals the DDP run's. The ZeRO-3
     config releases every gathered parameter at once (as a model too big to keep them would): with
     the ready file's generous limits the tiny model keeps them gathered and no rank would wait."""
-    with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "recipes", "deepspeed", "zero3.json")) as handle:
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "recipes", "deepspeed", "zero3.json")) as handle:
         releasing = json.load(handle)
     releasing["zero_optimization"].update(stage3_max_live_parameters=1, stage3_max_reuse_distance=0,
                                           stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0)

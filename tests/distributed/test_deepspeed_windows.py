@@ -1,6 +1,6 @@
 """Planned windows under DeepSpeed on 2 real CPU processes: a ramp-up under ZeRO-2 and a token budget under ZeRO-3,
 every update's SGD weight delta equal to the big-batch update of exactly its rows (fp32 rounding: 1e-6, as
-tests/test_deepspeed.py), the LR horizon the planned number of updates, one scheduler step per update."""
+tests/distributed/test_deepspeed.py), the LR horizon the planned number of updates, one scheduler step per update."""
 
 from __future__ import annotations
 

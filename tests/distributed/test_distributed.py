@@ -16,8 +16,8 @@ import pytest
 
 from hf_accum.recipe import launch as D
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROBE = os.path.join(ROOT, "tests", "launch_probe.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PROBE = os.path.join(ROOT, "tests", "distributed", "launch_probe.py")
 DS_JSONS = sorted(glob.glob(os.path.join(ROOT, "recipes", "deepspeed", "*.json")))
 DS_LAUNCHERS = sorted(glob.glob(os.path.join(ROOT, "recipes", "accelerate", "deepspeed_*.yaml")))
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed not installed")
@@ -310,7 +310,8 @@ def test_leave_process_group_tears_the_group_down_and_is_a_no_op_without_one(tmp
 def test_every_torchrun_worker_leaves_its_process_group():
     """A worker ending with its gloo group up may abort at exit (SIGABRT) and take the other rank's report
     with it: CI failed that way. Every worker script the tests launch under torchrun ends by leaving it."""
-    workers = sorted(glob.glob(os.path.join(ROOT, "tests", "*worker*.py")))
+    workers = sorted([*glob.glob(os.path.join(ROOT, "tests", "distributed", "*worker*.py")),
+                      *glob.glob(os.path.join(ROOT, "hf_accum", "testing", "cases", "*worker*.py"))])
     assert len(workers) >= 10
     missing = [os.path.basename(path) for path in workers
                if "leave_process_group()" not in open(path).read().split('if __name__ == "__main__":')[-1]]

@@ -2,7 +2,7 @@
 (:func:`hf_accum.fsdp.fsdp_accelerator`). Every update equals the big-batch update in float64 (full
 fine-tuning, LoRA, activation checkpointing), gradients are reduce-scattered once per update, clipping
 takes the global norm, bf16 compute with fp32 master weights trains like DDP's bf16 run; the naive loop
-fails the same check. All runs share one launch (tests/fsdp_worker.py)."""
+fails the same check. All runs share one launch (tests/distributed/fsdp_worker.py)."""
 
 from __future__ import annotations
 

@@ -10,33 +10,39 @@ engines -- on CPU through the forced path (:func:`hf_accum.fsdp.fsdp_accelerator
   updates and adapter; the loop's checkpoints hold ``torch.distributed.checkpoint`` shards, one per rank;
 * FSDP on 1 process or FSDP1 stops before any model loads, saying why (fast tests).
 
-Library-level exactness under FSDP2 (SGD weight deltas against the big batch): tests/test_fsdp.py (loop) and
-tests/test_trainer_fsdp.py (AccumTrainer)."""
+Library-level exactness under FSDP2 (SGD weight deltas against the big batch): tests/distributed/test_fsdp.py (loop) and
+tests/distributed/test_trainer_fsdp.py (AccumTrainer)."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
-from test_deepspeed_recipe import cut_after_checkpoint, load_adapter, max_abs_diff
-from test_recipe import TORCHRUN_2, read_metrics, run_script
 
 from hf_accum.recipe.launch import LaunchError, check_launch
+from hf_accum.recipe.testing import (
+    TEN_UPDATES,
+    TORCHRUN_2,
+    cut_after_checkpoint,
+    load_adapter,
+    max_abs_diff,
+    read_metrics,
+    run_script,
+)
 
 FSDP = "training.fsdp=full_shard"
-TEN_UPDATES = ["training.max_steps=10", "training.save_steps=5", "data.num_train_examples=400"]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """engine -> {"ddp": dir, "fsdp": dir, "fsdp_stdout": str}, made on first use (each run ~30 s)."""
+def runs(tmp_path_factory, ddp_recipe_run):
+    """engine -> {"ddp": dir, "fsdp": dir, "fsdp_stdout": str}, made on first use (each run ~30 s; the DDP run
+    is shared with the DeepSpeed recipe tests, see conftest.py)."""
     made: dict[str, dict] = {}
 
     def get(engine: str) -> dict:
         if engine not in made:
             root = tmp_path_factory.mktemp(engine)
-            made[engine] = {"ddp": root / "ddp", "fsdp": root / "fsdp"}
-            run_script(TORCHRUN_2, made[engine]["ddp"], f"engine={engine}", *TEN_UPDATES, timeout=600)
+            made[engine] = {"ddp": ddp_recipe_run(engine), "fsdp": root / "fsdp"}
             proc = run_script(TORCHRUN_2, made[engine]["fsdp"], f"engine={engine}", *TEN_UPDATES, FSDP, timeout=600)
             made[engine]["fsdp_stdout"] = proc.stdout + proc.stderr
         return made[engine]

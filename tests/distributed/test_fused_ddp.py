@@ -1,6 +1,6 @@
 """The fused loss on 2 real CPU processes (torchrun, gloo): exact over ranks with very different token
 counts, one gradient all-reduce per update as on the logits path, and working with Trainer's default
-``find_unused_parameters=True`` (see tests/fused_ddp_worker.py)."""
+``find_unused_parameters=True`` (see tests/distributed/fused_ddp_worker.py)."""
 
 from __future__ import annotations
 

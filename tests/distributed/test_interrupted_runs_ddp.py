@@ -21,14 +21,14 @@ import re
 
 import pytest
 import torch
-from interruptions import assert_same_run, parse_args, read_records, run_dir, stitched
 
 from hf_accum.checkpoint import ResumeMismatchError, latest_complete_checkpoint
 from hf_accum.run_lock import LOCK_NAME
+from hf_accum.testing import cases
+from hf_accum.testing.interruptions import assert_same_run, parse_args, read_records, run_dir, stitched
 from hf_accum.testing.launch import torchrun
 
-HERE = os.path.dirname(__file__)
-WORKERS = {engine: os.path.join(HERE, f"{engine}_resume_worker.py") for engine in ("loop", "trainer")}
+WORKERS = {engine: cases.script(f"{engine}_resume_worker.py") for engine in ("loop", "trainer")}
 # Collator calls per rank from the start of epoch 2 (after update 3, the short window) to inside update 4.
 ACROSS_THE_EPOCH_BOUNDARY = (8, 9, 10)
 RANDOM = random.Random(20240612)
@@ -94,8 +94,7 @@ def test_resumed_ddp_story_equals_the_uninterrupted_run(story):
 
 @pytest.mark.slow
 def test_one_process_refuses_the_two_process_checkpoint(story):
-    import loop_resume_worker
-    import trainer_resume_worker
+    from hf_accum.testing.cases import loop_resume_worker, trainer_resume_worker
 
     worker = loop_resume_worker if story["engine"] == "loop" else trainer_resume_worker
     with pytest.raises(ResumeMismatchError, match=r"number of processes 2 -> 1\)") as error:

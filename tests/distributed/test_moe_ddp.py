@@ -1,4 +1,4 @@
-"""The MoE router loss on 2 real CPU processes (torchrun, gloo): see tests/moe_ddp_worker.py."""
+"""The MoE router loss on 2 real CPU processes (torchrun, gloo): see tests/distributed/moe_ddp_worker.py."""
 
 from __future__ import annotations
 

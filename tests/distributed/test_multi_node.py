@@ -16,7 +16,7 @@ import pytest
 from hf_accum.cli import main as cli_main
 from hf_accum.schedule import BatchPlan, plan_global_batch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(__file__)
 TWO_NODES = "effective batch 32 = 8 per device x 2 accumulation x 2 processes (2 nodes x 1)"
 

@@ -11,10 +11,10 @@ import math
 import os
 
 import pytest
-from noise_reference import expected_estimates, relative_errors, run_engine, scenario
 
 from hf_accum.loop import LoopConfig, LoopConfigError
 from hf_accum.testing.launch import run_torchrun
+from hf_accum.testing.noise_reference import expected_estimates, relative_errors, run_engine, scenario
 
 EXACT = 1e-10
 HERE = os.path.dirname(__file__)

@@ -9,12 +9,12 @@ import os
 
 import pytest
 import torch
-from sequence_reference import run
 
 from hf_accum.batching import PackingCollator, PaddingCollator
 from hf_accum.loop import LoopConfig, LoopConfigError
 from hf_accum.testing import PAD, random_rows
 from hf_accum.testing.launch import run_torchrun
+from hf_accum.testing.sequence_reference import run
 
 EXACT = 1e-10
 HERE = os.path.dirname(__file__)

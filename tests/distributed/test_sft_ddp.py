@@ -1,7 +1,7 @@
 """AccumSFTTrainer on 2 real CPU processes (torchrun, gloo) whose ranks hold ~10x different token
 counts: exact with ``average_tokens_across_devices`` True and False, TRL's metrics summed over both
 ranks; stock TRL ``SFTTrainer`` with False is the negative control. One torchrun launch
-(tests/sft_ddp_worker.py)."""
+(tests/distributed/sft_ddp_worker.py)."""
 
 from __future__ import annotations
 

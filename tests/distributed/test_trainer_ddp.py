@@ -1,6 +1,6 @@
 """AccumTrainer on 2 real CPU processes (torchrun, gloo) whose ranks hold ~10x different token counts:
 exact with ``average_tokens_across_devices`` True and False; stock Trainer with False is the
-negative control. All runs share one torchrun launch (tests/trainer_ddp_worker.py)."""
+negative control. All runs share one torchrun launch (tests/distributed/trainer_ddp_worker.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import math
 import os
 
 import pytest
-from trainer_ddp_worker import ACCUMULATION, EPOCHS, EXAMPLES, MICRO_BATCH, scenario
 
+from hf_accum.testing.cases.trainer_ddp_case import ACCUMULATION, EPOCHS, EXAMPLES, MICRO_BATCH, scenario
 from hf_accum.testing.launch import run_torchrun
 
 HERE = os.path.dirname(__file__)

@@ -2,7 +2,7 @@
 (torchrun, gloo), where Accelerate alone would silently train DDP: every update equals the big-batch update in
 float64 (full fine-tuning and LoRA, prompt masking, ~10x uneven per-rank tokens, short last windows); the stock
 Trainer given the same arguments runs DDP on CPU and is not exact; FSDP1 is refused. One launch
-(tests/trainer_fsdp_worker.py)."""
+(tests/distributed/trainer_fsdp_worker.py)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 token counts, with ``average_tokens_across_devices`` True and False, under a BigBatchAuditor that
 gathers every rank's micro-batches. Rank 0 writes a JSON report to ``argv[1]``.
 
-Launched by tests/test_trainer_ddp.py; all scenarios share one launch (process start-up dominates).
+Launched by tests/distributed/test_trainer_ddp.py; all scenarios share one launch (process start-up dominates).
 """
 
 from __future__ import annotations
@@ -15,23 +15,9 @@ import torch.distributed as dist
 from transformers import Trainer
 
 from hf_accum import AccumTrainer
-from hf_accum.batching import PaddingCollator
 from hf_accum.distributed import leave_process_group
-from hf_accum.testing import PAD, Scenario, independent_mean_loss, random_rows, run_trainer, tiny_causal_lm
-
-MICRO_BATCH, ACCUMULATION, EXAMPLES, EPOCHS = 2, 3, 28, 2
-EVAL_BATCH, EVAL_ROWS = 3, random_rows(10, seed=14, prompt_masking=True)
-
-
-def scenario() -> Scenario:
-    # Accelerate deals micro-batch i to rank i % 2 (sequential sampler): rank 0 gets only 40-token
-    # rows, rank 1 only 3-5-token rows -- per-rank counts differ ~10x. 14 micro-batches = 7 per
-    # rank = windows of 3, 3, 1 micro-batches: a short last window in each of the 2 epochs.
-    examples = random_rows(EXAMPLES, seed=11, long_rows=lambda i: (i // MICRO_BATCH) % 2 == 0)
-    return Scenario(
-        "ddp", tiny_causal_lm, examples, PaddingCollator(PAD), micro_batch=MICRO_BATCH,
-        accumulation=ACCUMULATION, epochs=EPOCHS, scheduler="linear", warmup_steps=1,
-    )
+from hf_accum.testing import independent_mean_loss, run_trainer
+from hf_accum.testing.cases.trainer_ddp_case import EVAL_BATCH, EVAL_ROWS, scenario
 
 
 def main(report_path: str) -> None:

@@ -209,7 +209,7 @@ def test_measuring_memory_prints_no_profiler_trace_lines():
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     code = ("import torch; from benchmarks.harness import measure_memory\n"
             "with measure_memory(torch.device('cpu')):\n    torch.ones(1000)")
     env = {key: value for key, value in os.environ.items() if key != "KINETO_LOG_LEVEL"}

@@ -2,7 +2,7 @@
 checked, their links resolved.
 
 A python block meant to run starts with ``# example: <name>`` (or ``# readme-example: <name>``, the
-blocks ``tests/test_trainer.py`` also executes). It runs with these names bound, as a reader's own
+blocks ``tests/unit/test_trainer.py`` also executes). It runs with these names bound, as a reader's own
 code would have them: ``model`` (a tiny Llama), ``tokenizer``, ``examples`` / ``train_ds`` (uneven,
 prompt-masked rows), ``collator`` and ``training_args`` (a short CPU run). A ``hf-accum plan`` line of a
 bash block that is followed by ``# ...`` lines must print exactly those lines.
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 EXAMPLE = re.compile(r"```python\n(# (?:readme-)?example: (\S+)\n.*?)```", re.S)
 BASH = re.compile(r"```bash\n(.*?)```", re.S)

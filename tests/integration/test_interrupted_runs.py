@@ -1,6 +1,6 @@
 """Runs that die and are started again with the same command, for both engines, as real subprocesses.
 
-The story, one process (tests/loop_resume_worker.py, tests/trainer_resume_worker.py; 6 updates over 2 epochs,
+The story, one process (hf_accum/testing/cases/loop_resume_worker.py, hf_accum/testing/cases/trainer_resume_worker.py; 6 updates over 2 epochs,
 windows of 4, 4 and a short 3 per epoch, a checkpoint every 2 updates, LoRA dropout on, shuffled data):
 
 a. SIGKILL at a random micro-batch inside the short last window of epoch 1 (update 3), after checkpoint-2;
@@ -26,7 +26,6 @@ import sys
 
 import pytest
 import torch
-from interruptions import assert_same_run, parse_args, read_records, run_dir, stitched
 
 from hf_accum.checkpoint import (
     ResumeMismatchError,
@@ -35,9 +34,10 @@ from hf_accum.checkpoint import (
 )
 from hf_accum.control import EXIT_PREEMPTED
 from hf_accum.run_lock import LOCK_NAME
+from hf_accum.testing import cases
+from hf_accum.testing.interruptions import assert_same_run, parse_args, read_records, run_dir, stitched
 
-HERE = os.path.dirname(__file__)
-WORKERS = {engine: os.path.join(HERE, f"{engine}_resume_worker.py") for engine in ("loop", "trainer")}
+WORKERS = {engine: cases.script(f"{engine}_resume_worker.py") for engine in ("loop", "trainer")}
 # Collator calls (prefetch included) that fall inside the short last window of epoch 1, after checkpoint-2.
 SHORT_WINDOW_CALLS = (10, 11)
 RANDOM = random.Random(20240611)
@@ -134,8 +134,7 @@ def test_resumed_run_reports_the_whole_run(story):
 )
 def test_resume_with_another_batch_plan_is_refused(story, plan, message):
     """In-process, into the story's directory (it holds checkpoint-5 of a 2 x 4 x 1 plan)."""
-    import loop_resume_worker
-    import trainer_resume_worker
+    from hf_accum.testing.cases import loop_resume_worker, trainer_resume_worker
 
     args = parse_args([story["out"], "refused"])
     worker = loop_resume_worker if story["engine"] == "loop" else trainer_resume_worker

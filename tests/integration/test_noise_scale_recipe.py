@@ -7,7 +7,8 @@ import json
 import math
 
 import pytest
-from test_recipe import SMALL, fails_cleanly, load_script, read_metrics
+
+from hf_accum.recipe.testing import SMALL, fails_cleanly, load_script, read_metrics
 
 
 @pytest.mark.parametrize("engine", ["loop", "trainer"])

@@ -3,68 +3,31 @@ two CPU processes; and every bad input failing cleanly before anything is writte
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
-import shutil
 import subprocess
-import sys
 import tempfile
-import warnings
 
 import pytest
 import yaml
 
 from hf_accum.recipe import config as recipe_config
 from hf_accum.recipe import outputs as run_outputs
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "recipes", "finetune_llama.py")
-# A short run of the embedded default: small data, few updates, every update logged.
-SMALL = ["data.num_train_examples=240", "data.num_eval_examples=8", "training.logging_steps=1"]
-
-
-def run_script(launcher: list[str], out, *overrides: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    """Run the recipe script; it must exit 0. A multi-process launch that fails is run once more from the same
-    starting files (its output directory as it was before), with a warning carrying the first failure: a
-    2-process gloo job on a shared CI machine has failed once in a while with no fault of the recipe's (a
-    rank exiting early in training; not reproduced in 10+ runs alone or under load). A real fault fails both
-    times, and the assertion then shows both."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    cmd = [*launcher, SCRIPT, *SMALL, f"training.output_dir={out}", *overrides]
-    attempts = 2 if launcher == TORCHRUN_2 else 1
-    failures: list[str] = []
-    with tempfile.TemporaryDirectory() as saved:
-        before = os.path.join(saved, "out")
-        if attempts > 1 and os.path.isdir(out):
-            shutil.copytree(out, before, symlinks=True)
-        for attempt in range(attempts):
-            if attempt:
-                warnings.warn(f"recipe run retried after a failure:\n{failures[-1][-3000:]}", stacklevel=2)
-                shutil.rmtree(out, ignore_errors=True)
-                if os.path.isdir(before):
-                    shutil.copytree(before, out, symlinks=True)
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-            if proc.returncode == 0:
-                return proc
-            failures.append(f"{' '.join(cmd)}\n--- stdout\n{proc.stdout[-3000:]}\n{_stderr_by_rank(proc.stderr)}")
-    raise AssertionError("\n\n=== and again ===\n".join(failures))
-
-
-def _stderr_by_rank(stderr: str, lines: int = 30) -> str:
-    """The end of each rank's traceback (torchrun prefixes them ``[rankN]:``) and of the rest: the rank that
-    failed first is rarely the one whose traceback ends the output."""
-    ranks = sorted({line.split("]:", 1)[0] + "]" for line in stderr.splitlines() if line.startswith("[rank")})
-    parts = [f"--- stderr {rank}\n" + "\n".join([ln for ln in stderr.splitlines() if ln.startswith(rank)][-lines:])
-             for rank in ranks]
-    rest = [ln for ln in stderr.splitlines() if not ln.startswith("[rank")]
-    return "\n".join(parts + ["--- stderr (other lines)\n" + "\n".join(rest[-lines:])])
-
-
-def read_metrics(out) -> dict:
-    with open(os.path.join(out, run_outputs.METRICS_NAME)) as fh:
-        return json.load(fh)
+from hf_accum.recipe.testing import (
+    ACCELERATE,
+    BAD_INPUT,
+    PYTHON,
+    ROOT,
+    SCRIPT,
+    SMALL,
+    TORCHRUN_2,
+    fails_cleanly,
+    load_script,
+    read_metrics,
+    run_script,
+    write,
+)
 
 
 def check_outputs(out, metrics: dict, lora: bool = True) -> None:
@@ -78,11 +41,6 @@ def check_outputs(out, metrics: dict, lora: bool = True) -> None:
     assert os.path.getsize(os.path.join(out, run_outputs.PLOT_NAME)) > 1000
     assert metrics["eval_before"]["examples"] == 8 and metrics["eval_after"]["examples"] == 8
     assert metrics["data"]["train_examples"] == 240
-
-
-PYTHON = [sys.executable]
-ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
-TORCHRUN_2 = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone"]
 
 
 def test_loop_engine_one_process_end_to_end(tmp_path):
@@ -229,53 +187,6 @@ def test_two_processes_without_use_cpu_on_a_cpu_machine_stop_before_loading(tmp_
 
 
 # -- bad input: exit code 2, a clear message, nothing written ----------------------------------
-
-
-def bad_input_errors():
-    from hf_accum.recipe.config import ConfigError
-    from hf_accum.recipe.data import DataError
-    from hf_accum.recipe.modeling import ModelError
-
-    return (ConfigError, DataError, ModelError)
-
-
-BAD_INPUT = bad_input_errors()
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("finetune_llama", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def fails_cleanly(argv, out, capsys, must_not_exist=True) -> str:
-    """Exit code 2, one ``error:`` line last, and nothing written (``out`` absent, or unchanged)."""
-    before = snapshot(out)
-    script = load_script()
-    code = run_outputs.run_cli(script.main, [*SMALL, f"training.output_dir={out}", *argv], bad_input=BAD_INPUT)
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert snapshot(out) == before, "nothing may be written when validation fails"
-    if must_not_exist:
-        assert not os.path.exists(out)
-    assert err.strip().splitlines()[-1].startswith("error: ")  # one clear line, last
-    return err
-
-
-def snapshot(path) -> dict:
-    """Every file under ``path`` with its size and modification time (or the file itself)."""
-    path = str(path)
-    if os.path.isfile(path):
-        return {path: (os.path.getsize(path), os.path.getmtime(path))}
-    return {os.path.join(root, name): (os.path.getsize(os.path.join(root, name)), os.path.getmtime(os.path.join(root, name)))
-            for root, _, names in os.walk(path) for name in names}
-
-
-def write(path, text: str) -> str:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    return str(path)
 
 
 @pytest.mark.parametrize(

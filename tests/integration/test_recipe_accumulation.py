@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 
 import pytest
-from test_recipe import ACCELERATE, fails_cleanly, read_metrics, run_script, write
 
+from hf_accum.recipe.testing import ACCELERATE, fails_cleanly, read_metrics, run_script, write
 from hf_accum.testing import big_batch_learning_rates
 
 

@@ -33,7 +33,7 @@ from hf_accum.manifest import MANIFEST_FILE, CheckpointCorrupt, verify_checkpoin
 from hf_accum.recipe import outputs as run_outputs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 SCRIPT = os.path.join(ROOT, "recipes", "finetune_llama.py")
 SMALL = ["data.num_train_examples=240", "data.num_eval_examples=4", "training.logging_steps=1"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
@@ -331,7 +331,7 @@ def test_a_damaged_checkpoint_named_explicitly_is_refused_naming_the_file_and_th
 # -- requeue-safe resume ------------------------------------------------------------------------------------
 
 KILLED_IN_FIRST_SAVE = (
-    "import runpy, sys; sys.path.insert(0, {tests!r}); from interruptions import kill_during_checkpoint_write; "
+    "import runpy, sys; from hf_accum.testing.interruptions import kill_during_checkpoint_write; "
     "kill_during_checkpoint_write(2); sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 )
 

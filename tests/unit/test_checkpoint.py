@@ -225,7 +225,7 @@ def test_resuming_on_other_data_is_refused(tmp_path):
 
 def test_a_deepspeed_checkpoint_resumed_without_deepspeed_is_refused(tmp_path):
     """Its weights and optimizer state are DeepSpeed's per-rank shards: loading nothing and training on
-    from the initial weights would be silent. (The DeepSpeed side is tests/test_deepspeed_recipe.py.)"""
+    from the initial weights would be silent. (The DeepSpeed side is tests/distributed/test_deepspeed_recipe.py.)"""
     tiny_loop(str(tmp_path), max_steps=2, save_strategy="steps", save_steps=2)
     checkpoint = tmp_path / "checkpoint-2"
     os.makedirs(checkpoint / DEEPSPEED_TAG)  # what engine.save_checkpoint leaves, beside the loop's own files

@@ -17,7 +17,7 @@ from hf_accum.recipe import outputs as run_outputs
 
 ENGINES = ("loop", "trainer")  # the recipe's engine table (recipes/finetune_llama.py ENGINES)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "recipes", "configs", "*.yaml")))
 LAUNCHERS = sorted(glob.glob(os.path.join(ROOT, "recipes", "accelerate", "*.yaml")))
 
@@ -412,7 +412,7 @@ def test_every_accelerate_launcher_config_loads(path):
     assert str(config.distributed_type).split(".")[-1] == kind
     assert (config.num_processes, config.num_machines) == (processes, machines)
     assert "accelerate launch --config_file recipes/accelerate/" + name in open(path).read()
-    if kind == "DEEPSPEED":  # everything DeepSpeed needs is in the JSON (tests/test_distributed.py loads it)
+    if kind == "DEEPSPEED":  # everything DeepSpeed needs is in the JSON (tests/distributed/test_distributed.py loads it)
         deepspeed = json.load(open(os.path.join(ROOT, config.deepspeed_config["deepspeed_config_file"])))
         assert deepspeed["zero_optimization"]["stage"] == (2 if "zero2" in name else 3)
         offload = deepspeed["zero_optimization"].get("offload_param", {}).get("device", "none")

@@ -21,7 +21,7 @@ from hf_accum.recipe import config as recipe_config
 from hf_accum.recipe import data as data_module
 from hf_accum.recipe import embedded, modeling
 
-SAMPLES = os.path.join(os.path.dirname(__file__), "data")
+SAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 END = "<|end|>"  # the tiny chat template's end of turn: the last target of every answer
 
 
@@ -483,7 +483,7 @@ def test_the_recipe_trains_a_sharegpt_file_from_data_dataset_alone(tmp_path):
 
     path = write_jsonl(tmp_path / "sharegpt.jsonl", conversation_rows(40, sharegpt=True))
     out = tmp_path / "out"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run(
         [sys.executable, os.path.join(root, "recipes", "finetune_llama.py"), f"data.dataset={path}",
          "training.max_steps=2", f"training.output_dir={out}"],

@@ -1,6 +1,6 @@
 """hf_accum.fsdp_checkpoint: a loop checkpoint of an FSDP2 model resumes only with the same sharding (FSDP or
 not, processes, device mesh, placements); the refusal names the difference. The sharded save and the exact
-resume themselves run in tests/test_fsdp_recipe.py (2 processes)."""
+resume themselves run in tests/distributed/test_fsdp_recipe.py (2 processes)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@
   LoRA, packing, DDP) run on it too -- checked here to really take the fused path.
 * No (tokens x vocab) tensor exists while training (an allocation hook sees one on the logits path).
 * It falls back, logged, where it cannot be proved equal (LoRA dropout on the head, custom losses);
-  soft-capped and scaled heads are fused once the probe has proved them (tests/test_fused_logit_transforms.py).
+  soft-capped and scaled heads are fused once the probe has proved them (tests/unit/test_fused_logit_transforms.py).
 """
 
 from __future__ import annotations
@@ -407,7 +407,7 @@ def _two_micro_batches(step, model, caplog):
 
 @pytest.mark.parametrize("factory", [lambda: _gemma2(30.0), _cohere], ids=["gemma2_softcapping", "cohere_logit_scale"])
 def test_soft_capped_and_scaled_logits_are_fused_once_proven(factory, caplog):
-    """The probe recognises what these models do after their head (tests/test_fused_logit_transforms.py
+    """The probe recognises what these models do after their head (tests/unit/test_fused_logit_transforms.py
     has the families' exactness and the probe's negative controls)."""
     step = MicroBatchLoss()
     _two_micro_batches(step, factory().train(), caplog)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "hf_accum"
 KIT = "hf_accum.recipe"
 # Front doors: modules that may import the kit, lazily only (inside a function).

@@ -5,7 +5,7 @@ The rule (hf_accum.fused_loss.MicroBatchLoss): micro-batch k (n_k targets, route
 Each property is measured in float64 against the independent reference of hf_accum.verify, under
 :func:`hf_accum.testing.float64.float64_arithmetic` (the routers' float32 softmax would otherwise put a
 ~1e-9 floor under the comparison). Mixtral and Qwen2-MoE; the loop and AccumTrainer, fused and logits
-paths; AccumSFTTrainer; stock Trainer as the negative control. Two processes: tests/test_moe_ddp.py.
+paths; AccumSFTTrainer; stock Trainer as the negative control. Two processes: tests/distributed/test_moe_ddp.py.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 TRL's own dataset preparation and collators: completion-only loss (prompt/completion, conversational),
 assistant-only loss (messages), plain text, padding-free, packing, label smoothing, activation
 checkpointing, LoRA; TRL's logged metrics kept;
-stock ``SFTTrainer`` as the negative control. The 2-process case is in tests/test_sft_ddp.py.
+stock ``SFTTrainer`` as the negative control. The 2-process case is in tests/distributed/test_sft_ddp.py.
 
 float64 with dtype-keeping norms, so "exact" means < 1e-10.
 """
@@ -141,7 +141,7 @@ def test_padding_free_trains_like_padding(runs):
 def test_stock_sft_trainer_is_off_in_float64(runs):
     """Negative control: stock SFTTrainer's loss (TRL's fused LM head, fp32 statistics) misses the
     float64 big batch by ~1e-7; AccumSFTTrainer's by ~1e-16. (Across ranks it is far worse:
-    tests/test_sft_ddp.py.)"""
+    tests/distributed/test_sft_ddp.py.)"""
     stock = runs("prompt_completion", SFTTrainer)
     print(f"stock SFTTrainer max rel. error {stock.max_error:.1e}; AccumSFTTrainer "
           f"{runs('prompt_completion').max_error:.1e}")

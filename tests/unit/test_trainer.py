@@ -1,7 +1,7 @@
 """AccumTrainer exactness, LR schedule and logging, single process, against an independent big-batch
 reference -- with stock ``transformers.Trainer`` run on the same scenarios as the negative control.
 
-Every scenario runs in float64 with dtype-keeping norms (tests/tiny.py), so "exact" means < 1e-10.
+Every scenario runs in float64 with dtype-keeping norms (hf_accum/testing/models.py), so "exact" means < 1e-10.
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def test_lr_with_fractional_epochs_that_float_rounding_would_overshoot(tmp_path)
 
 def readme_example(tag: str) -> dict:
     """Execute the README's python block that starts with ``# readme-example: <tag>``."""
-    readme = Path(__file__).resolve().parent.parent / "README.md"
+    readme = Path(__file__).resolve().parents[2] / "README.md"
     match = re.search(rf"```python\n(# readme-example: {re.escape(tag)}\n.*?)```", readme.read_text(), re.S)
     assert match, f"README.md has no python block tagged {tag!r}"
     namespace: dict = {}

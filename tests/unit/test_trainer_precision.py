@@ -1,5 +1,5 @@
 """AccumTrainer with bf16 weights sums its micro-batch gradients in fp32 and rounds once per update,
-as the loop does (tests/test_loop_precision.py): measured against the float64 big-batch gradient."""
+as the loop does (tests/unit/test_loop_precision.py): measured against the float64 big-batch gradient."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Subprocess worker: ``hf_accum.train`` on a tiny float64 Llama with LoRA (dropout on, so resuming must restore
 the random states too) and a shuffled dataloader, a checkpoint every 2 updates (at most 2 kept).
 
-``python tests/loop_resume_worker.py OUT TAG [injections]`` (see tests/interruptions.py), or the same under
-torchrun. Every run resumes from the latest complete checkpoint in ``OUT/run`` when there is one: re-running
-the same command continues an interrupted run.
+``python hf_accum/testing/cases/loop_resume_worker.py OUT TAG [injections]`` (see
+:mod:`hf_accum.testing.interruptions`), or the same under torchrun. Every run resumes from the latest complete
+checkpoint in ``OUT/run`` when there is one: re-running the same command continues an interrupted run.
 
 One process: 22 rows of micro-batch 2 = 11 micro-batches per epoch, K=4: windows of 4, 4 and a short 3;
 2 epochs = 6 updates, checkpoints after updates 2 (mid-epoch), 4 (after the short window and the epoch
@@ -16,7 +16,13 @@ import os
 import sys
 
 import torch
-from interruptions import (
+from torch.utils.data import DataLoader
+
+from hf_accum import LoopConfig, train
+from hf_accum.batching import PaddingCollator
+from hf_accum.distributed import leave_process_group
+from hf_accum.testing import PAD, fresh_accelerator, random_rows, tiny_lora_causal_lm
+from hf_accum.testing.interruptions import (
     KillAtMicroBatch,
     Recorder,
     kill_during_checkpoint_write,
@@ -26,12 +32,6 @@ from interruptions import (
     run_dir,
     trainable_weights,
 )
-from torch.utils.data import DataLoader
-
-from hf_accum import LoopConfig, train
-from hf_accum.batching import PaddingCollator
-from hf_accum.distributed import leave_process_group
-from hf_accum.testing import PAD, fresh_accelerator, random_rows, tiny_lora_causal_lm
 
 MICRO_BATCH = 2
 

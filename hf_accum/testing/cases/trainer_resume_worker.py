@@ -1,10 +1,11 @@
 """Subprocess worker: ``AccumTrainer`` on a tiny float64 Llama with LoRA (dropout on) and shuffled sampling, a
 checkpoint every 2 updates (at most 2 kept), logging every update.
 
-``python tests/trainer_resume_worker.py OUT TAG [injections]`` (see tests/interruptions.py), or the same under
-torchrun. Every run resumes from the latest complete checkpoint in ``OUT/run`` when there is one: re-running
-the same command continues an interrupted run. Same data layout as tests/loop_resume_worker.py: one process
-has windows of 4, 4 and a short 3 per epoch, two processes 3, 3 and a short 1; 6 updates over 2 epochs.
+``python hf_accum/testing/cases/trainer_resume_worker.py OUT TAG [injections]`` (see
+:mod:`hf_accum.testing.interruptions`), or the same under torchrun. Every run resumes from the latest complete
+checkpoint in ``OUT/run`` when there is one: re-running the same command continues an interrupted run. Same data
+layout as :mod:`hf_accum.testing.cases.loop_resume_worker`: one process has windows of 4, 4 and a short 3 per
+epoch, two processes 3, 3 and a short 1; 6 updates over 2 epochs.
 """
 
 from __future__ import annotations
@@ -14,7 +15,14 @@ import os
 import sys
 
 import torch
-from interruptions import (
+from transformers import TrainerCallback
+
+from hf_accum import AccumTrainer
+from hf_accum.batching import PaddingCollator
+from hf_accum.distributed import leave_process_group
+from hf_accum.testing import PAD, Scenario, random_rows, tiny_lora_causal_lm, training_args
+from hf_accum.testing.cases.loop_resume_worker import MICRO_BATCH, layout
+from hf_accum.testing.interruptions import (
     KillAtMicroBatch,
     Recorder,
     kill_during_checkpoint_write,
@@ -24,13 +32,6 @@ from interruptions import (
     run_dir,
     trainable_weights,
 )
-from loop_resume_worker import MICRO_BATCH, layout
-from transformers import TrainerCallback
-
-from hf_accum import AccumTrainer
-from hf_accum.batching import PaddingCollator
-from hf_accum.distributed import leave_process_group
-from hf_accum.testing import PAD, Scenario, random_rows, tiny_lora_causal_lm, training_args
 
 
 class _Record(TrainerCallback):

@@ -1,0 +1,172 @@
+"""Test support for the recipe kit: run ``recipes/finetune_llama.py`` of this checkout as a user does (a
+subprocess under python, ``accelerate launch`` or torchrun) or in-process through the kit's exit-code wrapper,
+and read what it wrote. Shared by the recipe's test files (tests/integration/test_recipe*.py,
+test_noise_scale_recipe.py); it lives in the kit, not in :mod:`hf_accum.testing`, because the library never
+imports the kit. Needs the repository checkout (the script is not installed).
+
+Retries: a 2-process launch is run a second time only for one named upstream failure, the gloo abort at
+interpreter exit (:data:`hf_accum.testing.launch.EXIT_ABORT_SIGNATURE`) after the run wrote its metrics, and the
+retry is announced with a warning carrying the first output. Any other failure (a lock or barrier race, a rank
+that raised) fails at once: retrying it would hide an intermittent fault of the product.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from types import ModuleType
+from typing import Any
+
+from hf_accum.recipe import outputs as run_outputs
+from hf_accum.testing.launch import EXIT_ABORT_SIGNATURE
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "recipes", "finetune_llama.py")
+# A short run of the embedded default: small data, few updates, every update logged.
+SMALL = ["data.num_train_examples=240", "data.num_eval_examples=8", "training.logging_steps=1"]
+# 10 updates with a checkpoint at 5: the runs the DeepSpeed and FSDP recipe tests compare with the DDP run.
+TEN_UPDATES = ["training.max_steps=10", "training.save_steps=5", "data.num_train_examples=400"]
+
+PYTHON = [sys.executable]
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
+TORCHRUN_2 = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone"]
+
+
+def run_script(launcher: list[str], out: Any, *overrides: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    """Run the recipe script; it must exit 0. A 2-process launch whose ranks wrote the run's metrics and then
+    failed with the gloo abort at exit is run once more from the same starting files (its output directory as
+    it was before), with a warning carrying the first output; every other failure raises at once."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    cmd = [*launcher, SCRIPT, *SMALL, f"training.output_dir={out}", *overrides]
+    with tempfile.TemporaryDirectory() as saved:
+        before = os.path.join(saved, "out")
+        if launcher == TORCHRUN_2 and os.path.isdir(out):
+            shutil.copytree(out, before, symlinks=True)
+        metrics_before = _modified(out)
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        if launcher == TORCHRUN_2 and _aborted_at_exit(proc, out, metrics_before):
+            warnings.warn("recipe run retried after a rank aborted at exit (gloo, after the metrics were "
+                          f"written):\n{proc.stderr[-3000:]}", stacklevel=2)
+            shutil.rmtree(out, ignore_errors=True)
+            if os.path.isdir(before):
+                shutil.copytree(before, out, symlinks=True)
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)}\n--- stdout\n{proc.stdout[-3000:]}\n{_stderr_by_rank(proc.stderr)}")
+    return proc
+
+
+def _modified(out: Any) -> int | None:
+    """The modification time of ``out``'s metrics.json (ns), None when there is none."""
+    path = os.path.join(out, run_outputs.METRICS_NAME)
+    return os.stat(path).st_mtime_ns if os.path.exists(path) else None
+
+
+def _aborted_at_exit(proc: subprocess.CompletedProcess, out: Any, metrics_before: int | None) -> bool:
+    """The known gloo exit abort: a failed run that wrote its metrics (this run, not an earlier one) and whose
+    output carries the abort's message."""
+    written = _modified(out) not in (None, metrics_before)
+    return proc.returncode != 0 and written and EXIT_ABORT_SIGNATURE in proc.stderr
+
+
+def _stderr_by_rank(stderr: str, lines: int = 30) -> str:
+    """The end of each rank's traceback (torchrun prefixes them ``[rankN]:``) and of the rest: the rank that
+    failed first is rarely the one whose traceback ends the output."""
+    ranks = sorted({line.split("]:", 1)[0] + "]" for line in stderr.splitlines() if line.startswith("[rank")})
+    parts = [f"--- stderr {rank}\n" + "\n".join([ln for ln in stderr.splitlines() if ln.startswith(rank)][-lines:])
+             for rank in ranks]
+    rest = [ln for ln in stderr.splitlines() if not ln.startswith("[rank")]
+    return "\n".join(parts + ["--- stderr (other lines)\n" + "\n".join(rest[-lines:])])
+
+
+def read_metrics(out: Any) -> dict:
+    import json
+
+    with open(os.path.join(out, run_outputs.METRICS_NAME)) as fh:
+        return json.load(fh)
+
+
+def bad_input_errors() -> tuple[type[Exception], ...]:
+    from hf_accum.recipe.config import ConfigError
+    from hf_accum.recipe.data import DataError
+    from hf_accum.recipe.modeling import ModelError
+
+    return (ConfigError, DataError, ModelError)
+
+
+BAD_INPUT = bad_input_errors()
+
+
+def load_script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("finetune_llama", SCRIPT)
+    assert spec is not None and spec.loader is not None, SCRIPT
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fails_cleanly(argv: list[str], out: Any, capsys: Any, must_not_exist: bool = True) -> str:
+    """Exit code 2, one ``error:`` line last, and nothing written (``out`` absent, or unchanged)."""
+    before = snapshot(out)
+    script = load_script()
+    code = run_outputs.run_cli(script.main, [*SMALL, f"training.output_dir={out}", *argv], bad_input=BAD_INPUT)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert snapshot(out) == before, "nothing may be written when validation fails"
+    if must_not_exist:
+        assert not os.path.exists(out)
+    assert err.strip().splitlines()[-1].startswith("error: ")  # one clear line, last
+    return err
+
+
+def snapshot(path: Any) -> dict:
+    """Every file under ``path`` with its size and modification time (or the file itself)."""
+    path = str(path)
+    if os.path.isfile(path):
+        return {path: (os.path.getsize(path), os.path.getmtime(path))}
+    return {os.path.join(root, name): (os.path.getsize(os.path.join(root, name)),
+                                       os.path.getmtime(os.path.join(root, name)))
+            for root, _, names in os.walk(path) for name in names}
+
+
+def write(path: Any, text: str) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return str(path)
+
+
+def load_adapter(out: Any) -> dict:
+    """The LoRA adapter a recipe run saved in ``out``."""
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(out, run_outputs.ADAPTER_DIR, "adapter_model.safetensors"))
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[key].double() - b[key].double()).abs().max()) for key in a)
+
+
+def cut_after_checkpoint(finished: Any, cut: Any, update: int) -> None:
+    """``cut``: ``finished`` as a kill right after ``checkpoint-<update>`` would have left it."""
+    import yaml
+
+    from hf_accum.recipe.config import RESOLVED_CONFIG_NAME
+
+    shutil.copytree(finished, cut)
+    for name in os.listdir(cut):
+        later = name.startswith("checkpoint-") and int(name.split("-")[1]) > update
+        if later or name in (run_outputs.METRICS_NAME, run_outputs.ADAPTER_DIR, run_outputs.PLOT_NAME):
+            path = os.path.join(cut, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    config_path = os.path.join(cut, RESOLVED_CONFIG_NAME)
+    with open(config_path) as handle:
+        resolved = yaml.safe_load(handle)
+    resolved["training"]["output_dir"] = str(cut)  # the same command, in its own directory
+    with open(config_path, "w") as handle:
+        yaml.safe_dump(resolved, handle)
