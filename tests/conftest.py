@@ -14,8 +14,8 @@ never imports another one (``tests/unit/test_test_layout.py``).
 
 Under ``pytest -n 2 --dist loadgroup`` (pytest-xdist):
 
-* every test of ``distributed/`` is in one xdist group, ``multiprocess``: one worker runs them one after the
-  other, so no more than one 2-process job competes with the other worker's single-process test for the 2
+* every test of ``distributed/``, and every test elsewhere marked ``multiprocess`` (a 2-process launch of the
+  recipe script), is in one xdist group, ``multiprocess``: one worker runs them one after the other, so no more than one 2-process job competes with the other worker's single-process test for the 2
   cores; every other test is grouped with its module, so a module-scoped fixture (a model, a run) is built
   once, on one worker;
 * each worker has its own temporary directory (``TMPDIR``, inherited by its subprocesses), so a test that
@@ -69,5 +69,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         path = str(item.path)
         in_multiprocess_dir = os.path.commonpath([path, MULTIPROCESS_DIR]) == MULTIPROCESS_DIR
-        group = MULTIPROCESS_GROUP if in_multiprocess_dir else os.path.relpath(path, TESTS)
+        multiprocess = in_multiprocess_dir or any(item.iter_markers("multiprocess"))
+        group = MULTIPROCESS_GROUP if multiprocess else os.path.relpath(path, TESTS)
         item.add_marker(pytest.mark.xdist_group(group))

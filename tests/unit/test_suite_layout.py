@@ -64,6 +64,7 @@ def test_no_file_of_the_suite_imports_another():
     [("from test_recipe import run_script\n", 1), ("import loop_ddp_worker\n", 1),
      ("def f():\n    from deepspeed_worker import LR\n", 2),
      ("import importlib\nimportlib.import_module('interruptions')\n", 2), ("from . import launch_probe\n", 1)],
+    ids=["from_test_file", "import_worker", "lazy_import", "import_module", "relative"],
 )
 def test_the_walk_finds_every_kind_of_import_of_a_suite_file(source, line):
     files = {"tests/unit/test_a.py": source, "tests/integration/test_recipe.py": "",
