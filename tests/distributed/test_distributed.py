@@ -291,6 +291,7 @@ def test_num_nodes_from_the_launcher(environ, nodes):
 # -- leaving the process group (the gloo abort at interpreter exit) ---------------------------------
 
 
+@pytest.mark.slow
 def test_leave_process_group_tears_the_group_down_and_is_a_no_op_without_one(tmp_path):
     """Run in a child: a process group in the pytest process would outlive the test."""
     script = (
@@ -334,6 +335,7 @@ if mode == "abort_without_report" or first:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["abort_after_report", "abort_without_report"])
 def test_run_torchrun_retries_only_an_abort_after_the_report(tmp_path, mode):
     """The gloo abort at exit after the report was written: run once more (with a warning). The same message

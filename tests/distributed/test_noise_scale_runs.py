@@ -80,6 +80,7 @@ def ddp_report(tmp_path_factory):
                         timeout=600)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["loop", "trainer"])
 def test_two_ranks_gather_every_first_micro_batch(ddp_report, engine):
     assert ddp_report["world_size"] == 2

@@ -21,6 +21,7 @@ def report(tmp_path_factory):
     return run_torchrun(os.path.join(HERE, "trainer_ddp_worker.py"), tmp_path_factory.mktemp("trainer_ddp") / "report.json")
 
 
+@pytest.mark.slow
 def test_two_processes_really_started(report):
     assert report["world_size"] == 2
     assert all(report[name]["args_world_size"] == 2 for name in ("accum_avg_true", "stock_avg_false"))
@@ -34,6 +35,7 @@ def test_ranks_hold_very_different_token_counts():
     assert per_rank[0] > 5 * per_rank[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["accum_avg_true", "accum_avg_false"])
 def test_accum_trainer_is_exact_over_ranks(report, name):
     run = report[name]
@@ -44,6 +46,7 @@ def test_accum_trainer_is_exact_over_ranks(report, name):
     assert run["plan"] == "effective batch 12 = 2 per device x 3 accumulation x 2 processes"
 
 
+@pytest.mark.slow
 def test_stock_trainer_without_token_averaging_is_wrong(report):
     errors = report["stock_avg_false"]["errors"]
     print(f"stock Trainer, average_tokens_across_devices=False: max rel. error {max(errors):.2f}; "
@@ -51,6 +54,7 @@ def test_stock_trainer_without_token_averaging_is_wrong(report):
     assert max(errors) > 1e-3
 
 
+@pytest.mark.slow
 def test_ddp_lr_matches_big_batch_and_steps_once_per_update(report):
     expected = scenario().big_batch_learning_rates(6)
     for name in ("accum_avg_true", "accum_avg_false"):
@@ -58,6 +62,7 @@ def test_ddp_lr_matches_big_batch_and_steps_once_per_update(report):
         assert report[name]["scheduler_steps"] == 6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["accum_avg_true", "accum_avg_false"])
 def test_eval_loss_over_ranks_counts_each_held_out_row_once(report, name):
     """10 held-out rows, batches of 3 on 2 ranks: Accelerate repeats 2 rows in the last step so both
@@ -66,11 +71,13 @@ def test_eval_loss_over_ranks_counts_each_held_out_row_once(report, name):
     assert run["eval_loss"] == pytest.approx(run["independent_eval_loss"], rel=1e-12)
 
 
+@pytest.mark.slow
 def test_stock_eval_loss_over_ranks_is_not_the_per_target_mean(report):
     run = report["stock_avg_true"]  # negative control: per-batch means, the repeated rows included
     assert abs(run["eval_loss"] - run["independent_eval_loss"]) > 1e-6 * run["independent_eval_loss"]
 
 
+@pytest.mark.slow
 def test_resume_on_another_world_size_is_refused(report, tmp_path):
     """A checkpoint trained on 2 processes, resumed on 1 with the same micro-batch and accumulation:
     the effective batch would halve, so AccumTrainer refuses and names the difference."""

@@ -203,6 +203,7 @@ def test_measure_memory_sees_a_known_allocation():
     del small
 
 
+@pytest.mark.slow
 def test_measuring_memory_prints_no_profiler_trace_lines():
     """Kineto's "USDT: ... profiler_start" lines went to the terminal once per measured window."""
     import os

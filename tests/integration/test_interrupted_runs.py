@@ -37,6 +37,7 @@ from hf_accum.run_lock import LOCK_NAME
 from hf_accum.testing import cases
 from hf_accum.testing.interruptions import assert_same_run, parse_args, read_records, run_dir, stitched
 
+pytestmark = pytest.mark.slow  # every test reads the story: 5 runs of a subprocess per engine
 WORKERS = {engine: cases.script(f"{engine}_resume_worker.py") for engine in ("loop", "trainer")}
 # Collator calls (prefetch included) that fall inside the short last window of epoch 1, after checkpoint-2.
 SHORT_WINDOW_CALLS = (10, 11)

@@ -11,6 +11,7 @@ import pytest
 from hf_accum.recipe.testing import SMALL, fails_cleanly, load_script, read_metrics
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["loop", "trainer"])
 def test_recipe_writes_the_noise_scale(engine, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -37,6 +38,7 @@ def test_noise_scale_is_refused_under_deepspeed(tmp_path, capsys):
     assert "accumulation.noise_scale=true is not available with training.deepspeed" in err.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["loop", "trainer"])
 def test_recipe_trains_with_sequence_normalization(engine, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

@@ -43,6 +43,7 @@ def check_outputs(out, metrics: dict, lora: bool = True) -> None:
     assert metrics["data"]["train_examples"] == 240
 
 
+@pytest.mark.slow
 def test_loop_engine_one_process_end_to_end(tmp_path):
     out = tmp_path / "loop1"
     proc = run_script(ACCELERATE, out, "training.max_steps=16")
@@ -75,6 +76,7 @@ def test_loop_engine_one_process_end_to_end(tmp_path):
     assert "updates: 100%" in proc.stderr  # the tqdm progress bar
 
 
+@pytest.mark.slow
 def test_trainer_engine_one_process_end_to_end(tmp_path):
     core = os.path.join(ROOT, "hf_accum", "trainer", "core.py")
     assert os.path.isfile(core), "AccumTrainer (hf_accum/trainer/core.py) is missing"
@@ -94,6 +96,7 @@ def test_trainer_engine_one_process_end_to_end(tmp_path):
     assert metrics["updates"][1]["learning_rate"] == pytest.approx(2e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["loop", "trainer"])
 def test_packing_trains_the_same_targets_without_padding(engine, tmp_path, monkeypatch):
     """``data.packing=true``: same sequences and answer-only targets per update as padding, no pad
@@ -138,6 +141,7 @@ def test_two_cpu_processes_end_to_end(engine, tmp_path):
     assert proc.stdout.count("resolved config:") == 1  # printed by the main process only
 
 
+@pytest.mark.slow
 def test_qlora_runs_on_cpu_with_the_tiny_model(tmp_path):
     pytest.importorskip("bitsandbytes")
     out = tmp_path / "qlora"
@@ -330,6 +334,7 @@ def tensorboard_scalars(directory) -> dict[str, list[tuple[int, float]]]:
     return series
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine, loss_tag", [("loop", "train/loss"), ("trainer", "train/loss")])
 def test_tensorboard_gets_every_update_and_the_held_out_loss(engine, loss_tag, tmp_path, monkeypatch):
     pytest.importorskip("tensorboard")
@@ -351,6 +356,7 @@ def test_tensorboard_gets_every_update_and_the_held_out_loss(engine, loss_tag, t
         assert eval_points[step] == pytest.approx(value, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_sigterm_then_the_same_command_with_resume_reproduces_the_uninterrupted_run(tmp_path):
     """The recipe (loop engine) stopped by SIGTERM after a checkpoint exits 75 with checkpoint-N written;
     the same command plus training.resume_from_checkpoint=true finishes the run, and every update's loss

@@ -30,6 +30,7 @@ def _expected_ramp(examples: int, epochs: int) -> list[int]:
     return sizes
 
 
+@pytest.mark.slow
 def test_rampup_trains_the_default_job_8_16_24_then_32(tmp_path):
     out = tmp_path / "ramp"
     proc = run_script(ACCELERATE, out, "data.num_train_examples=480", "accumulation.rampup_batch_size=[8,8,800]")
@@ -45,6 +46,7 @@ def test_rampup_trains_the_default_job_8_16_24_then_32(tmp_path):
     assert lrs == pytest.approx(expected, rel=1e-9, abs=1e-15)
 
 
+@pytest.mark.slow
 def test_token_budget_trains_the_default_job(tmp_path):
     out = tmp_path / "tokens"
     # Answers only are targets (at most 11 per row): 2400 rows hold several budgets of 2048.

@@ -88,6 +88,7 @@ def truncate(path: str) -> None:
 # -- the lock ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_lock_refuses_a_second_process_and_frees_with_its_dead_holder(tmp_path):
     out = str(tmp_path / "run")
     holder = subprocess.Popen(
@@ -135,6 +136,7 @@ def held_by_another_process(tmp_path):
     holder.wait()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("front_end", ["loop", "trainer"])
 def test_both_engines_refuse_an_output_dir_another_run_holds(front_end, held_by_another_process):
     from torch.utils.data import DataLoader

@@ -477,6 +477,7 @@ def test_a_save_to_disk_dataset_trains_from_its_directory(tmp_path):
     assert_targets_are_the_answers(tokenizer, data, lambda i: [f"word{i}"])
 
 
+@pytest.mark.slow
 def test_the_recipe_trains_a_sharegpt_file_from_data_dataset_alone(tmp_path):
     import subprocess
     import sys
