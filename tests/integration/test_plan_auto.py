@@ -66,11 +66,13 @@ def test_the_command_prints_the_table_and_the_chosen_plan():
     (["--memory-budget", "1KiB", "--max-length", "16"], "no micro-batch fits"),
     (["--global-batch-size", "7", "--num-processes", "2"], "not a positive multiple of 2 processes"),
 ])
+@pytest.mark.slow
 def test_bad_input_exits_2_with_one_line(args, fragment):
     done = run_plan("--auto", *args)
     assert done.returncode == 2 and fragment in done.stderr, done.stderr
 
 
+@pytest.mark.slow
 def test_auto_only_options_without_auto_are_refused():
     done = run_plan("--global-batch-size", "8", "--micro-batch-size", "2", "--memory-budget", "1GiB")
     assert done.returncode == 2 and "go with --auto" in done.stderr
