@@ -14,8 +14,9 @@ never imports another one (``tests/unit/test_test_layout.py``).
 
 Under ``pytest -n 2 --dist loadgroup`` (pytest-xdist):
 
-* every test of ``distributed/``, and every test elsewhere marked ``multiprocess`` (a 2-process launch of the
-  recipe script), is in one xdist group, ``multiprocess``: one worker runs them one after the other, so no more than one 2-process job competes with the other worker's single-process test for the 2
+* every slow test of ``distributed/`` (a 2-process job, or a test reading its report), and every test elsewhere
+  marked ``multiprocess`` (a 2-process launch of the recipe script), is in one xdist group, ``multiprocess``: one
+  worker runs them one after the other, so no more than one 2-process job competes with the other worker's single-process test for the 2
   cores; every other test is grouped with its module, so a module-scoped fixture (a model, a run) is built
   once, on one worker;
 * each worker has its own temporary directory (``TMPDIR``, inherited by its subprocesses), so a test that
@@ -35,7 +36,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
-# Tests that start more than one process; under xdist they run on one worker, one at a time.
+# Where the tests that start more than one process live; under xdist they run on one worker, one at a time.
 MULTIPROCESS_DIR = os.path.join(TESTS, "distributed")
 MULTIPROCESS_GROUP = "multiprocess"
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ... inside an xdist worker, else None
@@ -69,6 +70,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         path = str(item.path)
         in_multiprocess_dir = os.path.commonpath([path, MULTIPROCESS_DIR]) == MULTIPROCESS_DIR
-        multiprocess = in_multiprocess_dir or any(item.iter_markers("multiprocess"))
+        # In distributed/, the slow tests are the ones that launch (or read the report of) a 2-process job; the
+        # others run in-process and may go to either worker.
+        slow = any(item.iter_markers("slow"))
+        multiprocess = (in_multiprocess_dir and slow) or any(item.iter_markers("multiprocess"))
         group = MULTIPROCESS_GROUP if multiprocess else os.path.relpath(path, TESTS)
         item.add_marker(pytest.mark.xdist_group(group))
