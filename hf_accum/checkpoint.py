@@ -421,14 +421,3 @@ def check_output_dir_writable(output_dir: str, label: str = "output_dir") -> Non
     except OSError as error:
         raise ValueError(f"{label}={output_dir!r} is not a writable directory ({error.strerror or error})") from None
 
-
-# The loop's checkpoint contents moved to hf_accum.loop_checkpoint; importable from here as before.
-_MOVED = {"LoopCheckpointer", "LoopState", "capture_random_states", "data_generators", "restore_random_states"}
-
-
-def __getattr__(name: str):
-    if name not in _MOVED:
-        raise AttributeError(f"module 'hf_accum.checkpoint' has no attribute {name!r}")
-    from hf_accum import loop_checkpoint
-
-    return getattr(loop_checkpoint, name)

@@ -29,10 +29,9 @@ from hf_accum.loss import (
     DEFAULT_CHUNK_BYTES,
     aligned_targets,
     check_label_smoothing,
-    leading_slice,
-    probing,
     unwrap_model,
 )
+from hf_accum.model_loss import leading_slice, probing
 
 logger = logging.getLogger("hf_accum.fused_loss")
 
@@ -280,7 +279,7 @@ def _probe_forward(model: nn.Module, head_module: nn.Module, inputs: dict[str, A
 
 
 def _probe_slice(inputs: dict[str, Any]) -> dict[str, Any]:
-    """The first row's first positions (padding-free rows included, :func:`hf_accum.loss.leading_slice`),
+    """The first row's first positions (padding-free rows included, :func:`hf_accum.model_loss.leading_slice`),
     when the inputs' layout lets them be cut (else the whole micro-batch: correct, only costlier)."""
     cut = leading_slice(inputs, 0, PROBE_POSITIONS)
     return cut if cut is not None else dict(inputs)

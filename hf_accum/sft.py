@@ -77,7 +77,7 @@ class AccumSFTTrainer(AccumTrainer, SFTTrainer):
     def _sync_router_coef(self) -> None:
         """TRL writes ``SFTConfig.router_aux_loss_coef`` into the model's config, but MoE models read the
         coefficient they copied at construction (``model.router_aux_loss_coef``), as does the router term every
-        front-end adds (:func:`hf_accum.loss.model_loss_terms`): copy TRL's value there too."""
+        front-end adds (:func:`hf_accum.model_loss.model_loss_terms`): copy TRL's value there too."""
         inner = unwrap_model(self.model)
         if self.aux_loss_enabled and hasattr(inner, "router_aux_loss_coef"):
             inner.router_aux_loss_coef = self.router_aux_loss_coef

@@ -20,18 +20,17 @@ from hf_accum.checkpoint import (
     ResumeMismatchError,
     atomic_directory,
     atomic_file,
-    capture_random_states,
     check_output_dir_writable,
     check_resume_engine,
     complete_checkpoints,
     latest_complete_checkpoint,
     resolve_resume_checkpoint,
-    restore_random_states,
     rotate_checkpoints,
     save_batch_plan,
     staged_checkpoint,
 )
 from hf_accum.control import EXIT_INTERRUPTED, EXIT_PREEMPTED, StopSignals, TrainingControl, TrainingStopped
+from hf_accum.loop_checkpoint import capture_random_states, restore_random_states
 from hf_accum.schedule import BatchPlan
 from hf_accum.testing import PAD, fresh_accelerator, random_rows, tiny_causal_lm
 
