@@ -409,15 +409,35 @@ def rotate_checkpoints(output_dir: str, save_total_limit: int | None) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def check_output_dir_writable(output_dir: str, label: str = "output_dir") -> None:
+class OutputDirNotWritable(InputError):
+    """The output directory cannot be created or written (a file in the way, no permission, no space)."""
+
+
+def check_output_dir_writable(output_dir: str, label: str = "output_dir", keep_created: bool = True) -> None:
     """Create ``output_dir`` and a probe file in it, before training: a checkpoint must not fail hours later.
-    The probe is an unnamed temporary file (``O_TMPFILE`` where supported): a kill leaves nothing behind."""
+    The probe is an unnamed temporary file (``O_TMPFILE`` where supported): a kill leaves nothing behind.
+    ``keep_created=False``: the directories created for the probe are removed again (nothing stays).
+    The one writability probe of the package (the recipe's output directory check calls it too)."""
     import tempfile
 
+    created = []
+    missing = os.path.abspath(output_dir)
+    while missing and not os.path.lexists(missing):
+        created.append(missing)  # deepest first
+        missing = os.path.dirname(missing)
     try:
+        if missing and not os.path.isdir(missing):
+            in_the_way = "it" if missing == os.path.abspath(output_dir) else repr(missing)
+            raise OutputDirNotWritable(f"{label}={output_dir!r} is not a writable directory: {in_the_way} is a file")
         os.makedirs(output_dir, exist_ok=True)
         with tempfile.TemporaryFile(dir=output_dir, prefix=STAGING_PREFIX) as handle:
             handle.write(b"probe")
     except OSError as error:
-        raise ValueError(f"{label}={output_dir!r} is not a writable directory ({error.strerror or error})") from None
-
+        raise OutputDirNotWritable(
+            f"{label}={output_dir!r} is not a writable directory ({error.strerror or error})"
+        ) from None
+    finally:
+        if not keep_created:
+            for directory in created:
+                with contextlib.suppress(OSError):
+                    os.rmdir(directory)  # only when empty

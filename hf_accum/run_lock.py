@@ -26,6 +26,7 @@ import os
 import socket
 from typing import Any, Callable, Iterator
 
+from hf_accum.distributed import is_main_process
 from hf_accum.errors import InputError
 
 LOCK_NAME = ".hf_accum.lock"
@@ -43,11 +44,6 @@ class _Held:
         self.path = path
         self.created = created
         self.depth = 1
-
-
-def is_main_rank() -> bool:
-    """The global rank 0 of a launcher (torchrun, accelerate launch, srun) or a lone process."""
-    return int(os.environ.get("RANK", "0")) == 0
 
 
 def acquire(output_dir: str, label: str = "output_dir") -> None:
@@ -120,7 +116,7 @@ def locks_output_dir(where: Callable[[dict[str, Any]], tuple[str | None, bool]],
 @contextlib.contextmanager
 def run_lock(output_dir: str | None, label: str = "output_dir", enabled: bool | None = None) -> Iterator[None]:
     """Hold ``output_dir``'s lock for the block (on the main rank; ``enabled`` overrides that choice)."""
-    take = bool(output_dir) and (is_main_rank() if enabled is None else enabled)
+    take = bool(output_dir) and (is_main_process() if enabled is None else enabled)
     if take:
         acquire(output_dir, label)
     try:

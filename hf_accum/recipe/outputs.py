@@ -28,7 +28,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
-from hf_accum.checkpoint import write_text_atomically
+from hf_accum.checkpoint import OutputDirNotWritable, check_output_dir_writable, write_text_atomically
 from hf_accum.distributed import is_main_process
 from hf_accum.errors import EXIT_BAD_INPUT, EXIT_DISK_FULL, EXIT_INTERRUPTED, EXIT_NONFINITE, InputError
 from hf_accum.recipe import config as config_module
@@ -113,32 +113,16 @@ def _entries(out: str) -> list[str]:
 
 
 def probe_writable(path: str) -> None:
-    """Write a probe file in ``path``, creating the missing directories for the probe only: a file in the
-    way or a read-only location is found before any training, and nothing stays -- the probe is an unnamed
-    temporary file (``O_TMPFILE``), so even a kill during the probe leaves no file behind."""
-    import tempfile
-
+    """The output directory can be written: :func:`hf_accum.checkpoint.check_output_dir_writable`, on the main
+    process, leaving nothing behind (the directories created for the probe are removed again)."""
     if not is_main_process():
         # One rank probes the (shared) directory: two probing at once race on the directories the probe creates
         # and removes again ("File exists", or a directory gone under the other rank's probe file).
         return
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise OutputDirError(f"training.output_dir={path!r} is a file, not a directory")
-    created = []
     try:
-        missing = path
-        while missing and not os.path.exists(missing):
-            created.append(missing)
-            missing = os.path.dirname(missing)
-        os.makedirs(path, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path, prefix=".hf_accum_write_probe") as handle:
-            handle.write(b"ok")
-    except OSError as error:
-        raise OutputDirError(f"training.output_dir={path!r} is not writable: {error.strerror or error}") from None
-    finally:
-        for directory in created:  # deepest first
-            if os.path.isdir(directory) and not os.listdir(directory):
-                os.rmdir(directory)
+        check_output_dir_writable(path, "training.output_dir", keep_created=False)
+    except OutputDirNotWritable as error:
+        raise OutputDirError(str(error)) from None
 
 
 def claim_output_dir(config: config_module.RecipeConfig) -> None:
@@ -146,11 +130,7 @@ def claim_output_dir(config: config_module.RecipeConfig) -> None:
     if is_main_process():
         out = config.training["output_dir"]
         os.makedirs(out, exist_ok=True)
-        write_atomically(os.path.join(out, config_module.RESOLVED_CONFIG_NAME), config.to_yaml())
-
-
-def write_atomically(path: str, text: str) -> None:
-    write_text_atomically(path, text)  # the library's one fsyncing atomic writer (no temporary left on failure)
+        write_text_atomically(os.path.join(out, config_module.RESOLVED_CONFIG_NAME), config.to_yaml())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -182,6 +162,13 @@ class RunRecord:
 
             if is_main_process():
                 tqdm.write(update.line())
+
+    def add_result(self, plan: Any, **facts: Any) -> None:
+        """The batch plan that ran (``hf_accum.schedule.BatchPlan``) and the run's other facts, for metrics.json."""
+        self.facts.update(
+            world_size=plan.num_processes, batch_plan=plan.describe(), micro_batch_size=plan.micro_batch_size,
+            accumulation_steps=plan.accumulation_steps, global_batch_size=plan.global_batch_size, **facts,
+        )
 
     @property
     def wall_seconds(self) -> float:
@@ -218,7 +205,7 @@ def save_outputs(record: RunRecord, model, tokenizer) -> str:
     os.replace(temporary, target)  # the finished weights appear whole, or not at all
     if record.updates:
         plot_curves(record.updates, os.path.join(out, PLOT_NAME), title=run_title(config))
-    write_atomically(os.path.join(out, METRICS_NAME), json.dumps(record.metrics(), indent=2, default=str))
+    write_text_atomically(os.path.join(out, METRICS_NAME), json.dumps(record.metrics(), indent=2, default=str))
     return out
 
 
