@@ -134,10 +134,14 @@ def check_checkpoint_files(checkpoint: str) -> None:
     check_named_checkpoint(checkpoint, lambda: _newest_good_sibling(checkpoint))
 
 
-def verified_resume_checkpoint(output_dir: str, report: Callable[[str], None] | None = None) -> str | None:
+def verified_resume_checkpoint(
+    output_dir: str, report: Callable[[str], None] | None = None, collective: bool = True
+) -> str | None:
     """The newest complete checkpoint of ``output_dir`` whose files match its manifest (None: none does, or
-    there is none); each newer one skipped is reported (``report``, default: a logged warning) with why."""
-    checkpoint, _ = newest_verified_checkpoint(complete_checkpoints(output_dir), report)
+    there is none); each newer one skipped is reported (``report``, default: a logged warning) with why.
+    Under several ranks one rank verifies and broadcasts (:func:`hf_accum.manifest.verify_checkpoint`): every
+    rank calls it; ``collective=False`` on a path only some ranks take."""
+    checkpoint, _ = newest_verified_checkpoint(complete_checkpoints(output_dir), report, collective)
     return checkpoint
 
 
@@ -308,7 +312,9 @@ def atomic_directory(
 @contextlib.contextmanager
 def atomic_file(path: str) -> Iterator[str]:
     """Yields a temporary path next to ``path``; it replaces ``path`` only when the block succeeds (a kill or
-    an error leaves ``path`` as it was)."""
+    an error leaves ``path`` as it was). The file is flushed to disk before the rename and its directory
+    after it: without the second, a power or node failure can lose the rename itself (the old file, or
+    none, comes back), as with a checkpoint directory (:func:`_move_into_place`)."""
     folder, name = os.path.split(os.path.abspath(path))
     temporary = os.path.join(folder, f"{STAGING_PREFIX}{name}.{os.getpid()}")
     try:
@@ -316,6 +322,7 @@ def atomic_file(path: str) -> Iterator[str]:
         with open(temporary, "rb") as handle:
             os.fsync(handle.fileno())
         os.replace(temporary, path)
+        _fsync_directory(folder)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.remove(temporary)

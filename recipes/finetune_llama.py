@@ -174,7 +174,7 @@ def main(argv):
 def run(config):
     launch = check_launch(config.training)  # no silent fallback (FSDP on CPU, fewer processes...)
     given, out = config.training.get("resume_from_checkpoint"), config.training["output_dir"]
-    resume = resume_checkpoint(given, out, check_output_dir(config, resume=bool(given)))  # None: a fresh start
+    state = check_output_dir(config, resume=bool(given))  # another run's directory, a finished run: refused
     # Activation checkpointing is set up on the model below (before PEFT wraps it): not by Trainer again.
     # The loop engine builds its own DeepSpeed Accelerator (train_with_loop): TrainingArguments must not.
     # Under FSDP, activation checkpointing goes through FSDP's plugin (fsdp_config), not the model.
@@ -184,6 +184,7 @@ def run(config):
                                      **fsdp_training_arguments(config.training, launch))
     start_process_group(args, launch)  # before any model load (a quantized one, ZeRO-3's zero.Init)
     say(f"engine {config.engine}: {launch_line(args, launch)}")
+    resume = resume_checkpoint(given, out, state)  # None: a fresh start; rank 0 verifies, every rank decides alike
     check_resume_fits(resume, args, deepspeed=launch.backend == "deepspeed")  # batch arithmetic, engine files
     record = RunRecord(config, started=START)
     announce_config(config)

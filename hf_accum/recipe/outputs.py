@@ -11,8 +11,8 @@ This module owns what a recipe run leaves behind and what it prints:
 * **per-update records** from either engine (``hf_accum.UpdateLog``), kept for ``metrics.json`` and
   the loss/LR plot, and printed every ``logging_steps`` updates;
 * **the process edge**: ``run_cli`` turns configuration/data/model errors into one ``error:`` line
-  and exit code 2, a full disk into one line naming the last good checkpoint and exit code 3, and
-  Ctrl-C into one line and exit code 130.
+  and exit code 2, a full disk into one line naming the last good checkpoint and exit code 3, too many
+  inf/NaN updates in a row into exit code 5, and Ctrl-C into one line and exit code 130.
 """
 
 from __future__ import annotations
@@ -203,8 +203,8 @@ def save_outputs(record: RunRecord, model, tokenizer) -> str:
     if os.path.isdir(target):
         shutil.rmtree(target)
     os.replace(temporary, target)  # the finished weights appear whole, or not at all
-    if record.updates:
-        plot_curves(record.updates, os.path.join(out, PLOT_NAME), title=run_title(config))
+    if record.updates and not plot_curves(record.updates, os.path.join(out, PLOT_NAME), title=run_title(config)):
+        say(f"note: {PLOT_NAME} not drawn: matplotlib is not installed (pip install 'hf_accum[recipe]')")
     write_text_atomically(os.path.join(out, METRICS_NAME), json.dumps(record.metrics(), indent=2, default=str))
     return out
 
@@ -214,10 +214,14 @@ def run_title(config: config_module.RecipeConfig) -> str:
     return f"{config.model.name_or_path} - {kind} - engine {config.engine} - {config.data.dataset}"
 
 
-def plot_curves(updates: list[dict[str, Any]], path: str, title: str = "") -> None:
+def plot_curves(updates: list[dict[str, Any]], path: str, title: str = "") -> bool:
     """Per-update loss (and held-out loss where evaluated), LR, and a panel with tokens per update and the
-    measured gradient noise scale (when tracked), against integer update numbers."""
-    import matplotlib
+    measured gradient noise scale (when tracked), against integer update numbers. False (nothing drawn)
+    without matplotlib: the ``recipe`` extra, imported only here."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -241,6 +245,7 @@ def plot_curves(updates: list[dict[str, Any]], path: str, title: str = "") -> No
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return True
 
 
 def _plot_batch_panel(ax, updates: list[dict[str, Any]], steps: list[int]) -> None:
@@ -300,7 +305,7 @@ def run_cli(
       ``error: ...``, exit 2;
     * a full disk (:class:`DiskFullError`): ``error: ...`` naming the last good checkpoint, exit 3;
     * a stop (``stopped``): a preemption signal (``hf_accum.control.TrainingStopped``: its checkpoint
-      is written, exit 75; Ctrl-C exit 130) or too many inf/NaN updates in a row (exit 3);
+      is written, exit 75; Ctrl-C exit 130) or too many inf/NaN updates in a row (exit 5);
     * a second Ctrl-C while stopping: exit 130.
 
     Under ``accelerate launch`` the launcher reports any non-zero code as 1 (and adds its own traceback).
@@ -360,7 +365,9 @@ def disk_full_is_one_line(output_dir: str):
             raise
         from hf_accum.checkpoint import verified_resume_checkpoint
 
-        last = verified_resume_checkpoint(output_dir, report=lambda line: None) if os.path.isdir(output_dir) else None
+        # Only the ranks whose write failed get here: each looks for itself (no collective verification).
+        last = (verified_resume_checkpoint(output_dir, report=lambda line: None, collective=False)
+                if os.path.isdir(output_dir) else None)
         saved = (f"the last good checkpoint is {last}: free space, then run the same command with "
                  "training.resume_from_checkpoint=true") if last else "no checkpoint written yet: free space and rerun"
         what = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
