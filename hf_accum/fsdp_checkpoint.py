@@ -76,7 +76,7 @@ def load_fsdp_state(checkpoint: str, model: torch.nn.Module, optimizer: Any) -> 
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_state, optimizer_state = get_state_dict(model, _bare(optimizer))
-    state = {"model": model_state, "optimizer": optimizer_state}
+    state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=os.path.join(checkpoint, FSDP_DIR))
     set_state_dict(model, _bare(optimizer), model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 

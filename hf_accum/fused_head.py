@@ -56,7 +56,7 @@ def resolve_head(module: nn.Module) -> LinearHead:
     )
 
 
-def _head_resolvers() -> dict[type, Callable[[nn.Module], LinearHead]]:
+def _head_resolvers() -> dict[type, Callable[[Any], LinearHead]]:
     """Module type -> how to read its linear map (one entry per supported kind of output layer)."""
     from peft.tuners.lora.layer import Linear as LoraLinear
     from peft.utils.other import ModulesToSaveWrapper
@@ -76,7 +76,7 @@ def _plain_linear(module: nn.Linear) -> LinearHead:
     return LinearHead(module.weight, module.bias)
 
 
-def _modules_to_save(wrapper: nn.Module) -> LinearHead:
+def _modules_to_save(wrapper: Any) -> LinearHead:  # PEFT ModulesToSaveWrapper (dynamic attributes)
     """PEFT's modules_to_save: the active adapter's trainable copy (the frozen original when disabled)."""
     adapters = wrapper.active_adapters
     if wrapper.disable_adapters or not adapters or adapters[0] not in wrapper.modules_to_save:
@@ -84,7 +84,7 @@ def _modules_to_save(wrapper: nn.Module) -> LinearHead:
     return resolve_head(wrapper.modules_to_save[adapters[0]])
 
 
-def _lora_linear(layer: nn.Module) -> LinearHead:
+def _lora_linear(layer: Any) -> LinearHead:  # PEFT LoRA Linear (dynamic attributes)
     """PEFT LoRA on the output layer: ``W x + scale * B A x`` with one active adapter and no dropout."""
     base = resolve_head(layer.get_base_layer())
     if layer.disable_adapters or layer.merged:  # merged: the base weight already holds B A
@@ -244,7 +244,7 @@ def declared_transform(inner: nn.Module) -> LogitTransform:
     """The logit soft-cap and scale a model's configuration declares (transformers' names: Gemma 2/3
     ``final_logit_softcapping``, Cohere ``logit_scale`` (also a model attribute), Granite
     ``logits_scaling``, which divides); a hypothesis for the probe to prove, never trusted alone."""
-    config = getattr(inner, "config", None)
+    config: Any = getattr(inner, "config", None)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
 
     def number(*owners_and_names) -> float | None:

@@ -100,7 +100,10 @@ def _token_claims(name: str, config: Any) -> bool:
     return bool(getattr(config, "is_encoder_decoder", False)) or name.endswith("ForTokenClassification")
 
 
-def _sequence_loss_sum(logits, labels, label_smoothing, chunk_bytes, problem_type):
+def _sequence_loss_sum(
+    logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float, chunk_bytes: int | None,
+    problem_type: str | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     problem = sequence_problem_type(logits.shape[-1], labels, problem_type)
     if problem == "regression":
         return _regression_loss_sum(logits, labels)
@@ -163,18 +166,19 @@ def infer_loss_kind(model: torch.nn.Module) -> LossKind:
     return matches[0]
 
 
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+def unwrap_model(model: torch.nn.Module | None) -> Any:
     """Strip DDP/FSDP (``.module``), torch.compile (``._orig_mod``) and PEFT (``.base_model.model``)."""
-    seen = set()
-    while id(model) not in seen:
-        seen.add(id(model))
-        if hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-            model = model.module
-        elif hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        elif type(model).__name__.startswith("Peft") and hasattr(model, "base_model"):
-            model = model.base_model.model if hasattr(model.base_model, "model") else model.base_model
-    return model
+    seen: set[int] = set()
+    inner: Any = model  # the wrappers' attributes are dynamic (Module.__getattr__)
+    while id(inner) not in seen:
+        seen.add(id(inner))
+        if hasattr(inner, "module") and isinstance(inner.module, torch.nn.Module):
+            inner = inner.module
+        elif hasattr(inner, "_orig_mod"):
+            inner = inner._orig_mod
+        elif type(inner).__name__.startswith("Peft") and hasattr(inner, "base_model"):
+            inner = inner.base_model.model if hasattr(inner.base_model, "model") else inner.base_model
+    return inner
 
 
 def aligned_targets(labels: torch.Tensor, kind: LossKind = "causal_lm") -> torch.Tensor:

@@ -94,9 +94,11 @@ def verify_checkpoint(checkpoint: str, collective: bool = True) -> Verdict:
     some ranks take (the full-disk message)."""
     if not (collective and _several_ranks()):
         return _verify_here(checkpoint)
-    verdict = [_verify_here(checkpoint) if torch.distributed.get_rank() == 0 else None]
-    torch.distributed.broadcast_object_list(verdict, src=0)
-    return replace(verdict[0], checkpoint=checkpoint)  # the name this rank asked for (the same directory)
+    shared: list[Verdict | None] = [_verify_here(checkpoint) if torch.distributed.get_rank() == 0 else None]
+    torch.distributed.broadcast_object_list(shared, src=0)
+    verdict = shared[0]
+    assert verdict is not None  # rank 0 always sends one
+    return replace(verdict, checkpoint=checkpoint)  # the name this rank asked for (the same directory)
 
 
 def _several_ranks() -> bool:
@@ -159,7 +161,7 @@ def newest_verified_checkpoint(
     newer ones skipped. ``report`` gets one line per skipped checkpoint and per checkpoint without manifest.
     ``collective``: as :func:`verify_checkpoint` (every rank calls it, with the same list)."""
     report = report or logger.warning
-    skipped = []
+    skipped: list[Verdict] = []
     for checkpoint in reversed(checkpoints):
         verdict = verify_checkpoint(checkpoint, collective)
         if verdict.ok:

@@ -92,9 +92,9 @@ def model_loss_terms(model: torch.nn.Module, outputs: Any) -> torch.Tensor | Non
     """``sum coef * term`` over the known terms the forward returned (None: none). Computed as the model
     computes it (the term's dtype times the coefficient), so a probe compares like with like; the graph is
     kept, so the term's gradient reaches the router weights."""
-    total = None
+    total: torch.Tensor | None = None
     for term in MODEL_LOSS_TERMS:
-        value = outputs.get(term.output) if hasattr(outputs, "get") else getattr(outputs, term.output, None)
+        value: Any = outputs.get(term.output) if hasattr(outputs, "get") else getattr(outputs, term.output, None)
         coef = _term_coef(model, term.coef) if torch.is_tensor(value) else 0.0
         if coef:
             total = coef * value if total is None else total + coef * value.to(total.device)
@@ -152,8 +152,9 @@ def probe_model_loss(
             raise cannot_place(name, f" (its own loss {float(own):.6g} on the first micro-batch {found} the layouts)")
         logger.info("loss layout of %s: %r (its own loss on the first micro-batch equals ours)", name, matches[0])
         return ModelLossProbe(matches[0], float(own), extra)
-    if not matches and means[kind] is not None:
-        _unaccounted(model, name, float(own), means[kind], extra)
+    mean = means[kind]
+    if not matches and mean is not None:
+        _unaccounted(model, name, float(own), mean, extra)
     return ModelLossProbe(kind, float(own), extra)
 
 

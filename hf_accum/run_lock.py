@@ -117,14 +117,14 @@ def locks_output_dir(where: Callable[[dict[str, Any]], tuple[str | None, bool]],
 @contextlib.contextmanager
 def run_lock(output_dir: str | None, label: str = "output_dir", enabled: bool | None = None) -> Iterator[None]:
     """Hold ``output_dir``'s lock for the block (on the main rank; ``enabled`` overrides that choice)."""
-    take = bool(output_dir) and (is_main_process() if enabled is None else enabled)
-    if take:
-        acquire(output_dir, label)
+    locked = output_dir if output_dir and (is_main_process() if enabled is None else enabled) else None
+    if locked:
+        acquire(locked, label)
     try:
         yield
     finally:
-        if take:
-            release(output_dir)
+        if locked:
+            release(locked)
 
 
 def holds(output_dir: str) -> bool:

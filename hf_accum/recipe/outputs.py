@@ -26,7 +26,7 @@ import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from hf_accum.checkpoint import OutputDirNotWritable, check_output_dir_writable, write_text_atomically
 from hf_accum.distributed import is_main_process
@@ -149,11 +149,11 @@ class RunRecord:
     noise_scale_advice: str | None = None
     """``accumulation.noise_scale``: the end-of-run line on the batch size (also in metrics.json)."""
 
-    def keep_update(self, update) -> None:
+    def keep_update(self, update: Any) -> None:  # an hf_accum.UpdateLog
         """``on_update``: keep every update for ``metrics.json`` and the plot."""
         self.updates.append(asdict(update))
 
-    def record_update(self, update) -> None:
+    def record_update(self, update: Any) -> None:  # an hf_accum.UpdateLog
         """``on_update``: keep every update, and print one line every ``logging_steps``."""
         self.keep_update(update)
         every = max(1, int(self.config.training.get("logging_steps", 10) or 1))
@@ -180,7 +180,7 @@ class RunRecord:
                 "updates": self.updates}
 
 
-def save_outputs(record: RunRecord, model, tokenizer) -> str:
+def save_outputs(record: RunRecord, model: Any, tokenizer: Any) -> str:
     """Adapter (or model) + tokenizer, the loss/LR plot, then ``metrics.json`` (the run is finished)."""
     from hf_accum.distributed import save_pretrained
 
@@ -248,7 +248,7 @@ def plot_curves(updates: list[dict[str, Any]], path: str, title: str = "") -> bo
     return True
 
 
-def _plot_batch_panel(ax, updates: list[dict[str, Any]], steps: list[int]) -> None:
+def _plot_batch_panel(ax: Any, updates: list[dict[str, Any]], steps: list[int]) -> None:
     """Tokens (targets) per update, and the noise scale B_simple in the same unit: above the tokens line,
     larger updates would still pay off."""
     ax.plot(steps, [u.get("targets", math.nan) for u in updates], lw=1, color="tab:green", label="tokens per update")
@@ -296,7 +296,8 @@ def percent(result: dict[str, Any] | None) -> str:
 
 
 def run_cli(
-    run: Callable[[Sequence[str]], Any], argv: Sequence[str] | None = None, bad_input=(), stopped=()
+    run: Callable[[Sequence[str]], Any], argv: Sequence[str] | None = None,
+    bad_input: tuple[type[BaseException], ...] = (), stopped: tuple[type[BaseException], ...] = (),
 ) -> int:
     """Run ``run(argv)`` and turn its ends into one line and an exit code:
 
@@ -310,9 +311,10 @@ def run_cli(
 
     Under ``accelerate launch`` the launcher reports any non-zero code as 1 (and adds its own traceback).
     """
+    bad: tuple[type[BaseException], ...] = (InputError, *bad_input)
     try:
         run(sys.argv[1:] if argv is None else argv)
-    except (InputError, *bad_input) as exc:
+    except bad as exc:
         print(f"error: {exc}", file=sys.stderr)
         return _after_an_early_end(EXIT_BAD_INPUT)
     except DiskFullError as exc:
@@ -321,7 +323,8 @@ def run_cli(
     except tuple(stopped) as exc:
         resume = RESUME_HINT if getattr(exc, "checkpoint", None) else ""
         print(f"stopped: {exc}{resume}", file=sys.stderr)
-        return _after_an_early_end(exc.code if isinstance(exc, SystemExit) else EXIT_NONFINITE)
+        code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else EXIT_NONFINITE
+        return _after_an_early_end(code)
     except KeyboardInterrupt:
         print("interrupted (Ctrl-C): stopped; final outputs were not written", file=sys.stderr)
         return _after_an_early_end(EXIT_INTERRUPTED)
@@ -344,18 +347,19 @@ _DISK_FULL_TEXT = ("no space left on device", "os error 28", "disk quota exceede
 
 def is_disk_full(error: BaseException) -> bool:
     """``error`` (or what it was raised from) is a write that failed for lack of space."""
+    current: BaseException | None = error
     seen = 0
-    while error is not None and seen < 5:
-        if isinstance(error, OSError) and error.errno in _DISK_FULL_ERRNOS:
+    while current is not None and seen < 5:
+        if isinstance(current, OSError) and current.errno in _DISK_FULL_ERRNOS:
             return True
-        if any(text in str(error).lower() for text in _DISK_FULL_TEXT):  # SafetensorError is neither
+        if any(text in str(current).lower() for text in _DISK_FULL_TEXT):  # SafetensorError is neither
             return True
-        error, seen = error.__cause__ or error.__context__, seen + 1
+        current, seen = current.__cause__ or current.__context__, seen + 1
     return False
 
 
 @contextlib.contextmanager
-def disk_full_is_one_line(output_dir: str):
+def disk_full_is_one_line(output_dir: str) -> Iterator[None]:
     """Turn a write that failed for lack of space into :class:`DiskFullError`: one line saying what failed and
     the newest checkpoint that verifies (checkpoints are atomic: a failed write leaves the earlier ones whole)."""
     try:
