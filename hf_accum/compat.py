@@ -30,7 +30,7 @@ def keep_4bit_training_layout(model: torch.nn.Module) -> int:
     switch) and unpacks any weight that was already repacked. Idempotent and cheap: call it after
     loading and again before training. Returns the number of 4-bit layers it holds in place.
     """
-    layers: list[Any] = [module for module in model.modules() if _is_linear4bit(module)]
+    layers = [module for module in model.modules() if _is_linear4bit(module)]
     for layer in layers:
         layer.support_avx512bf16_for_cpu = False  # bitsandbytes reads this on every forward
         weight = layer.weight

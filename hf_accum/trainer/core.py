@@ -117,7 +117,7 @@ class AccumTrainer(Trainer):
             reason = NOT_UNDER_DEEPSPEED if self.is_deepspeed_enabled else NOT_UNDER_FSDP
             raise ValueError(f"AccumTrainer(noise_scale=True): {reason}")
         # Read once: the head's problem type does not change during a run (sequence heads only).
-        self._problem_type = model_problem_type(self.trained_model)
+        self._problem_type = model_problem_type(self.model)
         self._micro_batch_loss = self._build_micro_batch_loss(loss_kind, fused_loss, normalization)
         # We compute the loss ourselves, so the model never sees labels or num_items_in_batch:
         # this also stops Trainer's own (rank-local when average_tokens_across_devices=False) count.
@@ -134,13 +134,7 @@ class AccumTrainer(Trainer):
         self._planner = BatchPlanner(self)
         self._eval_tally = WindowTally(device=self.args.device)  # the exact eval_loss
         self._stop_on_signals = stop_on_signals
-        self.add_callback(BoundaryActions(self._window, fp32_grad_accumulation, lambda: self.trained_model))
-
-    @property
-    def trained_model(self) -> torch.nn.Module:
-        """``self.model``: Trainer's constructor sets it (or raises), though Trainer types it Optional."""
-        assert self.model is not None
-        return self.model
+        self.add_callback(BoundaryActions(self._window, fp32_grad_accumulation, lambda: self.model))
 
     @property
     def updates(self) -> list[UpdateLog]:
@@ -174,7 +168,7 @@ class AccumTrainer(Trainer):
     def loss_kind(self) -> LossKind:
         """Target layout of the model's head (``causal_lm`` shifts labels by one)."""
         if self._micro_batch_loss.kind is None:
-            self._micro_batch_loss.kind = infer_loss_kind(self.trained_model)
+            self._micro_batch_loss.kind = infer_loss_kind(self.model)
         return self._micro_batch_loss.kind
 
     def _build_micro_batch_loss(self, loss_kind: LossKind | None, fused_loss: bool,
@@ -213,7 +207,7 @@ class AccumTrainer(Trainer):
             # Before the first window is counted: the class's layout, else the one the model's own loss shows.
             batch = prepare_inputs(self, batch_samples[0])
             inputs = {key: value for key, value in batch.items() if key != "labels"}
-            self._micro_batch_loss.kind = resolve_loss_kind(self.trained_model, inputs, _labels(batch))
+            self._micro_batch_loss.kind = resolve_loss_kind(self.model, inputs, _labels(batch))
         return batch_samples, self._window.count(batch_samples, self.loss_kind)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -292,7 +286,7 @@ class AccumTrainer(Trainer):
         self._eval_tally.reset()
         output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
         totals = self._eval_tally.reduce(self.accelerator)  # every rank runs the evaluation loop
-        if totals.targets and output.metrics is not None and f"{metric_key_prefix}_loss" in output.metrics:
+        if totals.targets and f"{metric_key_prefix}_loss" in output.metrics:
             output.metrics[f"{metric_key_prefix}_loss"] = totals.mean_loss
             self._records.eval_loss = totals.mean_loss  # recorded with the update that triggered it, if any
         return output
@@ -314,7 +308,7 @@ class AccumTrainer(Trainer):
                                                self.args.auto_find_batch_size)
         self._window.new_run()
         self.run_control.reset()
-        keep_4bit_training_layout(self.trained_model)  # evaluations must not repack 4-bit weights (hf_accum.compat)
+        keep_4bit_training_layout(self.model)  # evaluations must not repack 4-bit weights (hf_accum.compat)
         with StopSignals(self.run_control, self._stop_on_signals):
             output = super().train(checkpoint, *args, **kwargs)
         self._checkpoints.raise_if_halted(self._window.halting, self._window.boundary.guard)

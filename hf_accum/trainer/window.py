@@ -169,7 +169,6 @@ class TrainerWindow:
         """The window's fp32 gradient sums -> ``.grad``, times what ``_backward_scale`` left of ``W / N``."""
         window_scale = self._window_scale(self.targets)
         remainder = window_scale / self._backward_scale(window_scale)
-        assert self.fp32_sums is not None  # only called when the run keeps fp32 sums
         self.fp32_sums.write_gradients_(remainder)  # rounded once to the weights' dtype
         rescale_gradients_(self.fp32_sums.other_parameters(model.parameters()), remainder)
 
