@@ -134,10 +134,14 @@ def check_checkpoint_files(checkpoint: str) -> None:
     check_named_checkpoint(checkpoint, lambda: _newest_good_sibling(checkpoint))
 
 
-def verified_resume_checkpoint(output_dir: str, report: Callable[[str], None] | None = None) -> str | None:
+def verified_resume_checkpoint(
+    output_dir: str, report: Callable[[str], None] | None = None, collective: bool = True
+) -> str | None:
     """The newest complete checkpoint of ``output_dir`` whose files match its manifest (None: none does, or
-    there is none); each newer one skipped is reported (``report``, default: a logged warning) with why."""
-    checkpoint, _ = newest_verified_checkpoint(complete_checkpoints(output_dir), report)
+    there is none); each newer one skipped is reported (``report``, default: a logged warning) with why.
+    Under several ranks one rank verifies and broadcasts (:func:`hf_accum.manifest.verify_checkpoint`): every
+    rank calls it; ``collective=False`` on a path only some ranks take."""
+    checkpoint, _ = newest_verified_checkpoint(complete_checkpoints(output_dir), report, collective)
     return checkpoint
 
 
@@ -308,7 +312,9 @@ def atomic_directory(
 @contextlib.contextmanager
 def atomic_file(path: str) -> Iterator[str]:
     """Yields a temporary path next to ``path``; it replaces ``path`` only when the block succeeds (a kill or
-    an error leaves ``path`` as it was)."""
+    an error leaves ``path`` as it was). The file is flushed to disk before the rename and its directory
+    after it: without the second, a power or node failure can lose the rename itself (the old file, or
+    none, comes back), as with a checkpoint directory (:func:`_move_into_place`)."""
     folder, name = os.path.split(os.path.abspath(path))
     temporary = os.path.join(folder, f"{STAGING_PREFIX}{name}.{os.getpid()}")
     try:
@@ -316,6 +322,7 @@ def atomic_file(path: str) -> Iterator[str]:
         with open(temporary, "rb") as handle:
             os.fsync(handle.fileno())
         os.replace(temporary, path)
+        _fsync_directory(folder)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.remove(temporary)
@@ -409,26 +416,35 @@ def rotate_checkpoints(output_dir: str, save_total_limit: int | None) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def check_output_dir_writable(output_dir: str, label: str = "output_dir") -> None:
+class OutputDirNotWritable(InputError):
+    """The output directory cannot be created or written (a file in the way, no permission, no space)."""
+
+
+def check_output_dir_writable(output_dir: str, label: str = "output_dir", keep_created: bool = True) -> None:
     """Create ``output_dir`` and a probe file in it, before training: a checkpoint must not fail hours later.
-    The probe is an unnamed temporary file (``O_TMPFILE`` where supported): a kill leaves nothing behind."""
+    The probe is an unnamed temporary file (``O_TMPFILE`` where supported): a kill leaves nothing behind.
+    ``keep_created=False``: the directories created for the probe are removed again (nothing stays).
+    The one writability probe of the package (the recipe's output directory check calls it too)."""
     import tempfile
 
+    created = []
+    missing = os.path.abspath(output_dir)
+    while missing and not os.path.lexists(missing):
+        created.append(missing)  # deepest first
+        missing = os.path.dirname(missing)
     try:
+        if missing and not os.path.isdir(missing):
+            in_the_way = "it" if missing == os.path.abspath(output_dir) else repr(missing)
+            raise OutputDirNotWritable(f"{label}={output_dir!r} is not a writable directory: {in_the_way} is a file")
         os.makedirs(output_dir, exist_ok=True)
         with tempfile.TemporaryFile(dir=output_dir, prefix=STAGING_PREFIX) as handle:
             handle.write(b"probe")
     except OSError as error:
-        raise ValueError(f"{label}={output_dir!r} is not a writable directory ({error.strerror or error})") from None
-
-
-# The loop's checkpoint contents moved to hf_accum.loop_checkpoint; importable from here as before.
-_MOVED = {"LoopCheckpointer", "LoopState", "capture_random_states", "data_generators", "restore_random_states"}
-
-
-def __getattr__(name: str):
-    if name not in _MOVED:
-        raise AttributeError(f"module 'hf_accum.checkpoint' has no attribute {name!r}")
-    from hf_accum import loop_checkpoint
-
-    return getattr(loop_checkpoint, name)
+        raise OutputDirNotWritable(
+            f"{label}={output_dir!r} is not a writable directory ({error.strerror or error})"
+        ) from None
+    finally:
+        if not keep_created:
+            for directory in created:
+                with contextlib.suppress(OSError):
+                    os.rmdir(directory)  # only when empty

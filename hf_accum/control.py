@@ -24,6 +24,7 @@ import logging
 import os
 import signal
 import threading
+from typing import Any
 
 from hf_accum.distributed import is_main_process
 from hf_accum.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED  # noqa: F401  (re-exported)
@@ -124,7 +125,7 @@ class StopSignals:
     def __init__(self, control: TrainingControl, enabled: bool = True) -> None:
         self.control = control
         self.enabled = enabled
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> TrainingControl:
         if self.enabled and threading.current_thread() is threading.main_thread():
@@ -134,12 +135,12 @@ class StopSignals:
                     self._previous[number] = signal.signal(number, self._handle)
         return self.control
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         for number, handler in self._previous.items():
             signal.signal(number, handler)
         self._previous.clear()
 
-    def _handle(self, number: int, frame) -> None:
+    def _handle(self, number: int, frame: object) -> None:
         name = signal.Signals(number).name
         if name == "SIGINT" and self.control.stop_reason is not None:
             raise KeyboardInterrupt  # second Ctrl-C: abort now

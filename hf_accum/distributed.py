@@ -131,7 +131,7 @@ def _gathered(tensor: torch.Tensor):
     return deepspeed.zero.GatheredParameters([tensor], modifier_rank=None)
 
 
-def save_pretrained(model: torch.nn.Module, directory: str, is_main_process: bool, **kwargs: Any) -> None:
+def save_pretrained(model: Any, directory: str, is_main_process: bool, **kwargs: Any) -> None:
     """``model.save_pretrained(directory)`` that also works under ZeRO-3. Call it on EVERY rank.
 
     A PEFT model saves its adapter (only trainable tensors are gathered: the frozen base model is not

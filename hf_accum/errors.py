@@ -13,12 +13,15 @@ EXIT_FAILED = 1
 """A check that ran and failed (``hf-accum check`` FAIL), or an unexpected error."""
 EXIT_BAD_INPUT = 2
 """A config value, file, model directory or launch setting was refused before (or instead of) training."""
-EXIT_NONFINITE = 3
-"""The run stopped and cannot go on by itself: too many inf/NaN updates in a row (a checkpoint was written),
-or a write failed for lack of disk space (:data:`EXIT_DISK_FULL`; the last good checkpoint is named)."""
-EXIT_DISK_FULL = EXIT_NONFINITE
+EXIT_DISK_FULL = 3
+"""A write failed for lack of disk space (or quota): the run stopped; the last good checkpoint is named. Free
+space and run the same command with ``training.resume_from_checkpoint=true``."""
 EXIT_CANNOT_RUN = 4
 """``hf-accum check``: the model directory is readable but the check cannot run that model (it says which and why)."""
+EXIT_NONFINITE = 5
+"""The run diverged: too many inf/NaN updates in a row (a checkpoint was written). Resuming as is diverges
+again: change something (learning rate, data, precision) first. Its own code, so that a wrapper can tell it
+from a full disk (:data:`EXIT_DISK_FULL`), which a requeue after freeing space fixes."""
 EXIT_PREEMPTED = 75
 """SIGTERM/SIGUSR1 (preemption): the update finished and a checkpoint was written; ``EX_TEMPFAIL``: try again."""
 EXIT_INTERRUPTED = 130

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from hf_accum.checkpoint import ResumeMismatchError
+
 FSDP_DIR = "fsdp"
 SHARDING_FILE = "sharding.json"
 
@@ -50,8 +52,6 @@ def save_fsdp_state(folder: str, model: torch.nn.Module, optimizer: Any, world_s
 
 def check_fsdp_resume(checkpoint: str, model: torch.nn.Module | None, world_size: int) -> None:
     """Refuse a checkpoint whose sharding differs from this run's (FSDP vs not, processes, mesh, placements)."""
-    from hf_accum.checkpoint import ResumeMismatchError
-
     written = written_with_fsdp(checkpoint)
     if model is None or not written:
         if written:
@@ -76,7 +76,7 @@ def load_fsdp_state(checkpoint: str, model: torch.nn.Module, optimizer: Any) -> 
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_state, optimizer_state = get_state_dict(model, _bare(optimizer))
-    state = {"model": model_state, "optimizer": optimizer_state}
+    state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=os.path.join(checkpoint, FSDP_DIR))
     set_state_dict(model, _bare(optimizer), model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 

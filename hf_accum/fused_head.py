@@ -29,10 +29,9 @@ from hf_accum.loss import (
     DEFAULT_CHUNK_BYTES,
     aligned_targets,
     check_label_smoothing,
-    leading_slice,
-    probing,
     unwrap_model,
 )
+from hf_accum.model_loss import leading_slice, probing
 
 logger = logging.getLogger("hf_accum.fused_loss")
 
@@ -57,7 +56,7 @@ def resolve_head(module: nn.Module) -> LinearHead:
     )
 
 
-def _head_resolvers() -> dict[type, Callable[[nn.Module], LinearHead]]:
+def _head_resolvers() -> dict[type, Callable[[Any], LinearHead]]:
     """Module type -> how to read its linear map (one entry per supported kind of output layer)."""
     from peft.tuners.lora.layer import Linear as LoraLinear
     from peft.utils.other import ModulesToSaveWrapper
@@ -77,7 +76,7 @@ def _plain_linear(module: nn.Linear) -> LinearHead:
     return LinearHead(module.weight, module.bias)
 
 
-def _modules_to_save(wrapper: nn.Module) -> LinearHead:
+def _modules_to_save(wrapper: Any) -> LinearHead:  # PEFT ModulesToSaveWrapper (dynamic attributes)
     """PEFT's modules_to_save: the active adapter's trainable copy (the frozen original when disabled)."""
     adapters = wrapper.active_adapters
     if wrapper.disable_adapters or not adapters or adapters[0] not in wrapper.modules_to_save:
@@ -85,7 +84,7 @@ def _modules_to_save(wrapper: nn.Module) -> LinearHead:
     return resolve_head(wrapper.modules_to_save[adapters[0]])
 
 
-def _lora_linear(layer: nn.Module) -> LinearHead:
+def _lora_linear(layer: Any) -> LinearHead:  # PEFT LoRA Linear (dynamic attributes)
     """PEFT LoRA on the output layer: ``W x + scale * B A x`` with one active adapter and no dropout."""
     base = resolve_head(layer.get_base_layer())
     if layer.disable_adapters or layer.merged:  # merged: the base weight already holds B A
@@ -245,7 +244,7 @@ def declared_transform(inner: nn.Module) -> LogitTransform:
     """The logit soft-cap and scale a model's configuration declares (transformers' names: Gemma 2/3
     ``final_logit_softcapping``, Cohere ``logit_scale`` (also a model attribute), Granite
     ``logits_scaling``, which divides); a hypothesis for the probe to prove, never trusted alone."""
-    config = getattr(inner, "config", None)
+    config: Any = getattr(inner, "config", None)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
 
     def number(*owners_and_names) -> float | None:
@@ -280,7 +279,7 @@ def _probe_forward(model: nn.Module, head_module: nn.Module, inputs: dict[str, A
 
 
 def _probe_slice(inputs: dict[str, Any]) -> dict[str, Any]:
-    """The first row's first positions (padding-free rows included, :func:`hf_accum.loss.leading_slice`),
+    """The first row's first positions (padding-free rows included, :func:`hf_accum.model_loss.leading_slice`),
     when the inputs' layout lets them be cut (else the whole micro-batch: correct, only costlier)."""
     cut = leading_slice(inputs, 0, PROBE_POSITIONS)
     return cut if cut is not None else dict(inputs)

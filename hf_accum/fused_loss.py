@@ -123,7 +123,7 @@ class LinearHead:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output layer's logits (the probe's reference; training never calls it on all rows)."""
         base = F.linear(hidden, self.weight, self.bias)
-        if self.lora_a is None:
+        if self.lora_a is None or self.lora_b is None:
             return base
         low_rank = F.linear(F.linear(hidden.to(self.lora_a.dtype), self.lora_a), self.lora_b) * self.lora_scale
         return (base + low_rank).to(base.dtype)
@@ -239,7 +239,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             total += chunk_loss
             accumulators.add_chunk(chunk, h, grad_logits, low_rank_input, lora_scale)
             del logits, grad_logits  # the next chunk's buffers reuse this memory
-        if stats is not None:
+        if stats is not None and chunk_stats is not None:
             chunk_stats.targets += rows.shape[0]
             stats.add_(chunk_stats)
         ctx.gradients = accumulators
@@ -289,7 +289,7 @@ def _loss_and_logit_gradient(
     if smooth_sum is not None:
         row_loss = row_loss - label_smoothing / vocab * smooth_sum
     loss = (row_loss if row_weights is None else row_loss * row_weights).sum()
-    if stats is not None:
+    if stats is not None and dot is not None:
         # entropy = -sum_c p_c log p_c = log S - sum_c e_c x_c / S, with x = y - max, e = exp(x), S = sum e
         stats.entropy_sum += (exp_sum.log() - dot[:, None] / exp_sum).sum()
         stats.top1_hits += argmax.squeeze(1).eq(targets).sum()
@@ -434,6 +434,7 @@ def _use_liger(hidden: torch.Tensor, head: LinearHead) -> bool:
 
 def _liger_loss_sum(hidden, head: LinearHead, targets, label_smoothing: float) -> torch.Tensor:
     fused = _liger_function()
+    assert fused is not None  # _use_liger found it
     options = {}
     if "accum_dtype" in inspect.signature(fused).parameters:
         options["accum_dtype"] = torch.float32  # sum the weight gradient over chunks in fp32 (newer Liger)

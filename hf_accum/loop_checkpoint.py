@@ -71,7 +71,8 @@ def data_generators(dataloader: Any) -> list[torch.Generator]:
 def capture_random_states(generators: Iterable[torch.Generator] = ()) -> dict[str, Any]:
     """Python, numpy, torch (CPU and every visible CUDA device) and the given generators' states, in a form
     ``torch.load(weights_only=True)`` reads back (numpy's key array becomes a tensor)."""
-    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    numpy_state: Any = np.random.get_state()  # the legacy tuple form (typed as a union with the dict form)
+    kind, keys, position, has_gauss, cached_gaussian = numpy_state
     state: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": {
@@ -159,7 +160,7 @@ class LoopCheckpointer:
     """
 
     def __init__(
-        self, output_dir: str, accelerator: Any, model: torch.nn.Module, optimizer: Any, scheduler: Any,
+        self, output_dir: str | None, accelerator: Any, model: torch.nn.Module, optimizer: Any, scheduler: Any,
         dataloader: Any, plan: BatchPlan, save_total_limit: int | None = None,
     ) -> None:
         self.output_dir = output_dir
@@ -176,11 +177,14 @@ class LoopCheckpointer:
     # -- saving ------------------------------------------------------------------------------------
     def save(self, state: LoopState) -> str:
         """Write ``checkpoint-<state.update>`` (every rank calls this at the same update). Returns its path."""
+        if self.output_dir is None:  # a checkpointer built only to resume: the loop saves nowhere then
+            raise ValueError("LoopCheckpointer.save needs an output directory (LoopConfig.output_dir)")
+        output_dir = self.output_dir
         accelerator = self.accelerator
         is_main = accelerator.is_main_process
         random_states = {"now": capture_random_states(self.generators), "epoch_start": self._epoch_start_states}
         with staged_checkpoint(
-            self.output_dir, state.update, commits=is_main, barrier=accelerator.wait_for_everyone,
+            output_dir, state.update, commits=is_main, barrier=accelerator.wait_for_everyone,
             seal=lambda folder: save_batch_plan(folder, self.plan),
         ) as folder:
             torch.save(random_states, os.path.join(folder, _rng_file(accelerator.process_index)))
@@ -200,9 +204,9 @@ class LoopCheckpointer:
                 with open(os.path.join(folder, LOOP_STATE_FILE), "w") as handle:
                     json.dump(asdict(state), handle)
         if is_main:
-            rotate_checkpoints(self.output_dir, self.save_total_limit)
+            rotate_checkpoints(output_dir, self.save_total_limit)
         accelerator.wait_for_everyone()
-        return checkpoint_path(self.output_dir, state.update)
+        return checkpoint_path(output_dir, state.update)
 
     # -- resuming ----------------------------------------------------------------------------------
     def resume(self, checkpoint: str, micro_batches_per_epoch: int | None) -> LoopState:
@@ -280,7 +284,7 @@ class LoopCheckpointer:
 _END = object()
 
 
-def _deepspeed_engine(accelerator: Any):
+def _deepspeed_engine(accelerator: Any) -> Any:
     """The DeepSpeed engine of a DeepSpeed Accelerator (after ``prepare``), else None."""
     wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
     return wrapped.engine if wrapped is not None else None
@@ -320,7 +324,8 @@ def _save_model(model: torch.nn.Module, folder: str) -> None:
     """PEFT: the adapter only (``adapter_model.safetensors``, ``adapter_config.json``), which is all that
     trains; otherwise every weight in ``model.safetensors`` (tied weights stored once)."""
     if _is_peft_model(model):
-        model.save_pretrained(folder, safe_serialization=True)
+        peft_model: Any = model
+        peft_model.save_pretrained(folder, safe_serialization=True)
         return
     from safetensors.torch import save_model
 

@@ -8,7 +8,10 @@ torch/safetensors -- or, for bytes inside a tensor, nothing at all and a silentl
   -- every file's relative path, size and sha256 -- as the last file of the staging directory, right
   after the completion marker and before the rename (:func:`hf_accum.checkpoint.staged_checkpoint`).
 * **Verifying** (:func:`verify_checkpoint`): sizes first (free), then sha256 streamed in 1 MiB blocks.
-  A checkpoint without a manifest (written before manifests existed) is accepted with a note.
+  A checkpoint without a manifest (written before manifests existed) is accepted with a note. Under a
+  process group of several ranks, one rank (global rank 0) hashes and broadcasts its verdict: every rank
+  takes the same decision (the same checkpoint, or the same refusal and exit code), and a 100 GB checkpoint
+  is read once, not once per rank.
 * **Choosing** (:func:`newest_verified_checkpoint`): the newest complete checkpoint that verifies; the ones
   skipped are reported with why. An explicitly named checkpoint that fails is refused
   (:class:`CheckpointCorrupt`, an :class:`~hf_accum.errors.InputError`) naming the bad file and the
@@ -21,8 +24,10 @@ import hashlib
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
+
+import torch
 
 from hf_accum.errors import InputError
 
@@ -79,8 +84,29 @@ def write_manifest(folder: str) -> None:
         json.dump({"format": MANIFEST_FORMAT, "files": files}, handle, indent=1)
 
 
-def verify_checkpoint(checkpoint: str) -> Verdict:
-    """Compare ``checkpoint``'s files with its manifest: every listed file present, of its size and sha256."""
+def verify_checkpoint(checkpoint: str, collective: bool = True) -> Verdict:
+    """Compare ``checkpoint``'s files with its manifest: every listed file present, of its size and sha256.
+
+    Under a process group of several ranks (``collective``, the default) the global rank 0 verifies and
+    broadcasts its verdict; the other ranks read nothing. Every rank must then call it, in the same order --
+    the resume paths do: every rank resolves the same checkpoint of the same (shared) output directory, and the
+    broadcast verdicts keep their choices in step. ``collective=False``: this process alone, for a path only
+    some ranks take (the full-disk message)."""
+    if not (collective and _several_ranks()):
+        return _verify_here(checkpoint)
+    shared: list[Verdict | None] = [_verify_here(checkpoint) if torch.distributed.get_rank() == 0 else None]
+    torch.distributed.broadcast_object_list(shared, src=0)
+    verdict = shared[0]
+    assert verdict is not None  # rank 0 always sends one
+    return replace(verdict, checkpoint=checkpoint)  # the name this rank asked for (the same directory)
+
+
+def _several_ranks() -> bool:
+    return (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1)
+
+
+def _verify_here(checkpoint: str) -> Verdict:
     path = os.path.join(checkpoint, MANIFEST_FILE)
     if not os.path.isfile(path):
         return Verdict(checkpoint, has_manifest=False)
@@ -129,14 +155,15 @@ def _compare(checkpoint: str, path: str) -> Verdict:
 
 
 def newest_verified_checkpoint(
-    checkpoints: list[str], report: Callable[[str], None] | None = None
+    checkpoints: list[str], report: Callable[[str], None] | None = None, collective: bool = True
 ) -> tuple[str | None, list[Verdict]]:
     """The newest of ``checkpoints`` (oldest first, complete ones) that verifies, and the verdicts of the
-    newer ones skipped. ``report`` gets one line per skipped checkpoint and per checkpoint without manifest."""
+    newer ones skipped. ``report`` gets one line per skipped checkpoint and per checkpoint without manifest.
+    ``collective``: as :func:`verify_checkpoint` (every rank calls it, with the same list)."""
     report = report or logger.warning
-    skipped = []
+    skipped: list[Verdict] = []
     for checkpoint in reversed(checkpoints):
-        verdict = verify_checkpoint(checkpoint)
+        verdict = verify_checkpoint(checkpoint, collective)
         if verdict.ok:
             if not verdict.has_manifest:
                 report(f"note: {checkpoint} has no {MANIFEST_FILE} (written by an older hf_accum): resuming unverified")

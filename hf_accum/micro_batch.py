@@ -28,12 +28,10 @@ from hf_accum.loss import (
     count_targets,
     infer_loss_kind,
     loss_kind_spec,
-    model_loss_terms,
-    probe_model_loss,
-    resolve_loss_kind,
     rows_per_chunk,
     token_loss_sum,
 )
+from hf_accum.model_loss import model_loss_terms, probe_model_loss, resolve_loss_kind
 from hf_accum.sequence_norm import SequenceMeanLoss, check_normalization, refuse_custom_loss, sequence_weights
 
 logger = logging.getLogger("hf_accum.fused_loss")
@@ -47,7 +45,7 @@ class MicroBatchLoss:
     """A run's forward and summed loss per micro-batch: ``(outputs, loss_sum, n_targets)``.
 
     * ``kind`` -- the target layout; None: from the model class, else probed on the first micro-batch
-      (:func:`hf_accum.loss.resolve_loss_kind`).
+      (:func:`hf_accum.model_loss.resolve_loss_kind`).
     * ``loss_sum_fn(outputs, labels, inputs)`` -- the loss from the forward's outputs (the logits path);
       None: :func:`hf_accum.loss.token_loss_sum`.
     * ``fused`` -- whether layouts that allow it (causal LMs) may use :class:`FusedCausalLMLoss` while
@@ -61,8 +59,8 @@ class MicroBatchLoss:
       (:class:`~hf_accum.sequence_norm.SequenceMeanLoss`, the default ``loss_sum_fn`` of that mode).
 
     **Terms the model adds to its own loss.** The first micro-batch is probed once
-    (:func:`hf_accum.loss.probe_model_loss`): the model's own ``forward(labels=...)`` loss must equal
-    the cross-entropy from its logits plus its known terms (:data:`hf_accum.loss.MODEL_LOSS_TERMS`, e.g.
+    (:func:`hf_accum.model_loss.probe_model_loss`): the model's own ``forward(labels=...)`` loss must equal
+    the cross-entropy from its logits plus its known terms (:data:`hf_accum.model_loss.MODEL_LOSS_TERMS`, e.g.
     a MoE router's ``router_aux_loss_coef * aux_loss``), else the run stops naming the model and the
     difference. While training, the known terms are added to the micro-batch's loss *sum* weighted by its
     target count: micro-batch ``k`` (``n_k`` targets, router loss ``aux_k``) adds ``coef * aux_k * n_k``.

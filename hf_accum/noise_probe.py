@@ -38,10 +38,10 @@ NOT_UNDER_FSDP = (
 
 def squared_norm(tensors: Iterable[torch.Tensor | None], device: torch.device | str) -> torch.Tensor:
     """``sum |t|^2`` over the tensors as a float64 scalar on ``device`` (one fused norm kernel, no host sync)."""
-    tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors if t is not None]
-    if not tensors:
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors if t is not None]
+    if not local:
         return torch.zeros((), dtype=torch.float64, device=device)
-    norms = torch.stack([norm.to(device, torch.float64) for norm in torch._foreach_norm(tensors)])
+    norms = torch.stack([norm.to(device, torch.float64) for norm in torch._foreach_norm(local)])
     return norms.square().sum()
 
 

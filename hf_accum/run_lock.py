@@ -2,7 +2,9 @@
 
 Two runs writing into one directory mix their checkpoints and leave a ``resolved_config.yaml`` that
 describes neither, so the first thing a run does with its output directory is take :data:`LOCK_NAME`
-in it with ``fcntl.flock`` (exclusive, non-blocking). The lock belongs to the open file, so it is
+in it (exclusive, non-blocking) with :func:`filelock.lock_descriptor` -- ``flock`` on POSIX, ``LockFileEx``
+on Windows: the lock primitive of the ``filelock`` package, portable, on a descriptor this module owns, so
+the holder can write its description into the file. The lock belongs to the open file, so it is
 released on *any* exit -- normal, exception, SIGKILL -- and a dead holder's lock is free at once: there
 is no stale lock to clean up by hand. The holder writes its pid, host and start time into the file
 so that a second run is refused (:class:`OutputDirInUse`, exit 2) with a message naming the running one.
@@ -19,13 +21,15 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import fcntl
 import functools
 import inspect
 import os
 import socket
 from typing import Any, Callable, Iterator
 
+from filelock import lock_descriptor
+
+from hf_accum.distributed import is_main_process
 from hf_accum.errors import InputError
 
 LOCK_NAME = ".hf_accum.lock"
@@ -45,11 +49,6 @@ class _Held:
         self.depth = 1
 
 
-def is_main_rank() -> bool:
-    """The global rank 0 of a launcher (torchrun, accelerate launch, srun) or a lone process."""
-    return int(os.environ.get("RANK", "0")) == 0
-
-
 def acquire(output_dir: str, label: str = "output_dir") -> None:
     """Take ``output_dir``'s lock for this process (creating the directory), or raise :class:`OutputDirInUse`
     naming the run that holds it. Re-entrant: count on :func:`release` being called as often."""
@@ -62,9 +61,7 @@ def acquire(output_dir: str, label: str = "output_dir") -> None:
     while True:
         # No truncation before the lock is ours: the holder's description stays readable for the refusal.
         descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not lock_descriptor(descriptor, blocking=False):
             holder = _read(descriptor)
             os.close(descriptor)
             _remove_empty(created)
@@ -120,14 +117,14 @@ def locks_output_dir(where: Callable[[dict[str, Any]], tuple[str | None, bool]],
 @contextlib.contextmanager
 def run_lock(output_dir: str | None, label: str = "output_dir", enabled: bool | None = None) -> Iterator[None]:
     """Hold ``output_dir``'s lock for the block (on the main rank; ``enabled`` overrides that choice)."""
-    take = bool(output_dir) and (is_main_rank() if enabled is None else enabled)
-    if take:
-        acquire(output_dir, label)
+    locked = output_dir if output_dir and (is_main_process() if enabled is None else enabled) else None
+    if locked:
+        acquire(locked, label)
     try:
         yield
     finally:
-        if take:
-            release(output_dir)
+        if locked:
+            release(locked)
 
 
 def holds(output_dir: str) -> bool:
@@ -138,11 +135,16 @@ def _describe_holder(descriptor: int) -> None:
     since = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     text = f"pid {os.getpid()} on {socket.gethostname()}, since {since}\n"
     os.ftruncate(descriptor, 0)
-    os.pwrite(descriptor, text.encode(), 0)
+    os.lseek(descriptor, 0, os.SEEK_SET)
+    os.write(descriptor, text.encode())
 
 
 def _read(descriptor: int) -> str:
-    text = os.pread(descriptor, 4096, 0).decode(errors="replace").strip()
+    try:
+        os.lseek(descriptor, 0, os.SEEK_SET)
+        text = os.read(descriptor, 4096).decode(errors="replace").strip()
+    except OSError:  # Windows: the holder's locked byte cannot be read by another process
+        text = ""
     return text or "holder unknown: it is still starting"
 
 

@@ -46,7 +46,7 @@ _NOT_APPLICABLE_WARNING = r"`label_smoothing_factor` is deprecated in `SFTTraine
 _STATS = ("targets", "entropy_sum", "top1_hits", "tokens")
 
 
-class AccumSFTTrainer(AccumTrainer, SFTTrainer):
+class AccumSFTTrainer(AccumTrainer, SFTTrainer):  # type: ignore[misc]  # TRL types loss_is_scaled_for_ga as None
     """``trl.SFTTrainer`` whose every update applies the exact big-batch gradient.
 
     Same constructor as ``SFTTrainer`` (model, ``SFTConfig``, datasets in TRL's formats,
@@ -77,7 +77,7 @@ class AccumSFTTrainer(AccumTrainer, SFTTrainer):
     def _sync_router_coef(self) -> None:
         """TRL writes ``SFTConfig.router_aux_loss_coef`` into the model's config, but MoE models read the
         coefficient they copied at construction (``model.router_aux_loss_coef``), as does the router term every
-        front-end adds (:func:`hf_accum.loss.model_loss_terms`): copy TRL's value there too."""
+        front-end adds (:func:`hf_accum.model_loss.model_loss_terms`): copy TRL's value there too."""
         inner = unwrap_model(self.model)
         if self.aux_loss_enabled and hasattr(inner, "router_aux_loss_coef"):
             inner.router_aux_loss_coef = self.router_aux_loss_coef
@@ -88,7 +88,7 @@ class AccumSFTTrainer(AccumTrainer, SFTTrainer):
         stats = self._micro_batch_loss.last_token_stats
         if stats is not None:
             _, real_tokens, _ = batch_shape_counts(inputs)
-            mode = "train" if self.model.training else "eval"
+            mode = "train" if self.model is not None and self.model.training else "eval"
             self._stats[mode].add(stats.targets, stats.entropy_sum, stats.top1_hits, real_tokens)
         return result
 
@@ -115,7 +115,7 @@ class AccumSFTTrainer(AccumTrainer, SFTTrainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Hand TRL's ``log`` (which averages ``self._metrics[mode]``) one token-weighted value per metric."""
-        mode = "train" if self.model.training else "eval"
+        mode = "train" if self.model is not None and self.model.training else "eval"
         metrics = self._stats[mode].take_means()
         if metrics:
             trl_logged = trl_metrics(self, mode)

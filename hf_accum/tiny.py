@@ -8,6 +8,8 @@ synthetic tasks and its seeded model on top).
 
 from __future__ import annotations
 
+from typing import Any
+
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
@@ -26,7 +28,7 @@ TINY_LLAMA = dict(
 )
 
 
-def tiny_llama_config(**values):
+def tiny_llama_config(**values: Any) -> Any:  # a transformers.LlamaConfig
     """A ``LlamaConfig`` of the tiny shape (:data:`TINY_LLAMA`), ``values`` on top. The one place a tiny
     Llama config is built: the recipe's default model, the tests and the benchmarks pass their sizes."""
     from transformers import LlamaConfig
@@ -34,14 +36,14 @@ def tiny_llama_config(**values):
     return LlamaConfig(**{**TINY_LLAMA, **values})
 
 
-def word_splitter():
+def word_splitter() -> Any:  # a tokenizers pre-tokenizer
     """Runs of word characters, and runs of punctuation, each a token: ``"Paris."`` -> ``Paris``, ``.``."""
     from tokenizers import pre_tokenizers
 
     return pre_tokenizers.Whitespace()
 
 
-def build_tiny_tokenizer(words: list[str]):
+def build_tiny_tokenizer(words: list[str]) -> Any:  # a tokenizers.Tokenizer
     """A word-level tokenizer over ``words`` (ids in that order, after the chat special tokens)."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast

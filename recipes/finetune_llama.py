@@ -23,20 +23,16 @@ START = time.time()  # wall time counts the imports too
 import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
+from transformers import set_seed  # noqa: E402
 
 from hf_accum import AccumTrainer, LoopConfig, train  # noqa: E402
 from hf_accum.batching import PackingCollator, PaddingCollator  # noqa: E402
-from hf_accum.checkpoint import (  # noqa: E402
-    ResumeMismatchError, check_resume_engine, check_resume_plan, complete_checkpoints, remove_staging_debris,
-    resolve_resume_checkpoint, verified_resume_checkpoint,
-)
 from hf_accum.control import NonFiniteLossError, TrainingStopped  # noqa: E402
-from hf_accum.distributed import fsdp_unsharded_root, is_fsdp_sharded, is_partitioned  # noqa: E402
-from hf_accum.errors import InputError  # noqa: E402
-from hf_accum.schedule import BatchPlan  # noqa: E402
-from hf_accum.recipe.accumulation import noise_scale_enabled, normalization  # noqa: E402
-from hf_accum.recipe.config import ConfigError, load_recipe_config  # noqa: E402
-from hf_accum.recipe.accumulation import loop_settings  # noqa: E402
+from hf_accum.distributed import (  # noqa: E402
+    fsdp_unsharded_root, is_fsdp_sharded, is_partitioned, leave_process_group,
+)
+from hf_accum.recipe.accumulation import loop_settings, noise_scale_enabled, normalization  # noqa: E402
+from hf_accum.recipe.config import load_recipe_config  # noqa: E402
 from hf_accum.recipe.data import exact_match, load_tokenizer_and_data  # noqa: E402
 from hf_accum.recipe.launch import (  # noqa: E402
     check_engine, check_launch, check_offload_optimizer, fsdp_training_arguments, launch_line, loop_accelerator,
@@ -44,11 +40,10 @@ from hf_accum.recipe.launch import (  # noqa: E402
 )
 from hf_accum.recipe.modeling import build_model, trainable_summary  # noqa: E402
 from hf_accum.recipe.outputs import (  # noqa: E402
-    RunRecord, barrier, check_output_dir, claim_output_dir, describe_trainable, disk_full_is_one_line,
-    is_main_process, percent, probe_writable, quiet_third_party_warnings, run_cli, save_outputs,
-    say,
+    RunRecord, barrier, check_output_dir, claim_output_dir, describe_trainable, disk_full_is_one_line, percent,
+    probe_writable, quiet_third_party_warnings, run_cli, save_outputs, say,
 )
-from hf_accum.distributed import leave_process_group  # noqa: E402
+from hf_accum.recipe.resume import check_resume_fits, resume_checkpoint  # noqa: E402
 from hf_accum.run_lock import run_lock  # noqa: E402
 
 
@@ -178,23 +173,8 @@ def main(argv):
 
 def run(config):
     launch = check_launch(config.training)  # no silent fallback (FSDP on CPU, fewer processes...)
-    resume, out = config.training.get("resume_from_checkpoint"), config.training["output_dir"]
-    state = check_output_dir(config, resume=bool(resume))
-    if resume is True:
-        # The newest checkpoint whose files match its manifest (damaged ones are named and skipped). A requeue
-        # passes the same flag every time: with no such checkpoint yet, start afresh, removing unfinished writes.
-        resume = verified_resume_checkpoint(out, report=say) if state == "resume" else None
-        if resume is None and complete_checkpoints(out):
-            resume = True  # every one is damaged: refused below (exit 2), for a person to look at
-        elif resume is None:
-            debris = remove_staging_debris(out) if is_main_process() else []
-            cleaned = f" (removed {len(debris)} unfinished checkpoint write(s))" if debris else ""
-            say(f"note: training.resume_from_checkpoint=true but no checkpoint exists yet{cleaned}: "
-                "starting from scratch")
-    try:
-        resume = resolve_resume_checkpoint(resume, config.training["output_dir"])
-    except ValueError as error:  # an incomplete checkpoint, or none where one was named
-        raise ConfigError(f"training.resume_from_checkpoint: {error}") from None
+    given, out = config.training.get("resume_from_checkpoint"), config.training["output_dir"]
+    state = check_output_dir(config, resume=bool(given))  # another run's directory, a finished run: refused
     # Activation checkpointing is set up on the model below (before PEFT wraps it): not by Trainer again.
     # The loop engine builds its own DeepSpeed Accelerator (train_with_loop): TrainingArguments must not.
     # Under FSDP, activation checkpointing goes through FSDP's plugin (fsdp_config), not the model.
@@ -204,23 +184,13 @@ def run(config):
                                      **fsdp_training_arguments(config.training, launch))
     start_process_group(args, launch)  # before any model load (a quantized one, ZeRO-3's zero.Init)
     say(f"engine {config.engine}: {launch_line(args, launch)}")
-    train_engine, honoured = ENGINES[config.engine]
-    if resume:  # another micro-batch, accumulation or world size would misplace the data position
-        check_resume_engine(resume, deepspeed=launch.backend == "deepspeed")  # DeepSpeed's files, or ours
-        check_resume_plan(resume, BatchPlan(args.per_device_train_batch_size, args.gradient_accumulation_steps,
-                                            args.world_size), same_global_batch_ok=args.auto_find_batch_size)
-        say(f"resuming from {resume}")
+    resume = resume_checkpoint(given, out, state)  # None: a fresh start; rank 0 verifies, every rank decides alike
+    check_resume_fits(resume, args, deepspeed=launch.backend == "deepspeed")  # batch arithmetic, engine files
     record = RunRecord(config, started=START)
-    say("resolved config:\n" + config.to_yaml())
-    for note in config.notes:
-        say(f"note: {note}")
-    if honoured is not None and set(config.training) - honoured:
-        say(f"note: engine {config.engine!r} ignores training.{', training.'.join(sorted(set(config.training) - honoured))}")
+    announce_config(config)
 
     # 2. Tokenizer and data: the format detected from the columns, chat template applied, labels -100
     #    outside the answers, a held-out split (given, or carved off), every bad row refused.
-    from transformers import set_seed
-
     set_seed(args.seed)
     tokenizer, data = load_tokenizer_and_data(config.model, config.data)
     for line in data.report:
@@ -241,16 +211,12 @@ def run(config):
     say(f"held-out exact match before training: {percent(before)}{why}")
     claim_output_dir(config)  # from here on, the directory is this run's (a re-run may resume it)
     train_start = time.time()
-    model, plan = train_engine(model, tokenizer, data, collator, args, record, resume, launch)
+    model, plan = ENGINES[config.engine][0](model, tokenizer, data, collator, args, record, resume, launch)
     train_seconds = time.time() - train_start
     after = evaluate(model, tokenizer, data, config, args)
 
     # 5. Outputs: adapter (or model) + tokenizer, loss/LR plot, metrics.json (written last: finished).
-    record.facts.update(
-        world_size=plan.num_processes, batch_plan=plan.describe(), micro_batch_size=plan.micro_batch_size,
-        accumulation_steps=plan.accumulation_steps, global_batch_size=plan.global_batch_size,
-        eval_before=before, eval_after=after, train_seconds=train_seconds, data=data_facts(data),
-    )
+    record.add_result(plan, eval_before=before, eval_after=after, train_seconds=train_seconds, data=data_facts(data))
     out = save_outputs(record, model, tokenizer)
     say(f"{len(record.updates)} updates in {train_seconds:.0f}s; wall time {record.wall_seconds:.0f}s "
         f"(from process start)")
@@ -261,7 +227,17 @@ def run(config):
     return record.metrics()
 
 
+def announce_config(config):
+    """The resolved config, the notes its validation left, and the training keys this engine ignores."""
+    say("resolved config:\n" + config.to_yaml())
+    for note in config.notes:
+        say(f"note: {note}")
+    honoured = ENGINES[config.engine][1]
+    if honoured is not None and set(config.training) - honoured:
+        say(f"note: engine {config.engine!r} ignores training.{', training.'.join(sorted(set(config.training) - honoured))}")
+
+
 if __name__ == "__main__":
     quiet_third_party_warnings()
-    bad_input = (InputError, ResumeMismatchError)  # every recipe-kit error is an InputError
-    raise SystemExit(run_cli(main, bad_input=bad_input, stopped=(TrainingStopped, NonFiniteLossError)))
+    # Every bad input (config, data, model, launch, a checkpoint that does not fit) is an InputError: exit 2.
+    raise SystemExit(run_cli(main, stopped=(TrainingStopped, NonFiniteLossError)))

@@ -107,7 +107,8 @@ class Stepper:
         self.magnitude = LossMagnitude(active=False)
         self.fp32_sums: Fp32GradientAccumulator | None = None
 
-    def epoch(self, batches, done: int) -> Iterator[Step]:
+    def epoch(self, batches, done: int, windows: list[int] | None = None,
+              targets: list[int] | None = None) -> Iterator[Step]:
         raise NotImplementedError
 
     @contextlib.contextmanager

@@ -40,7 +40,8 @@ class Supervisor:
         self.checkpointer = checkpointer
         self.first_epoch = 0
 
-    def resume(self, checkpoint: str, progress) -> None:
+    def resume(self, checkpoint: str, progress: Any) -> None:
+        assert self.checkpointer is not None  # a resume path comes with a checkpointer (build_checkpointer)
         state = self.checkpointer.resume(checkpoint, self.plan.micro_batches)
         self.result.updates = [UpdateLog(**update) for update in state.log_history]
         self.stepper.magnitude.value = state.window_magnitude
@@ -78,6 +79,7 @@ class Supervisor:
         """Write a checkpoint when one is due; returns it (None when none was written)."""
         if not self.config.output_dir or not self._save_due(update.step, decision, consumed):
             return None
+        assert self.checkpointer is not None  # an output directory comes with a checkpointer
         self.result.checkpoint = self.checkpointer.save(
             LoopState(
                 update=update.step, epoch=epoch, micro_batches_in_epoch=consumed,
@@ -109,8 +111,10 @@ class Supervisor:
         raise error
 
 
-def build_checkpointer(config: LoopConfig, accelerator: Accelerator, resume_from_checkpoint: Any, model, optimizer,
-                       scheduler, dataloader, plan: RunPlan) -> tuple[LoopCheckpointer | None, str | None]:
+def build_checkpointer(
+    config: LoopConfig, accelerator: Accelerator, resume_from_checkpoint: Any, model: Any, optimizer: Any,
+    scheduler: Any, dataloader: Any, plan: RunPlan,
+) -> tuple[LoopCheckpointer | None, str | None]:
     """Probe ``output_dir`` before any work; the checkpointer (None without checkpoints) and the checkpoint to
     resume from (None for a fresh start)."""
     if config.output_dir:

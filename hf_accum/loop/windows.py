@@ -28,25 +28,9 @@ from typing import Any
 import torch
 
 from hf_accum.checkpoint import ResumeMismatchError
-from hf_accum.errors import InputError
 from hf_accum.loop_checkpoint import capture_random_states, data_generators, restore_random_states
 from hf_accum.loss import count_targets
 from hf_accum.rampup import RampUp, describe_stages, plan_windows
-
-
-class WindowsNeedLoopError(InputError):
-    """Ramp-up or a token budget asked of AccumTrainer: a changing window needs the loop engine."""
-
-
-def refuse_planned_windows(where: str, rampup_batch_size: Any = None, tokens_per_update: Any = None) -> None:
-    """AccumTrainer (and the recipe's trainer engine) cannot change the window: Trainer fixes it per epoch
-    inside ``_inner_training_loop``, which AccumTrainer never overrides."""
-    for key, value in (("rampup_batch_size", rampup_batch_size), ("tokens_per_update", tokens_per_update)):
-        if value is not None:
-            raise WindowsNeedLoopError(
-                f"{where}{key}={value!r} needs the loop engine (engine=loop, hf_accum.train): Trainer fixes the "
-                "window of every update itself; allowed with the trainer engine: null"
-            )
 
 
 class PlanDriftError(RuntimeError):

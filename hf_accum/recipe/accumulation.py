@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from hf_accum.loop.config import LoopConfig
-from hf_accum.loop.windows import refuse_planned_windows
+from hf_accum.planned_windows import refuse_planned_windows
 from hf_accum.rampup import RampUp
 from hf_accum.recipe.config.schema import BUILTIN, COMMAND_LINE, EMBEDDED_SOURCE, ConfigError
 from hf_accum.sequence_norm import NORMALIZATIONS

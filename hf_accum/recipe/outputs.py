@@ -11,8 +11,8 @@ This module owns what a recipe run leaves behind and what it prints:
 * **per-update records** from either engine (``hf_accum.UpdateLog``), kept for ``metrics.json`` and
   the loss/LR plot, and printed every ``logging_steps`` updates;
 * **the process edge**: ``run_cli`` turns configuration/data/model errors into one ``error:`` line
-  and exit code 2, a full disk into one line naming the last good checkpoint and exit code 3, and
-  Ctrl-C into one line and exit code 130.
+  and exit code 2, a full disk into one line naming the last good checkpoint and exit code 3, too many
+  inf/NaN updates in a row into exit code 5, and Ctrl-C into one line and exit code 130.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
-from hf_accum.checkpoint import write_text_atomically
+from hf_accum.checkpoint import OutputDirNotWritable, check_output_dir_writable, write_text_atomically
 from hf_accum.distributed import is_main_process
 from hf_accum.errors import EXIT_BAD_INPUT, EXIT_DISK_FULL, EXIT_INTERRUPTED, EXIT_NONFINITE, InputError
 from hf_accum.recipe import config as config_module
@@ -113,32 +113,16 @@ def _entries(out: str) -> list[str]:
 
 
 def probe_writable(path: str) -> None:
-    """Write a probe file in ``path``, creating the missing directories for the probe only: a file in the
-    way or a read-only location is found before any training, and nothing stays -- the probe is an unnamed
-    temporary file (``O_TMPFILE``), so even a kill during the probe leaves no file behind."""
-    import tempfile
-
+    """The output directory can be written: :func:`hf_accum.checkpoint.check_output_dir_writable`, on the main
+    process, leaving nothing behind (the directories created for the probe are removed again)."""
     if not is_main_process():
         # One rank probes the (shared) directory: two probing at once race on the directories the probe creates
         # and removes again ("File exists", or a directory gone under the other rank's probe file).
         return
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise OutputDirError(f"training.output_dir={path!r} is a file, not a directory")
-    created = []
     try:
-        missing = path
-        while missing and not os.path.exists(missing):
-            created.append(missing)
-            missing = os.path.dirname(missing)
-        os.makedirs(path, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path, prefix=".hf_accum_write_probe") as handle:
-            handle.write(b"ok")
-    except OSError as error:
-        raise OutputDirError(f"training.output_dir={path!r} is not writable: {error.strerror or error}") from None
-    finally:
-        for directory in created:  # deepest first
-            if os.path.isdir(directory) and not os.listdir(directory):
-                os.rmdir(directory)
+        check_output_dir_writable(path, "training.output_dir", keep_created=False)
+    except OutputDirNotWritable as error:
+        raise OutputDirError(str(error)) from None
 
 
 def claim_output_dir(config: config_module.RecipeConfig) -> None:
@@ -146,11 +130,7 @@ def claim_output_dir(config: config_module.RecipeConfig) -> None:
     if is_main_process():
         out = config.training["output_dir"]
         os.makedirs(out, exist_ok=True)
-        write_atomically(os.path.join(out, config_module.RESOLVED_CONFIG_NAME), config.to_yaml())
-
-
-def write_atomically(path: str, text: str) -> None:
-    write_text_atomically(path, text)  # the library's one fsyncing atomic writer (no temporary left on failure)
+        write_text_atomically(os.path.join(out, config_module.RESOLVED_CONFIG_NAME), config.to_yaml())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -169,11 +149,11 @@ class RunRecord:
     noise_scale_advice: str | None = None
     """``accumulation.noise_scale``: the end-of-run line on the batch size (also in metrics.json)."""
 
-    def keep_update(self, update) -> None:
+    def keep_update(self, update: Any) -> None:  # an hf_accum.UpdateLog
         """``on_update``: keep every update for ``metrics.json`` and the plot."""
         self.updates.append(asdict(update))
 
-    def record_update(self, update) -> None:
+    def record_update(self, update: Any) -> None:  # an hf_accum.UpdateLog
         """``on_update``: keep every update, and print one line every ``logging_steps``."""
         self.keep_update(update)
         every = max(1, int(self.config.training.get("logging_steps", 10) or 1))
@@ -182,6 +162,13 @@ class RunRecord:
 
             if is_main_process():
                 tqdm.write(update.line())
+
+    def add_result(self, plan: Any, **facts: Any) -> None:
+        """The batch plan that ran (``hf_accum.schedule.BatchPlan``) and the run's other facts, for metrics.json."""
+        self.facts.update(
+            world_size=plan.num_processes, batch_plan=plan.describe(), micro_batch_size=plan.micro_batch_size,
+            accumulation_steps=plan.accumulation_steps, global_batch_size=plan.global_batch_size, **facts,
+        )
 
     @property
     def wall_seconds(self) -> float:
@@ -193,7 +180,7 @@ class RunRecord:
                 "updates": self.updates}
 
 
-def save_outputs(record: RunRecord, model, tokenizer) -> str:
+def save_outputs(record: RunRecord, model: Any, tokenizer: Any) -> str:
     """Adapter (or model) + tokenizer, the loss/LR plot, then ``metrics.json`` (the run is finished)."""
     from hf_accum.distributed import save_pretrained
 
@@ -216,9 +203,9 @@ def save_outputs(record: RunRecord, model, tokenizer) -> str:
     if os.path.isdir(target):
         shutil.rmtree(target)
     os.replace(temporary, target)  # the finished weights appear whole, or not at all
-    if record.updates:
-        plot_curves(record.updates, os.path.join(out, PLOT_NAME), title=run_title(config))
-    write_atomically(os.path.join(out, METRICS_NAME), json.dumps(record.metrics(), indent=2, default=str))
+    if record.updates and not plot_curves(record.updates, os.path.join(out, PLOT_NAME), title=run_title(config)):
+        say(f"note: {PLOT_NAME} not drawn: matplotlib is not installed (pip install 'hf_accum[recipe]')")
+    write_text_atomically(os.path.join(out, METRICS_NAME), json.dumps(record.metrics(), indent=2, default=str))
     return out
 
 
@@ -227,10 +214,14 @@ def run_title(config: config_module.RecipeConfig) -> str:
     return f"{config.model.name_or_path} - {kind} - engine {config.engine} - {config.data.dataset}"
 
 
-def plot_curves(updates: list[dict[str, Any]], path: str, title: str = "") -> None:
+def plot_curves(updates: list[dict[str, Any]], path: str, title: str = "") -> bool:
     """Per-update loss (and held-out loss where evaluated), LR, and a panel with tokens per update and the
-    measured gradient noise scale (when tracked), against integer update numbers."""
-    import matplotlib
+    measured gradient noise scale (when tracked), against integer update numbers. False (nothing drawn)
+    without matplotlib: the ``recipe`` extra, imported only here."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -254,9 +245,10 @@ def plot_curves(updates: list[dict[str, Any]], path: str, title: str = "") -> No
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return True
 
 
-def _plot_batch_panel(ax, updates: list[dict[str, Any]], steps: list[int]) -> None:
+def _plot_batch_panel(ax: Any, updates: list[dict[str, Any]], steps: list[int]) -> None:
     """Tokens (targets) per update, and the noise scale B_simple in the same unit: above the tokens line,
     larger updates would still pay off."""
     ax.plot(steps, [u.get("targets", math.nan) for u in updates], lw=1, color="tab:green", label="tokens per update")
@@ -304,7 +296,8 @@ def percent(result: dict[str, Any] | None) -> str:
 
 
 def run_cli(
-    run: Callable[[Sequence[str]], Any], argv: Sequence[str] | None = None, bad_input=(), stopped=()
+    run: Callable[[Sequence[str]], Any], argv: Sequence[str] | None = None,
+    bad_input: tuple[type[BaseException], ...] = (), stopped: tuple[type[BaseException], ...] = (),
 ) -> int:
     """Run ``run(argv)`` and turn its ends into one line and an exit code:
 
@@ -313,14 +306,15 @@ def run_cli(
       ``error: ...``, exit 2;
     * a full disk (:class:`DiskFullError`): ``error: ...`` naming the last good checkpoint, exit 3;
     * a stop (``stopped``): a preemption signal (``hf_accum.control.TrainingStopped``: its checkpoint
-      is written, exit 75; Ctrl-C exit 130) or too many inf/NaN updates in a row (exit 3);
+      is written, exit 75; Ctrl-C exit 130) or too many inf/NaN updates in a row (exit 5);
     * a second Ctrl-C while stopping: exit 130.
 
     Under ``accelerate launch`` the launcher reports any non-zero code as 1 (and adds its own traceback).
     """
+    bad: tuple[type[BaseException], ...] = (InputError, *bad_input)
     try:
         run(sys.argv[1:] if argv is None else argv)
-    except (InputError, *bad_input) as exc:
+    except bad as exc:
         print(f"error: {exc}", file=sys.stderr)
         return _after_an_early_end(EXIT_BAD_INPUT)
     except DiskFullError as exc:
@@ -329,7 +323,8 @@ def run_cli(
     except tuple(stopped) as exc:
         resume = RESUME_HINT if getattr(exc, "checkpoint", None) else ""
         print(f"stopped: {exc}{resume}", file=sys.stderr)
-        return _after_an_early_end(exc.code if isinstance(exc, SystemExit) else EXIT_NONFINITE)
+        code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else EXIT_NONFINITE
+        return _after_an_early_end(code)
     except KeyboardInterrupt:
         print("interrupted (Ctrl-C): stopped; final outputs were not written", file=sys.stderr)
         return _after_an_early_end(EXIT_INTERRUPTED)
@@ -352,18 +347,19 @@ _DISK_FULL_TEXT = ("no space left on device", "os error 28", "disk quota exceede
 
 def is_disk_full(error: BaseException) -> bool:
     """``error`` (or what it was raised from) is a write that failed for lack of space."""
+    current: BaseException | None = error
     seen = 0
-    while error is not None and seen < 5:
-        if isinstance(error, OSError) and error.errno in _DISK_FULL_ERRNOS:
+    while current is not None and seen < 5:
+        if isinstance(current, OSError) and current.errno in _DISK_FULL_ERRNOS:
             return True
-        if any(text in str(error).lower() for text in _DISK_FULL_TEXT):  # SafetensorError is neither
+        if any(text in str(current).lower() for text in _DISK_FULL_TEXT):  # SafetensorError is neither
             return True
-        error, seen = error.__cause__ or error.__context__, seen + 1
+        current, seen = current.__cause__ or current.__context__, seen + 1
     return False
 
 
 @contextlib.contextmanager
-def disk_full_is_one_line(output_dir: str):
+def disk_full_is_one_line(output_dir: str) -> Iterator[None]:
     """Turn a write that failed for lack of space into :class:`DiskFullError`: one line saying what failed and
     the newest checkpoint that verifies (checkpoints are atomic: a failed write leaves the earlier ones whole)."""
     try:
@@ -373,7 +369,9 @@ def disk_full_is_one_line(output_dir: str):
             raise
         from hf_accum.checkpoint import verified_resume_checkpoint
 
-        last = verified_resume_checkpoint(output_dir, report=lambda line: None) if os.path.isdir(output_dir) else None
+        # Only the ranks whose write failed get here: each looks for itself (no collective verification).
+        last = (verified_resume_checkpoint(output_dir, report=lambda line: None, collective=False)
+                if os.path.isdir(output_dir) else None)
         saved = (f"the last good checkpoint is {last}: free space, then run the same command with "
                  "training.resume_from_checkpoint=true") if last else "no checkpoint written yet: free space and rerun"
         what = str(error).splitlines()[0][:200] if str(error) else type(error).__name__

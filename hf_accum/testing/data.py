@@ -3,7 +3,7 @@ mean loss over such rows, computed independently (one row at a time) as the refe
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -41,7 +41,7 @@ def random_rows(
         ids = torch.randint(lowest_id, high, (length,), generator=generator)
         if skip_pad:
             ids = torch.where(ids >= pad_token_id, ids + 1, ids)
-        example = {"input_ids": ids.tolist()}
+        example: dict[str, Any] = {"input_ids": ids.tolist()}
         if prompt_masking:
             example["prompt_length"] = int(torch.randint(0, length, (1,), generator=generator))
         if num_labels is not None:

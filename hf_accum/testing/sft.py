@@ -10,7 +10,7 @@ the rest of :mod:`hf_accum.testing` because it needs ``datasets`` rows shaped fo
 from __future__ import annotations
 
 import random
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from datasets import Dataset
@@ -67,7 +67,7 @@ def sft_rows(
         count = rng.randint(*bounds) if long_rows is None else bounds[1] if long_rows(i) else bounds[0]
         return " ".join(rng.choice(WORDS) for _ in range(count))
 
-    rows = []
+    rows: list[dict[str, Any]] = []
     for i in range(n):
         prompt, answer = words(i, prompt_words), words(i, answer_words)
         if data_format == "prompt_completion":

@@ -122,6 +122,8 @@ class TrainerCheckpoints:
         step = self.trainer.state.global_step
         checkpoint = checkpoint_path(self.trainer.args.output_dir, step)
         error = halting.halt_error(guard, step, checkpoint if is_complete_checkpoint(checkpoint) else None)
+        if error is None:
+            return
         if isinstance(error, SystemExit) and self.trainer.args.should_log:
             logger.warning("%s", error)
         raise error

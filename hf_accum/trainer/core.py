@@ -34,10 +34,11 @@ from transformers import Trainer
 from hf_accum.accumulation import WindowTally
 from hf_accum.compat import check_trainer_hooks, keep_4bit_training_layout, prepare_inputs, trainer_learning_rate
 from hf_accum.control import DEFAULT_MAX_CONSECUTIVE_NONFINITE, NonFiniteGuard, StopSignals, TrainingControl
-from hf_accum.loop.windows import refuse_planned_windows
-from hf_accum.loss import LossKind, infer_loss_kind, model_problem_type, resolve_loss_kind, token_loss_sum
+from hf_accum.loss import LossKind, infer_loss_kind, model_problem_type, token_loss_sum
 from hf_accum.micro_batch import MicroBatchLoss
+from hf_accum.model_loss import resolve_loss_kind
 from hf_accum.noise_probe import NOT_UNDER_DEEPSPEED, NOT_UNDER_FSDP
+from hf_accum.planned_windows import refuse_planned_windows
 from hf_accum.records import UpdateLog
 from hf_accum.run_lock import locks_output_dir
 from hf_accum.schedule import BatchPlan

@@ -12,6 +12,7 @@ import tempfile
 import pytest
 import yaml
 
+from hf_accum.checkpoint import write_text_atomically
 from hf_accum.recipe import config as recipe_config
 from hf_accum.recipe import outputs as run_outputs
 from hf_accum.recipe.testing import (
@@ -311,7 +312,7 @@ def test_output_dir_of_a_different_run_is_left_alone(tmp_path, capsys):
     out.mkdir()
     previous = recipe_config.resolve(recipe_config.load_config(None, {"training.output_dir": str(out), "training.learning_rate": 1e-4}),
                          ("loop", "trainer"))
-    run_outputs.write_atomically(str(out / recipe_config.RESOLVED_CONFIG_NAME), previous.to_yaml())
+    write_text_atomically(str(out / recipe_config.RESOLVED_CONFIG_NAME), previous.to_yaml())
     before = sorted(os.listdir(out))
     code = run_outputs.run_cli(load_script().main, [*SMALL, f"training.output_dir={out}"], bad_input=BAD_INPUT)
     err = capsys.readouterr().err

@@ -7,7 +7,8 @@
   damaged checkpoint named explicitly is refused naming the file and the newest good checkpoint;
 * requeue-safe resume: a run killed while writing its first checkpoint, re-run with the same command plus
   ``resume_from_checkpoint=true``, starts afresh and cleans the unfinished write;
-* a full disk during a checkpoint or the final files: one ``error:`` line, exit 3, the last good checkpoint named;
+* a full disk during a checkpoint or the final files: one ``error:`` line, exit 3, the last good checkpoint named
+  (the inf/NaN limit has its own code, 5);
 * under torchrun, SIGTERM: every rank checkpoints; torchrun itself exits 1 (documented in docs/runs.md).
 """
 
@@ -28,7 +29,8 @@ from safetensors.torch import load_file
 
 from hf_accum import run_lock
 from hf_accum.checkpoint import remove_staging_debris, resolve_resume_checkpoint, verified_resume_checkpoint
-from hf_accum.errors import EXIT_BAD_INPUT, EXIT_DISK_FULL, EXIT_PREEMPTED
+from hf_accum.control import NonFiniteLossError, TrainingStopped
+from hf_accum.errors import EXIT_BAD_INPUT, EXIT_DISK_FULL, EXIT_NONFINITE, EXIT_PREEMPTED
 from hf_accum.manifest import MANIFEST_FILE, CheckpointCorrupt, verify_checkpoint, write_manifest
 from hf_accum.recipe import outputs as run_outputs
 
@@ -227,6 +229,33 @@ def write_checkpoint(out: str, update: int, content: bytes = b"weights") -> str:
     return os.path.join(out, f"checkpoint-{update}")
 
 
+@pytest.mark.slow
+def test_one_rank_verifies_a_checkpoint_and_every_rank_gets_its_verdict(tmp_path):
+    """2 gloo processes resume from a directory whose newest checkpoint has a damaged file (same size, other
+    bytes: only the sha256 finds it). Rank 0 alone hashes; both ranks choose the same older checkpoint, and
+    naming the damaged one ends both with the same line and exit code 2."""
+    from hf_accum.testing.launch import run_torchrun
+
+    run = str(tmp_path / "run")
+    good, bad = write_checkpoint(run, 2), write_checkpoint(run, 4)
+    with open(os.path.join(bad, "optimizer.pt"), "r+b") as handle:
+        handle.write(b"W")  # one byte changed in place: the size still matches the manifest
+    worker = os.path.join(os.path.dirname(__file__), "manifest_verify_worker.py")
+    out = tmp_path / "report.json"
+    run_torchrun(worker, out, nproc=2, timeout=300, extra_args=[run])
+    ranks = [json.load(open(f"{out}.rank{rank}")) for rank in (0, 1)]
+    assert [r["world_size"] for r in ranks] == [2, 2]
+    assert [r["chosen"] for r in ranks] == [good, good]
+    assert [r["exit_code"] for r in ranks] == [EXIT_BAD_INPUT, EXIT_BAD_INPUT]
+    (refusal,) = ranks[0]["refusal"]
+    assert ranks[1]["refusal"] == [refusal]
+    assert f"checkpoint {bad} is damaged: optimizer.pt differs from its manifest's sha256" in refusal
+    # Rank 0 read both checkpoints (the damaged one twice: it is never cached as good); rank 1 read nothing.
+    hashed = ranks[0]["hashed"]
+    assert {os.path.dirname(path) for path in hashed} == {"checkpoint-2", "checkpoint-4"}
+    assert ranks[1]["hashed"] == []
+
+
 def test_every_checkpoint_carries_a_manifest_that_finds_damage(tmp_path):
     out = str(tmp_path)
     good, bad = write_checkpoint(out, 2), write_checkpoint(out, 4)
@@ -379,6 +408,12 @@ def test_disk_full_is_one_line_naming_the_last_good_checkpoint(tmp_path, capsys)
 
     assert run_outputs.run_cli(torch_writer, []) == 3
     assert "no checkpoint written yet: free space and rerun" in capsys.readouterr().err
+
+    def diverged(argv):  # the inf/NaN limit: its own code, so that a wrapper tells it from a full disk
+        raise NonFiniteLossError("updates 2..3: 2 consecutive updates had inf/NaN losses or gradients")
+
+    assert run_outputs.run_cli(diverged, [], stopped=(TrainingStopped, NonFiniteLossError)) == EXIT_NONFINITE == 5
+    assert "stopped: updates 2..3" in capsys.readouterr().err
 
     def a_bug(argv):
         with run_outputs.disk_full_is_one_line(out):

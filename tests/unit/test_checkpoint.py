@@ -20,18 +20,17 @@ from hf_accum.checkpoint import (
     ResumeMismatchError,
     atomic_directory,
     atomic_file,
-    capture_random_states,
     check_output_dir_writable,
     check_resume_engine,
     complete_checkpoints,
     latest_complete_checkpoint,
     resolve_resume_checkpoint,
-    restore_random_states,
     rotate_checkpoints,
     save_batch_plan,
     staged_checkpoint,
 )
 from hf_accum.control import EXIT_INTERRUPTED, EXIT_PREEMPTED, StopSignals, TrainingControl, TrainingStopped
+from hf_accum.loop_checkpoint import capture_random_states, restore_random_states
 from hf_accum.schedule import BatchPlan
 from hf_accum.testing import PAD, fresh_accelerator, random_rows, tiny_causal_lm
 
@@ -95,6 +94,36 @@ def test_atomic_file_and_directory(tmp_path):
                 handle.write(content)
     assert sorted(os.listdir(tmp_path)) == ["adapter", "metrics.json"]
     assert os.listdir(tmp_path / "adapter") == ["second"]
+
+
+def test_atomic_file_flushes_the_file_then_its_directory_after_the_rename(tmp_path, monkeypatch):
+    """The rename is durable only once the directory holding it is flushed: the order is file fsync, rename,
+    directory fsync (a directory fsync before the rename would not cover it)."""
+    from hf_accum import checkpoint
+
+    events = []
+    real_fsync, real_replace, real_open = os.fsync, os.replace, os.open
+    opened = {}
+
+    def record_open(path, flags, *args, **kwargs):
+        descriptor = real_open(path, flags, *args, **kwargs)
+        opened[descriptor] = os.path.basename(os.fspath(path)) if os.path.isdir(path) else "file"
+        return descriptor
+
+    def record_fsync(descriptor):
+        events.append(("fsync", opened.get(descriptor, "file")))
+        return real_fsync(descriptor)
+
+    def record_replace(source, destination):
+        events.append(("replace", os.path.basename(destination)))
+        return real_replace(source, destination)
+
+    monkeypatch.setattr(checkpoint.os, "open", record_open)
+    monkeypatch.setattr(checkpoint.os, "fsync", record_fsync)
+    monkeypatch.setattr(checkpoint.os, "replace", record_replace)
+    checkpoint.write_text_atomically(str(tmp_path / "metrics.json"), "{}")
+    assert events == [("fsync", "file"), ("replace", "metrics.json"), ("fsync", tmp_path.name)]
+    assert (tmp_path / "metrics.json").read_text() == "{}" and os.listdir(tmp_path) == ["metrics.json"]
 
 
 def test_rotation_keeps_the_newest(tmp_path):

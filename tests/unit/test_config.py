@@ -12,6 +12,7 @@ import pytest
 import torch
 import yaml
 
+from hf_accum.checkpoint import write_text_atomically
 from hf_accum.recipe import config as recipe_config
 from hf_accum.recipe import outputs as run_outputs
 
@@ -266,7 +267,7 @@ def test_unknown_engine_is_refused(tmp_path):
 
 def save_config(config, out):
     os.makedirs(out, exist_ok=True)
-    run_outputs.write_atomically(os.path.join(out, recipe_config.RESOLVED_CONFIG_NAME), config.to_yaml())
+    write_text_atomically(os.path.join(out, recipe_config.RESOLVED_CONFIG_NAME), config.to_yaml())
 
 
 def test_output_dir_with_a_different_run_is_refused(tmp_path):

@@ -341,7 +341,7 @@ def test_no_tokens_by_vocab_tensor_is_allocated_while_training(front_end, layout
 
 
 def test_leading_slice_cuts_a_padding_free_row_with_its_sequence_boundaries():
-    from hf_accum.loss import leading_slice
+    from hf_accum.model_loss import leading_slice
 
     # three sequences of 5, 4 and 6 positions flattened into one row of 15
     inputs = {"input_ids": torch.arange(15).view(1, 15), "position_ids": torch.tensor([list(range(5)) + list(range(4))

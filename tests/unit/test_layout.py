@@ -7,12 +7,18 @@ a function (``import``, ``from ... import``, relative imports, ``importlib.impor
 command line, may import the kit lazily, inside the function of the command that reads a recipe
 config (``hf-accum plan --config``); a top-level import there would load the kit for every command.
 The recipe kit itself may import anything in the library.
+
+The import graph of the whole package (library and kit) has no cycle: an edge is any import a module
+executes, at the top or lazily inside a function, plus a ``"package.module:name"`` string (a callable named
+for ``importlib``); only imports under ``if TYPE_CHECKING:`` are left out (they never run). The Trainer side
+(``hf_accum/trainer/``) never imports the loop package, and no module is longer than 500 lines.
 """
 
 from __future__ import annotations
 
 import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -115,6 +121,180 @@ def test_a_front_door_may_import_the_kit_only_inside_a_function():
     eager = "from hf_accum.recipe import config\n"
     assert kit_imports("hf_accum/cli.py", eager) == ["hf_accum/cli.py:1: hf_accum.recipe",
                                                      "hf_accum/cli.py:1: hf_accum.recipe.config"]
+
+
+# -- the import graph: no cycle, lazy imports included ------------------------------------------------
+
+MAX_MODULE_LINES = 500
+# "hf_accum.recipe.data:check_data_section": a callable named by a string, resolved with importlib.
+_NAMED_CALLABLE = re.compile(r"(hf_accum(?:\.\w+)+):\w+")
+
+
+def package_modules() -> dict[str, Path]:
+    """Every module of ``hf_accum/`` (the kit included) by its dotted name."""
+    return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    """Nodes under ``if TYPE_CHECKING:`` (never executed, so no edge)."""
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped |= {id(inner) for statement in node.body for inner in ast.walk(statement)}
+    return skipped
+
+
+def module_imports(source: str, module: str, is_package: bool, known: set[str]) -> set[str]:
+    """The modules of ``known`` that ``source`` imports: top-level and function-level ``import`` /
+    ``from ... import`` (relative ones resolved; ``from pkg import sub`` is an edge to ``pkg.sub``, ``from
+    pkg import name`` one to ``pkg``), literal ``import_module``/``__import__`` calls and
+    ``"module:callable"`` strings."""
+    tree = ast.parse(source)
+    skipped = _type_checking_only(tree)
+    package = module if is_package else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {_nearest_module(alias.name, known) for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            found |= {f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names}
+        elif isinstance(node, ast.Call) and _is_dynamic_import(node):
+            found.add(_nearest_module(node.args[0].value, known))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            named = _NAMED_CALLABLE.fullmatch(node.value)
+            if named:
+                found.add(named.group(1))
+    return {name for name in found if name in known and name != module}
+
+
+def _nearest_module(name: str, known: set[str]) -> str:
+    """``import a.b.c`` of a name that is not a module file: the closest enclosing module."""
+    while name and name not in known:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = package_modules()
+    known = set(modules)
+    return {name: module_imports(path.read_text(), name, path.name == "__init__.py", known)
+            for name, path in modules.items()}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle (as a path ``a -> b -> ... -> a``) per strongly connected component of more than one module
+    (Tarjan's algorithm, iterative), and every module that imports itself."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    components.append(component)
+    return [_cycle_through(component, graph) for component in components]
+
+
+def _cycle_through(component: set[str], graph: dict[str, set[str]]) -> list[str]:
+    """A shortest cycle from the component's first module back to itself (breadth first inside it)."""
+    start = min(component)
+    previous: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for child in sorted(graph[node] & component):
+                if child == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(previous[path[-1]])
+                    return [start, *reversed(path[:-1]), start] if node != start else [start, start]
+                if child not in previous:
+                    previous[child] = node
+                    following.append(child)
+        frontier = following
+    raise AssertionError(f"no cycle through {sorted(component)}")
+
+
+def test_the_import_graph_has_no_cycle():
+    graph = import_graph()
+    assert len(graph) > 40 and "hf_accum.checkpoint" in graph["hf_accum.loop_checkpoint"]  # the walk sees edges
+    cycles = import_cycles(graph)
+    assert not cycles, "import cycles (lazy imports included), one per tangle of modules:\n" + "\n".join(
+        " -> ".join(cycle) for cycle in cycles)
+
+
+@pytest.mark.parametrize(
+    "importer",
+    [
+        "from hf_accum.b import thing\n",
+        "def f():\n    from hf_accum import b\n",
+        "def f():\n    from . import b\n",
+        "import importlib\nimportlib.import_module('hf_accum.b')\n",
+        "CHECK = 'hf_accum.b:check'\n",
+    ],
+)
+def test_the_cycle_walk_finds_a_cycle_through_every_kind_of_import(importer):
+    known = {"hf_accum", "hf_accum.a", "hf_accum.b"}
+    graph = {"hf_accum": set(), "hf_accum.b": {"hf_accum.a"},
+             "hf_accum.a": module_imports(importer, "hf_accum.a", False, known)}
+    assert import_cycles(graph) == [["hf_accum.a", "hf_accum.b", "hf_accum.a"]]
+
+
+def test_the_cycle_walk_skips_type_checking_imports_and_logger_names():
+    known = {"hf_accum", "hf_accum.a", "hf_accum.b"}
+    source = ("from typing import TYPE_CHECKING\nimport logging\nif TYPE_CHECKING:\n    from hf_accum.b import B\n"
+              "logger = logging.getLogger('hf_accum.b')\n")
+    assert module_imports(source, "hf_accum.a", False, known) == set()
+
+
+def test_the_trainer_side_never_imports_the_loop_package():
+    graph = import_graph()
+    bad = {f"{module} -> {name}" for module, names in graph.items() if module.startswith("hf_accum.trainer")
+           for name in names if name == "hf_accum.loop" or name.startswith("hf_accum.loop.")}
+    assert not bad, "the Trainer side imports the loop package:\n" + "\n".join(sorted(bad))
+
+
+def test_no_module_is_longer_than_500_lines():
+    lengths = {path.relative_to(ROOT).as_posix(): len(path.read_text().splitlines())
+               for path in package_modules().values()}
+    long = sorted(f"{name}: {count} lines" for name, count in lengths.items() if count > MAX_MODULE_LINES)
+    assert not long, f"modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(long)
 
 
 # -- the CPU default config: one file, shipped with the package -----------------------------------

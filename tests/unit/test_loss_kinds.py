@@ -13,7 +13,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from hf_accum import AccumTrainer
 from hf_accum.batching import PaddingCollator
-from hf_accum.loss import LOSS_KIND_SPECS, LOSS_KINDS, infer_loss_kind, probe_loss_kind
+from hf_accum.loss import LOSS_KIND_SPECS, LOSS_KINDS, infer_loss_kind
+from hf_accum.model_loss import probe_loss_kind
 from hf_accum.testing import PAD, NoKwargsForCausalLM, Scenario, random_rows, run_trainer, tiny_causal_lm
 from hf_accum.verify import REFERENCE_LAYOUTS
 

@@ -21,7 +21,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from hf_accum import AccumTrainer
 from hf_accum.batching import PaddingCollator
 from hf_accum.fused_loss import MicroBatchLoss
-from hf_accum.loss import UnaccountedLossTerm
+from hf_accum.model_loss import UnaccountedLossTerm
 from hf_accum.testing import (
     PAD,
     Scenario,
