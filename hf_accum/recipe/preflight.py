@@ -16,10 +16,12 @@ A refusal names the keys the message mentions, else the keys whose removal makes
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Callable
 
 import torch
 
+from hf_accum.errors import InputError
 from hf_accum.recipe.config.schema import ConfigError, RecipeConfig
 from hf_accum.recipe.launch import fsdp_request
 
@@ -84,7 +86,9 @@ def _loop_config(config: RecipeConfig, args):
         message = str(error).replace("LoopConfig.label_smoothing", "training.label_smoothing_factor")
         for key in config.accumulation.loop_settings():
             message = message.replace(f"LoopConfig.{key}", f"accumulation.{key}")
-        raise ValueError(message.replace("LoopConfig.", "training.")) from None
+        message = message.replace("LoopConfig.", "training.")
+        key = re.search(r"(accumulation|training)\.\w+", message)
+        raise ConfigError(f"{message} ({config.source(key.group(0))})" if key else message) from None
 
 
 def _optimizer(engine: str, args):
@@ -177,6 +181,8 @@ def _built(config: RecipeConfig, what: str, build, section: str, rebuild=None):
     try:
         return build()
     except (TypeError, ValueError, ImportError) as exc:
+        if isinstance(exc, InputError) and not str(exc).startswith(f"{section}: "):
+            raise  # ours, naming its key already (Section.build's "training: <HF message>" is not)
         detail = " ".join(str(exc).split())
         if detail.startswith(f"{section}: "):
             detail = detail[len(section) + 2:]

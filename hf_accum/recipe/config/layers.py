@@ -147,10 +147,10 @@ def _drop_tied(section: dict, sources, notes: list[str], name: str, values: dict
     dropped = [key for key in SECTIONS[name].tied if key in section and key not in values]
     if not dropped:
         return
-    previous = f"{name}.{identity}={section.get(identity)!r} ({sources.get(f'{name}.{identity}', BUILTIN)})"
-    named = ", ".join(f"{name}.{key}={section[key]!r} ({sources.get(f'{name}.{key}', BUILTIN)})" for key in dropped)
+    previous = f"{section.get(identity)!r} ({sources.get(f'{name}.{identity}', BUILTIN)})"
+    named = ", ".join(f"{name}.{key}={section[key]!r}" for key in dropped)
     notes.append(f"{name}.{identity}={values[identity]!r} ({source}) replaces {previous}: dropped {named}, which "
-                 f"described the previous {identity} (set them again to keep them); the other {name} keys are kept")
+                 f"described the previous one (set again to keep); the other {name} keys are kept")
     for key in dropped:
         del section[key]
         sources.pop(f"{name}.{key}", None)

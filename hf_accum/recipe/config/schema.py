@@ -241,8 +241,8 @@ def coerce(value: Any, annotation: Any, key: str) -> Any:
             return _plain(adapter.validate_python(value))
         except ValidationError as exc:
             error = exc
-    name = getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
-    why = error.errors()[0]["msg"] if error is not None else "not accepted"
+    name = annotation.__name__ if isinstance(annotation, type) else str(annotation).replace("typing.", "")
+    why = "; ".join(dict.fromkeys(e["msg"] for e in error.errors())) if error is not None else "not accepted"
     raise ConfigError(f"{key}: expected {name}, got {value!r} ({type(value).__name__}): {why}")
 
 
