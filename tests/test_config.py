@@ -725,14 +725,10 @@ def test_fsdp_is_asked_without_the_deprecated_string_form(fsdp, tmp_path):
         hf_logging.get_logger("transformers.training_args").removeHandler(handler)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("lora.r=0", "error: PEFT refuses the lora section: `r` should be a positive integer value but the value passed "
-                 "is 0 [lora.r=0 (command line)]"),
-    ("training.max_grad_norm=-1", "error: training.max_grad_norm=-1.0 must be >= 0 (0 or None: no clipping) "
-                                  "(command line)"),
-])
-def test_the_recipe_refuses_bad_values_before_loading(override, message, tmp_path):
-    proc, out = run_recipe(tmp_path, override)
+def test_the_recipe_refuses_lora_r_0_before_loading(tmp_path):
+    proc, out = run_recipe(tmp_path, "lora.r=0")
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert [line for line in proc.stderr.splitlines() if line.startswith("error:")] == [message]
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error:")] == [
+        "error: PEFT refuses the lora section: `r` should be a positive integer value but the value passed is 0 "
+        "[lora.r=0 (command line)]"]
     assert "Traceback" not in proc.stderr and not out.exists()

@@ -1,19 +1,10 @@
-"""Building a config from its layers: built-in defaults < YAML < command line, each key's source kept.
-
-Layers, lowest first, each remembered as the *source* of the keys it sets (errors name it):
-
-1. built-in defaults: the dataclass defaults and :data:`~hf_accum.recipe.config.schema.BUILTIN_DEFAULTS`;
-2. the YAML: ``--config FILE``, or ``recipes/configs/cpu_default.yaml`` (shipped in the package,
-   :func:`hf_accum.recipe.embedded.default_config_path`) when no ``--config`` is given -- the tiny CPU job;
-3. the command line: dotted keys, in either form::
-
-       --training.learning_rate 1e-4     --lora.r=16     training.max_steps=5     --lora null
-
-   values are parsed as YAML (``[q_proj, v_proj]``, ``null``, ``true``), then coerced to the field's type.
+"""Building a config from its layers: built-in defaults < YAML (``--config FILE``, else the embedded
+``cpu_default.yaml``) < command line (``--training.learning_rate 1e-4``, ``--lora.r=16``, ``training.max_steps=5``,
+``--lora null``; values parsed as YAML), each key's source kept for messages.
 
 An override changes only its key. One exception, always announced: a new ``model.name_or_path`` /
-``data.dataset`` drops the lower layers' keys that described the previous model / dataset (``Section.tied``:
-its tokenizer; its splits, columns and generated sizes), and a note names each one dropped.
+``data.dataset`` drops the lower layers' keys that described the previous model / dataset (``Section.tied``),
+and a note names each one dropped.
 """
 
 from __future__ import annotations
@@ -26,19 +17,8 @@ from typing import Any, Sequence
 
 import yaml
 
-from hf_accum.recipe.config.schema import (
-    BUILTIN,
-    BUILTIN_DEFAULTS,
-    COMMAND_LINE,
-    EMBEDDED_SOURCE,
-    SECTIONS,
-    TOP_LEVEL,
-    ConfigError,
-    RecipeConfig,
-    coerce,
-    section_types,
-    unknown_key,
-)
+from hf_accum.recipe.config import schema
+from hf_accum.recipe.config.schema import BUILTIN, SECTIONS, TOP_LEVEL, ConfigError, RecipeConfig, unknown_key
 from hf_accum.recipe.embedded import default_config_path
 
 
@@ -101,7 +81,7 @@ def overrides_tree(overrides: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(tree[head], dict):
             raise ConfigError(f"{head} must be a mapping to override {dotted}")
         sub, _, leaf = rest.partition(".")
-        if leaf and sub in section_types(head):
+        if leaf and sub in SECTIONS[head].types():
             # e.g. training.gradient_checkpointing_kwargs.use_reentrant: a dict-valued field.
             tree[head].setdefault(sub, {})[leaf] = value
         else:
@@ -168,7 +148,8 @@ def build_config(tree: dict[str, Any], sources: dict[str, str] | None = None,
     for key, raw in tree.items():
         if key not in TOP_LEVEL:
             raise unknown_key("", key, TOP_LEVEL)
-        values[key] = SECTIONS[key].check(key, raw) if key in SECTIONS else coerce(raw, _top_level_types()[key], key)
+        values[key] = SECTIONS[key].check(key, raw) if key in SECTIONS else \
+            schema.coerce(raw, _top_level_types()[key], key)
     return RecipeConfig(**values, sources=dict(sources or {}), notes=list(notes))
 
 
@@ -178,8 +159,8 @@ def _top_level_types() -> dict[str, Any]:
 
 
 def load_config(path: str | None, overrides: dict[str, Any] | None = None) -> RecipeConfig:
-    """Built-in defaults < the YAML at ``path`` (the embedded default when None) < ``overrides``;
-    typed, not yet validated."""
-    yaml_layer = (path, load_yaml(path)) if path else (EMBEDDED_SOURCE, load_yaml(default_config_path()))
-    layers = [(BUILTIN, BUILTIN_DEFAULTS), yaml_layer, (COMMAND_LINE, overrides_tree(overrides or {}))]
+    """Built-in defaults < the YAML at ``path`` (the embedded default when None) < ``overrides``; typed, not yet
+    validated."""
+    yaml_layer = (path, load_yaml(path)) if path else (schema.EMBEDDED_SOURCE, load_yaml(default_config_path()))
+    layers = [(BUILTIN, schema.BUILTIN_DEFAULTS), yaml_layer, (schema.COMMAND_LINE, overrides_tree(overrides or {}))]
     return build_config(*merge_layers(layers))

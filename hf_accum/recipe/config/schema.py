@@ -1,12 +1,8 @@
 """The shape of a recipe config: ONE section registry (the :class:`RecipeConfig` fields carrying a
-:class:`Section`), values coerced to the classes' own annotations with pydantic, and the saved copy.
+:class:`Section`), each key's type read from its class and values coerced by pydantic, and the saved copy.
 
-A section's keys and types are the ``__init__`` parameters and annotations of its class: a recipe dataclass
-(:mod:`~hf_accum.recipe.config.sections`) or an HF class (``peft.LoraConfig``,
-``transformers.BitsAndBytesConfig``, ``transformers.TrainingArguments``), never re-declared here. A value of
-the annotated type passes as is (pydantic strict mode); a string from the command line is converted by
-pydantic's lax mode (``"1e-4"`` -> 1e-4, ``"true"`` -> True); anything else is one line naming the key.
-A section's meaning is checked by the module that owns it (``Section.validator``, an imported callable).
+A value of the annotated type passes as is (pydantic strict mode); a string from the command line is converted
+(lax mode: ``"1e-4"`` -> 1e-4, ``"true"`` -> True); anything else is one line naming the key.
 """
 
 from __future__ import annotations
@@ -26,14 +22,8 @@ import yaml
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from hf_accum.errors import InputError
-from hf_accum.recipe.config.sections import (
-    DATA_TIED,
-    MODEL_TIED,
-    AccumulationSection,
-    DataSection,
-    ModelSection,
-    TrainingSection,
-)
+from hf_accum.recipe.accumulation_section import check_accumulation_section
+from hf_accum.recipe.config.sections import AccumulationSection, DataSection, ModelSection, TrainingSection
 from hf_accum.recipe.data import check_data_section
 from hf_accum.recipe.modeling import check_model_section, check_quantization_section
 
@@ -55,14 +45,11 @@ class ConfigError(InputError):
 
 @dataclass(frozen=True)
 class Section:
-    """A config section: where its keys and types come from, and what it becomes.
-
-    ``recipe_class`` (a dataclass, built from the checked values) or ``hf_class`` (``"module:Class"``, imported
-    when first needed; the checked values stay a ``container``). ``nullable``: ``null`` switches it off.
-    ``fixed``: values always passed to the HF constructor. ``type_overrides``: keys read with a wider type than
-    the class declares. ``validator(value, config)``: the owner's check of what the values mean.
-    ``identity`` / ``tied``: a higher layer giving a new ``identity`` value drops the lower layers' ``tied`` keys
-    (they described the previous model / dataset), each named in a note.
+    """A config section: its keys and types (the ``__init__`` of ``recipe_class``, a dataclass, or of ``hf_class``,
+    ``"module:Class"`` imported when needed: its values stay a ``container``). ``nullable``: ``null`` switches it
+    off. ``fixed``: always passed to the HF constructor. ``type_overrides``: keys read wider than the class
+    declares. ``validator(value, config)``: the owner's check of what values mean. ``identity`` / ``tied``: a
+    higher layer's new ``identity`` value drops the lower layers' ``tied`` keys, each named in a note.
     """
 
     recipe_class: type | None = None
@@ -124,10 +111,11 @@ class RecipeConfig:
     overwrite_output_dir: bool = False
     """Allow writing into an output dir that holds a *different* run."""
     model: ModelSection = _section(ModelSection, recipe_class=ModelSection, validator=check_model_section,
-                                   identity="name_or_path", tied=MODEL_TIED)
+                                   identity="name_or_path", tied=ModelSection.TIED)
     data: DataSection = _section(DataSection, recipe_class=DataSection, validator=check_data_section,
-                                 identity="dataset", tied=DATA_TIED)
-    accumulation: AccumulationSection = _section(AccumulationSection, recipe_class=AccumulationSection)
+                                 identity="dataset", tied=DataSection.TIED)
+    accumulation: AccumulationSection = _section(AccumulationSection, recipe_class=AccumulationSection,
+                                                 validator=check_accumulation_section)
     lora: dict | None = _section({}, hf_class="peft:LoraConfig", nullable=True, fixed={"task_type": "CAUSAL_LM"})
     """peft.LoraConfig fields; null = full fine-tuning."""
     quantization: dict | None = _section(None, hf_class="transformers:BitsAndBytesConfig", nullable=True,
@@ -157,26 +145,26 @@ class RecipeConfig:
         """The layer that set ``dotted`` (e.g. ``training.learning_rate``)."""
         return self.sources.get(dotted, BUILTIN)
 
+    def layer_rank(self, dotted: str) -> int:
+        """0: built in; 1: the YAML (a file or the embedded default); 2: the command line."""
+        return {BUILTIN: 0, COMMAND_LINE: 2}.get(self.source(dotted), 1)
+
     def to_dict(self) -> dict[str, Any]:
         fields = [f.name for f in dataclasses.fields(self) if not f.metadata.get("derived")]
         return {name: _saved(getattr(self, name)) for name in fields}
 
     def to_flat_dict(self) -> dict[str, Any]:
         """``{"training.learning_rate": 2e-4, ...}`` with scalar values (what trackers store as hyperparameters)."""
-        flat: dict[str, Any] = {}
-
-        def walk(prefix: str, value: Any) -> None:
-            if isinstance(value, dict):
-                for key, inner in value.items():
-                    walk(f"{prefix}.{key}" if prefix else str(key), inner)
-            else:
-                flat[prefix] = value if isinstance(value, (int, float, str, bool)) else str(value)
-
-        walk("", self.to_dict())
-        return flat
+        return _flat(self.to_dict())
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=100)
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree if isinstance(tree, (int, float, str, bool)) else str(tree)}
+    return {k: v for key, value in tree.items() for k, v in _flat(value, f"{prefix}.{key}" if prefix else key).items()}
 
 
 def _saved(value: Any) -> Any:
@@ -190,10 +178,6 @@ SECTIONS: dict[str, Section] = {
     f.name: f.metadata["section"] for f in dataclasses.fields(RecipeConfig) if "section" in f.metadata
 }
 TOP_LEVEL = [f.name for f in dataclasses.fields(RecipeConfig) if not f.metadata.get("derived")]
-
-
-def section_types(section: str) -> dict[str, Any]:
-    return SECTIONS[section].types()
 
 
 def unknown_key(where: str, key: str, valid: Sequence[str], what: str = "key") -> ConfigError:

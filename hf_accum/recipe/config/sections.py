@@ -1,18 +1,12 @@
-"""The sections the recipe declares itself (``model``, ``data``, ``accumulation``) and the typed ``training``
-section. Attribute docstrings are the user documentation of each key.
-
-The HF sections (``lora``, ``quantization``, ``training``) are not re-declared: their keys and types are read
-from ``peft.LoraConfig`` / ``transformers.BitsAndBytesConfig`` / ``transformers.TrainingArguments``
-(:mod:`~hf_accum.recipe.config.schema`). ``training`` holds the keys a run sets (saved as given) and reads every
-field as a typed attribute, defaulting to ``TrainingArguments``' own default.
-"""
+"""The sections the recipe declares itself (``model``, ``data``, ``accumulation``; attribute docstrings are the
+keys' documentation) and the typed ``training`` section (``TrainingArguments`` fields)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 
 @dataclass
@@ -30,10 +24,8 @@ class ModelSection:
     trust_remote_code: bool = False
     config_overrides: dict = field(default_factory=dict)
     """LlamaConfig fields for the embedded tiny model (e.g. num_hidden_layers: 4)."""
-
-
-# Keys that belong to one model: a new model.name_or_path in a higher layer drops them (named in a note).
-MODEL_TIED = ("tokenizer", "config_overrides")
+    TIED: ClassVar[tuple[str, ...]] = ("tokenizer", "config_overrides")
+    """Keys of one model: a higher layer's new ``name_or_path`` drops the lower layers' (named in a note)."""
 
 
 @dataclass
@@ -82,11 +74,10 @@ class DataSection:
     """Embedded dataset only: generated held-out examples."""
     seed: int = 0
     """Seed of the embedded dataset's generation and of the ``eval_fraction`` draw."""
-
-
-# Keys that describe one dataset (its splits, columns, generated sizes): a new data.dataset drops them.
-DATA_TIED = ("dataset_config", "format", "train_split", "eval_split", "messages_column", "prompt_column",
-             "answer_column", "input_column", "text_column", "num_train_examples", "num_eval_examples")
+    TIED: ClassVar[tuple[str, ...]] = ("dataset_config", "format", "train_split", "eval_split", "messages_column",
+                                       "prompt_column", "answer_column", "input_column", "text_column",
+                                       "num_train_examples", "num_eval_examples")
+    """Keys of one dataset (splits, columns, generated sizes): a new ``dataset`` drops the lower layers'."""
 
 
 @dataclass
