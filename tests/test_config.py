@@ -664,6 +664,21 @@ def test_values_refused_later_by_peft_torch_or_transformers_are_refused_now(engi
     assert message in str(caught.value) and "\n" not in str(caught.value)
 
 
+@pytest.mark.parametrize("argv, message", [
+    # The loop steps its scheduler once per update, without a metric: a plateau scheduler would fail mid-run.
+    (["training.lr_scheduler_type=reduce_lr_on_plateau", "training.eval_strategy=steps", "training.eval_steps=5"],
+     "ReduceLROnPlateau.step() missing 1 required positional argument: 'metrics' [training.lr_scheduler_type="
+     "'reduce_lr_on_plateau' (command line)]"),
+    # No message names the key: the one whose removal lets the scheduler build is named.
+    (["training.lr_scheduler_type=warmup_stable_decay"], "missing 1 required positional argument: 'num_decay_steps' "
+                                                         "[training.lr_scheduler_type='warmup_stable_decay' (command line)]"),
+])
+def test_schedulers_the_loop_engine_cannot_step_are_refused(argv, message, tmp_path):
+    with pytest.raises(recipe_config.ConfigError) as caught:
+        resolved(["engine=loop", *argv], tmp_path=tmp_path)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
 def test_the_refused_lora_values_do_fail_in_peft_on_the_real_model():
     """Not the preflight's opinion: PEFT on the recipe's tiny Llama refuses r=0 and a dropout of 1.5 (LoraConfig
     itself accepts both), and lora_alpha=0 builds an adapter whose output is zero whatever its weights."""

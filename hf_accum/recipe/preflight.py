@@ -52,14 +52,16 @@ def build_run_objects(config: RecipeConfig) -> None:
 
     def run_schedule(args):  # the optimizer and its scheduler over a short horizon
         optimizer = _optimizer(config.engine, args)
-        return _step(optimizer, _scheduler(args, optimizer))
+        return _step(optimizer, _scheduler(args, optimizer), config.engine)
 
     args = _built(config, "TrainingArguments", training, "training")
     if config.engine == "loop":
         _built(config, "the loop's LoopConfig", lambda: _loop_config(config, args), "training")
-    optimizer = _built(config, "the optimizer", lambda: _optimizer(config.engine, args), "training")
+    optimizer = _built(config, "the optimizer", lambda: _optimizer(config.engine, args), "training",
+                       rebuild=lambda: _optimizer(config.engine, training()))
     scheduler_name = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
-    scheduler = _built(config, f"the {scheduler_name} scheduler", lambda: _scheduler(args, optimizer), "training")
+    scheduler = _built(config, f"the {scheduler_name} scheduler", lambda: _scheduler(args, optimizer), "training",
+                       rebuild=lambda: (lambda a: _scheduler(a, _optimizer(config.engine, a)))(training()))
     _built(config, "the data loader or seeds", lambda: _loaders_and_seeds(args), "training",
            rebuild=lambda: _loaders_and_seeds(training()))
     _built(config, "report_to", lambda: _integrations(args), "training")
@@ -73,7 +75,7 @@ def build_run_objects(config: RecipeConfig) -> None:
         if values is not None and key in values and not accepted(values[key]):
             raise ConfigError(f"{dotted}={values[key]!r} ({config.source(dotted)}): allowed: {allowed}")
     # Last, what no rule above names: the optimizer's steps must stay finite, the learning rates finite and >= 0.
-    _built(config, f"the optimizer with the {scheduler_name} scheduler", lambda: _step(optimizer, scheduler),
+    _built(config, f"the optimizer with the {scheduler_name} scheduler", lambda: _step(optimizer, scheduler, config.engine),
            "training", rebuild=lambda: run_schedule(training()))
 
 
@@ -111,9 +113,10 @@ def _scheduler(args, optimizer):
                          scheduler_specific_kwargs=args.lr_scheduler_kwargs or None)
 
 
-def _step(optimizer, scheduler) -> None:
+def _step(optimizer, scheduler, engine: str) -> None:
     """Ten updates (the first with a zero gradient, as LoRA's A matrices get at step 1): parameter and rates finite.
-    Only torch's own optimizers and lambda schedulers (others may need a device, a model or a metric)."""
+    Only torch's own optimizers (others may need a device or a model); the scheduler stepped as the engine steps it
+    (the loop: once per update, without a metric; Trainer steps a plateau scheduler on its evaluations)."""
     if not type(optimizer).__module__.startswith("torch.optim"):
         return
     parameter = optimizer.param_groups[0]["params"][0]
@@ -122,7 +125,7 @@ def _step(optimizer, scheduler) -> None:
         optimizer.step()
         if not torch.isfinite(parameter).all():
             raise ValueError(f"update {step + 1} (gradient {float(step > 0)}) makes the parameter {parameter.item()}")
-        if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        if engine == "loop" or isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
             scheduler.step()
             if not all(math.isfinite(rate) and rate >= 0 for rate in scheduler.get_last_lr()):
                 raise ValueError(f"the learning rate after update {step + 1} is {scheduler.get_last_lr()}")

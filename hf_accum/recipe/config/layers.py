@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import yaml
 
-from hf_accum.recipe.config import schema
+import hf_accum.recipe.config.schema as schema
 from hf_accum.recipe.config.schema import BUILTIN, SECTIONS, TOP_LEVEL, ConfigError, RecipeConfig, unknown_key
 from hf_accum.recipe.embedded import default_config_path
 
