@@ -186,9 +186,7 @@ def unknown_key(where: str, key: str, valid: Sequence[str], what: str = "key") -
     return ConfigError(f"unknown {what} '{where}{key}'.{hint} Valid {what}s: {', '.join(sorted(valid))}")
 
 
-# ----------------------------------------------------------------------------------------------
-# Keys and types read from the classes; values coerced by pydantic
-# ----------------------------------------------------------------------------------------------
+# Keys and types read from the classes; values coerced by pydantic.
 
 
 def field_types(cls) -> dict[str, Any]:
@@ -252,9 +250,7 @@ def _plain(value: Any) -> Any:
     return value
 
 
-# ----------------------------------------------------------------------------------------------
-# The saved copy
-# ----------------------------------------------------------------------------------------------
+# The saved copy.
 
 # Keys that say how to run, not what the run is: a resumed run may set them differently.
 NOT_PART_OF_THE_RUN = ("overwrite_output_dir", "training.resume_from_checkpoint")
