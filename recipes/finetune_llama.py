@@ -31,7 +31,6 @@ from hf_accum.control import NonFiniteLossError, TrainingStopped  # noqa: E402
 from hf_accum.distributed import (  # noqa: E402
     fsdp_unsharded_root, is_fsdp_sharded, is_partitioned, leave_process_group,
 )
-from hf_accum.recipe.accumulation import loop_settings, noise_scale_enabled, normalization  # noqa: E402
 from hf_accum.recipe.config import load_recipe_config  # noqa: E402
 from hf_accum.recipe.data import exact_match, load_tokenizer_and_data  # noqa: E402
 from hf_accum.recipe.launch import (  # noqa: E402
@@ -93,7 +92,7 @@ def train_with_loop(model, tokenizer, data, collator, args, record, resume, laun
     # Checkpoints every save_steps updates into output_dir (and on SIGTERM/SIGUSR1); resume exactly.
     result = train(
         model, optimizer, loader, accelerator,
-        LoopConfig.from_training_arguments(args, **loop_settings(record.config.accumulation)), on_update=on_update,
+        LoopConfig.from_training_arguments(args, **record.config.accumulation.loop_settings()), on_update=on_update,
         eval_dataloader=eval_loader, resume_from_checkpoint=resume,
     )
     for tracker in accelerator.trackers:  # not end_training(): it destroys the process group, and the
@@ -109,7 +108,7 @@ def train_with_trainer(model, tokenizer, data, collator, args, record, resume, l
     trainer = AccumTrainer(
         model=model, args=args, train_dataset=data.train.examples, data_collator=collator, processing_class=tokenizer,
         eval_dataset=data.held_out.examples if data.held_out else None,
-        noise_scale=noise_scale_enabled(record.config), normalization=normalization(record.config),
+        noise_scale=record.config.accumulation.noise_scale, normalization=record.config.accumulation.normalization,
     )
     check_engine(trainer.accelerator, launch)  # what was asked is what runs (DeepSpeed, processes)
     trainer.train(resume_from_checkpoint=resume)

@@ -334,21 +334,48 @@ def loop_accelerator(
 
 def fsdp_training_arguments(training: Mapping[str, Any], launch: Launch) -> dict[str, Any]:
     """``fsdp`` / ``fsdp_config`` for ``TrainingArguments`` under FSDP (asked by the config or by ``accelerate
-    launch``): FSDP2 unless the config says otherwise (refused by :func:`check_launch`), the layer classes
-    the accelerate config names, activation checkpointing through FSDP's plugin."""
+    launch``): :func:`fsdp_request`, the layer classes the accelerate config names, activation checkpointing
+    through FSDP's plugin."""
     if launch.backend != FSDP:
         return {}
     from hf_accum.recipe.modeling import checkpointing_requested
 
-    fsdp_config = dict(training.get("fsdp_config") or {})
-    fsdp_config.setdefault("version", 2)
+    request = fsdp_request({**training, "fsdp": training.get("fsdp") or True})
+    fsdp_config = request["fsdp_config"]
     layers = os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP")
     if layers and "transformer_layer_cls_to_wrap" not in fsdp_config:
         fsdp_config["transformer_layer_cls_to_wrap"] = layers.split(",")
     fsdp_config["activation_checkpointing"] = checkpointing_requested(dict(training))
-    # "full_shard" is FSDP2's default (reshard after forward); transformers deprecates the string form.
+    return request
+
+
+# transformers' legacy ``fsdp`` string options, as its ``_apply_legacy_fsdp_to_config`` moves them to FSDP2's config.
+_FSDP_OPTIONS = {"full_shard": ("reshard_after_forward", True), "shard_grad_op": ("reshard_after_forward", False),
+                 "offload": ("cpu_offload", True), "auto_wrap": None}
+
+
+def fsdp_request(training: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"fsdp": True, "fsdp_config": {...}}``, the form transformers 5.23 takes without its deprecation warning
+    ("Passing `fsdp` as a string is deprecated"), from ``training.fsdp`` (true, or options such as
+    ``full_shard`` / ``"shard_grad_op offload"``) and ``training.fsdp_config``; ``{}`` when FSDP is not asked."""
     fsdp = training.get("fsdp")
-    return {"fsdp": True if fsdp in (None, True, "full_shard") else fsdp, "fsdp_config": fsdp_config}
+    if not fsdp:
+        return {}
+    fsdp_config = training.get("fsdp_config") or {}
+    if isinstance(fsdp_config, str):  # a JSON file, as TrainingArguments reads it
+        try:
+            with open(fsdp_config) as handle:
+                fsdp_config = json.load(handle)
+        except (OSError, ValueError) as error:
+            raise LaunchError(f"training.fsdp_config={fsdp_config!r}: not a readable JSON file ({error})") from None
+    fsdp_config = {"version": 2, **fsdp_config}
+    for option in fsdp.split() if isinstance(fsdp, str) else fsdp if isinstance(fsdp, list) else []:
+        if option not in _FSDP_OPTIONS:
+            raise LaunchError(f"training.fsdp={fsdp!r}: unknown option {option!r}; allowed: true, or "
+                              f"{', '.join(_FSDP_OPTIONS)}")
+        if _FSDP_OPTIONS[option] is not None:
+            fsdp_config.setdefault(*_FSDP_OPTIONS[option])
+    return {"fsdp": True, "fsdp_config": fsdp_config}
 
 
 def launch_line(args, launch: Launch) -> str:

@@ -12,7 +12,11 @@ import pytest
 import torch
 import yaml
 
+<<<<<<< HEAD:tests/unit/test_config.py
 from hf_accum.checkpoint import write_text_atomically
+=======
+from hf_accum.errors import InputError
+>>>>>>> cfg:tests/test_config.py
 from hf_accum.recipe import config as recipe_config
 from hf_accum.recipe import outputs as run_outputs
 
@@ -556,3 +560,194 @@ def test_every_recipe_kit_error_is_an_input_error_and_run_cli_catches_that_class
 
         assert run_outputs.run_cli(fail, argv=[]) == EXIT_BAD_INPUT
         assert capsys.readouterr().err == f"error: {kind.__name__} says no\n"
+
+
+# -- command-line overrides change only their key; what a new model/dataset drops is named (issue 29) ---------
+
+
+def test_a_new_model_or_dataset_keeps_the_rest_of_its_section_and_names_what_it_drops(tmp_path):
+    path = write_yaml(tmp_path, {"model": {"name_or_path": "org/a", "chat_template": "{{ messages }}", "tokenizer": "org/tok",
+                                           "dtype": "bfloat16"},
+                                 "data": {"dataset": "a.jsonl", "max_length": 128, "eval_split": "train[90%:]", "packing": True}})
+    config = recipe_config.load_config(path, {"model.name_or_path": "org/b", "data.dataset": "b.jsonl"})
+    assert (config.model.name_or_path, config.model.chat_template, config.model.dtype) == ("org/b", "{{ messages }}", "bfloat16")
+    assert (config.data.dataset, config.data.max_length, config.data.packing) == ("b.jsonl", 128, True)
+    assert config.model.tokenizer is None and config.data.eval_split is None  # they described the previous ones...
+    model_note, = [n for n in config.notes if n.startswith("model.name_or_path='org/b' (command line) replaces 'org/a'")]
+    assert "dropped model.tokenizer='org/tok'" in model_note and "chat_template" not in model_note
+    data_note, = [n for n in config.notes if n.startswith("data.dataset='b.jsonl' (command line) replaces 'a.jsonl'")]
+    assert "dropped data.eval_split='train[90%:]'," in data_note and "max_length" not in data_note  # ...and are named
+    again = recipe_config.load_config(path, {"data.dataset": "b.jsonl", "data.eval_split": "train[90%:]"})
+    assert again.data.eval_split == "train[90%:]" and not again.notes  # set again in the same layer: kept, no note
+    assert not recipe_config.load_config(path, {"model.dtype": "float32"}).notes  # an unrelated override drops nothing
+
+
+def test_the_embedded_dataset_settings_dropped_for_a_user_file_are_each_named():
+    config = recipe_config.load_config(None, {"data.dataset": "my.jsonl"})
+    note, = config.notes
+    for dropped in ("data.eval_split='test'", "data.num_train_examples=5000", "data.num_eval_examples=200"):
+        assert dropped in note
+    assert config.data.max_length == 128 and config.data.eval_max_new_tokens == 16  # the embedded YAML's, kept
+
+
+# -- the typed training section and pydantic's coercion ---------------------------------------------------------
+
+
+def test_training_reads_typed_attributes_with_trainingarguments_defaults():
+    from transformers import TrainingArguments
+
+    config = recipe_config.load_config(None, {"training.max_steps": "7"})
+    assert config.training.max_steps == 7 and isinstance(config.training.learning_rate, float)
+    assert config.training.adam_beta2 == TrainingArguments.__dataclass_fields__["adam_beta2"].default
+    assert "adam_beta2" not in config.training and "adam_beta2" not in config.to_dict()["training"]  # only what is set
+    with pytest.raises(AttributeError, match="no field 'learnig_rate'"):
+        config.training.learnig_rate  # noqa: B018
+
+
+@pytest.mark.parametrize("override, expected", [
+    ({"training.save_strategy": False}, ("save_strategy", "no")),  # YAML 1.1's unquoted `no`
+    ({"training.max_steps": "5"}, ("max_steps", 5)),
+    ({"training.bf16": "false"}, ("bf16", False)),
+    ({"lora.target_modules": ["q_proj", "v_proj"]}, ("target_modules", ["q_proj", "v_proj"])),
+])
+def test_values_of_the_right_type_pass_and_command_line_strings_are_converted(override, expected):
+    config = recipe_config.load_config(None, override)
+    key, value = expected
+    section = config.lora if key == "target_modules" else config.training
+    assert section[key] == value and type(section[key]) is type(value)
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ({"training.max_steps": True}, "training.max_steps: expected int, got True (bool)"),
+    ({"training.learning_rate": True}, "training.learning_rate: expected float, got True (bool)"),
+    ({"lora.bias": "some"}, "lora.bias: expected Literal['none', 'all', 'lora_only'], got 'some' (str): Input should be"),
+    ({"training.report_to": 3}, "training.report_to: expected"),
+])
+def test_no_lax_coercion_of_non_strings(override, fragment):
+    with pytest.raises(recipe_config.ConfigError) as caught:
+        recipe_config.load_config(None, override)
+    assert fragment in str(caught.value) and "\n" not in str(caught.value)
+
+
+# -- values PEFT / torch / transformers refuse later (or accept and train wrongly): refused before loading -----
+
+
+BAD_VALUES = [
+    (["lora.r=0"], "`r` should be a positive integer value but the value passed is 0 [lora.r=0 (command line)]"),
+    (["lora.r=-3"], "[lora.r=-3 (command line)]"),
+    (["lora.lora_dropout=1.5"], "dropout probability has to be between 0 and 1, but got 1.5 [lora.lora_dropout=1.5 "
+                                "(command line)]"),
+    (["lora.lora_dropout=-0.1"], "lora.lora_dropout=-0.1 (command line): allowed: >= 0 and < 1"),
+    (["lora.lora_dropout=1"], "lora.lora_dropout=1.0 (command line): allowed: >= 0 and < 1"),
+    (["lora.lora_alpha=0"], "lora.lora_alpha=0 (command line): allowed: > 0"),
+    (["training.num_train_epochs=-1", "training.max_steps=5"], "training.num_train_epochs=-1.0 (command line) must be "
+                                                                ">= 0 (training.max_steps=5 sets the length)"),
+    (["training.learning_rate=-1e-4"], "Invalid learning rate: -0.0001 [training.learning_rate=-0.0001 (command line)]"),
+    (["training.weight_decay=-0.1"], "training.weight_decay=-0.1 (command line)"),
+    (["training.warmup_steps=-0.5"], "warmup_steps >= 0 [training.warmup_steps=-0.5 (command line)]"),
+    (["training.adam_beta1=1.0"], "Invalid beta parameter at index 0: 1.0 [training.adam_beta1=1.0 (command line)]"),
+    (["training.adam_beta2=-0.1"], "Invalid beta parameter at index 1: -0.1 [training.adam_beta2=-0.1 (command line)]"),
+    (["training.adam_epsilon=0"], "training.adam_epsilon=0.0 (command line): allowed: > 0"),
+    (["training.max_grad_norm=-1"], "training.max_grad_norm=-1.0"),
+    (["training.label_smoothing_factor=1.5"], "training.label_smoothing_factor=1.5"),
+    (["training.lr_scheduler_type=foo"], "foo is not a valid SchedulerType"),
+    (["training.optim=foo"], "foo is not a valid OptimizerNames"),
+    (["training.per_device_eval_batch_size=0"], "batch_size=0 [training.per_device_eval_batch_size=0 (command line)]"),
+    (["training.dataloader_num_workers=-2"], "[training.dataloader_num_workers=-2 (command line)]"),
+    (["training.seed=-1"], "Seed must be between 0 and 2**32 - 1 [training.seed=-1 (command line)]"),
+    (["training.report_to=bogus"], "bogus is not supported, only"),
+    (["training.fsdp=bogus"], "training.fsdp='bogus': unknown option 'bogus'; allowed: true, or full_shard"),
+]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("argv, message", BAD_VALUES, ids=[" ".join(argv) for argv, _ in BAD_VALUES])
+def test_values_refused_later_by_peft_torch_or_transformers_are_refused_now(engine, argv, message, tmp_path):
+    with pytest.raises(InputError) as caught:
+        resolved([f"engine={engine}", *argv], tmp_path=tmp_path)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("argv, message", [
+    # The loop steps its scheduler once per update, without a metric: a plateau scheduler would fail mid-run.
+    (["training.lr_scheduler_type=reduce_lr_on_plateau", "training.eval_strategy=steps", "training.eval_steps=5"],
+     "ReduceLROnPlateau.step() missing 1 required positional argument: 'metrics' [training.lr_scheduler_type="
+     "'reduce_lr_on_plateau' (command line)]"),
+    # No message names the key: the one whose removal lets the scheduler build is named.
+    (["training.lr_scheduler_type=warmup_stable_decay"], "missing 1 required positional argument: 'num_decay_steps' "
+                                                         "[training.lr_scheduler_type='warmup_stable_decay' (command line)]"),
+])
+def test_schedulers_the_loop_engine_cannot_step_are_refused(argv, message, tmp_path):
+    with pytest.raises(recipe_config.ConfigError) as caught:
+        resolved(["engine=loop", *argv], tmp_path=tmp_path)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_the_refused_lora_values_do_fail_in_peft_on_the_real_model():
+    """Not the preflight's opinion: PEFT on the recipe's tiny Llama refuses r=0 and a dropout of 1.5 (LoraConfig
+    itself accepts both), and lora_alpha=0 builds an adapter whose output is zero whatever its weights."""
+    import peft
+
+    from hf_accum.recipe.embedded import build_tiny_llama, tiny_tokenizer
+
+    model = build_tiny_llama(tiny_tokenizer())
+    for bad in ({"r": 0}, {"lora_dropout": 1.5}):
+        lora = peft.LoraConfig(target_modules=["q_proj"], **bad)  # accepted by the config class...
+        with pytest.raises(ValueError):  # ...refused when the layer is built
+            peft.get_peft_model(build_tiny_llama(tiny_tokenizer()), lora)
+    zero = peft.get_peft_model(model, peft.LoraConfig(target_modules=["q_proj"], lora_alpha=0, init_lora_weights=False))
+    layer = zero.base_model.model.model.layers[0].self_attn.q_proj
+    assert layer.scaling["default"] == 0
+
+
+def test_a_zero_epsilon_turns_a_zero_gradient_into_nan_in_adamw():
+    """Why training.adam_epsilon=0 is refused although torch accepts it: LoRA's A matrices get a zero gradient at
+    the first update (B starts at zero), and AdamW then divides 0 by 0."""
+    parameter = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.AdamW([parameter], eps=0.0)
+    parameter.grad = torch.zeros(1)
+    optimizer.step()
+    assert torch.isnan(parameter).all()
+
+
+def test_good_values_of_the_same_keys_pass(tmp_path):
+    config = resolved(["lora.r=4", "lora.lora_dropout=0.1", "lora.lora_alpha=8", "training.max_steps=5",
+                       "training.num_train_epochs=0", "training.adam_epsilon=1e-6", "training.max_grad_norm=0",
+                       "training.lr_scheduler_type=cosine_with_restarts", "training.optim=sgd", "engine=trainer",
+                       "training.report_to=none", "training.seed=0"], tmp_path=tmp_path)
+    assert config.lora["r"] == 4 and config.training.max_grad_norm == 0
+
+
+@pytest.mark.parametrize("fsdp", ["full_shard", "shard_grad_op offload", True])
+def test_fsdp_is_asked_without_the_deprecated_string_form(fsdp, tmp_path):
+    import logging
+
+    from transformers import TrainingArguments
+    from transformers.utils import logging as hf_logging
+
+    from hf_accum.recipe.launch import fsdp_request
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    hf_logging.get_logger("transformers.training_args").addHandler(handler)
+    try:
+        resolved([f"training.fsdp={fsdp}"], tmp_path=tmp_path)
+        assert not [r for r in records if "deprecated" in r]
+        request = fsdp_request({"fsdp": fsdp})
+        assert request["fsdp"] is True and request["fsdp_config"]["version"] == 2
+        assert request["fsdp_config"].get("reshard_after_forward", True) is (fsdp != "shard_grad_op offload")
+        if isinstance(fsdp, str):  # the string form itself does warn: this test would see it
+            TrainingArguments(output_dir=str(tmp_path / "x"), fsdp=fsdp, use_cpu=True, report_to="none")
+            assert [r for r in records if "Passing `fsdp` as a string is deprecated" in r]
+    finally:
+        hf_logging.get_logger("transformers.training_args").removeHandler(handler)
+
+
+def test_the_recipe_refuses_lora_r_0_before_loading(tmp_path):
+    proc, out = run_recipe(tmp_path, "lora.r=0")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error:")] == [
+        "error: PEFT refuses the lora section: `r` should be a positive integer value but the value passed is 0 "
+        "[lora.r=0 (command line)]"]
+    assert "Traceback" not in proc.stderr and not out.exists()

@@ -1,51 +1,24 @@
-"""Building a config from its layers: built-in defaults < YAML < command line, each key's source kept.
+"""Building a config from its layers: built-in defaults < YAML (``--config FILE``, else the embedded
+``cpu_default.yaml``) < command line (``--training.learning_rate 1e-4``, ``--lora.r=16``, ``training.max_steps=5``,
+``--lora null``; values parsed as YAML), each key's source kept for messages.
 
-Layers, lowest first, each remembered as the *source* of the keys it sets (errors name it):
-
-1. built-in defaults: the dataclass defaults and :data:`BUILTIN_DEFAULTS` (sensible for a real
-   fine-tune: LoRA on every linear layer, bf16 off, TrainingArguments' own defaults otherwise);
-2. the YAML: ``--config FILE``, or ``recipes/configs/cpu_default.yaml`` (shipped in the package,
-   :func:`hf_accum.recipe.embedded.default_config_path`) when no ``--config`` is given -- the tiny CPU job;
-3. the command line: dotted keys, in either form::
-
-       --training.learning_rate 1e-4     --lora.r=16     training.max_steps=5     --lora null
-
-   values are parsed as YAML (``[q_proj, v_proj]``, ``null``, ``true``), then coerced to the
-   field's type (so ``1e-4`` is a float even though YAML 1.1 reads it as a string).
-
-Two rules keep the layers from mixing what belongs together:
-
-* a layer that sets ``data.dataset`` (or ``model.name_or_path``) to something new starts that
-  section afresh: the lower layer's data settings (splits, columns, sizes) described *its*
-  dataset, not this one;
-* ``training.gradient_accumulation_steps`` and ``global_batch_size`` both fix the accumulation:
-  the higher layer wins (logged, :mod:`~hf_accum.recipe.config.validation`); set in the same
-  layer, they must agree.
+An override changes only its key. One exception, always announced: a new ``model.name_or_path`` /
+``data.dataset`` drops the lower layers' keys that described the previous model / dataset (``Section.tied``),
+and a note names each one dropped.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import typing
 from typing import Any, Sequence
 
 import yaml
 
-from hf_accum.recipe.config.schema import (
-    BUILTIN,
-    BUILTIN_DEFAULTS,
-    COMMAND_LINE,
-    EMBEDDED_SOURCE,
-    SECTION_IDENTITY,
-    SECTIONS,
-    TOP_LEVEL,
-    ConfigError,
-    RecipeConfig,
-    coerce,
-    section_types,
-    unknown_key,
-)
+import hf_accum.recipe.config.schema as schema
+from hf_accum.recipe.config.schema import BUILTIN, SECTIONS, TOP_LEVEL, ConfigError, RecipeConfig, unknown_key
 from hf_accum.recipe.embedded import default_config_path
 
 
@@ -108,7 +81,7 @@ def overrides_tree(overrides: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(tree[head], dict):
             raise ConfigError(f"{head} must be a mapping to override {dotted}")
         sub, _, leaf = rest.partition(".")
-        if leaf and sub in section_types(head):
+        if leaf and sub in SECTIONS[head].types():
             # e.g. training.gradient_checkpointing_kwargs.use_reentrant: a dict-valued field.
             tree[head].setdefault(sub, {})[leaf] = value
         else:
@@ -116,37 +89,51 @@ def overrides_tree(overrides: dict[str, Any]) -> dict[str, Any]:
     return tree
 
 
-def merge_layers(layers: Sequence[tuple[str, dict[str, Any]]]) -> tuple[dict[str, Any], dict[str, str]]:
-    """Merge ``(source, tree)`` layers, lowest first, into one tree and ``{dotted key: source}``.
-
-    Sections merge key by key; ``null`` switches a nullable section off; a new ``data.dataset`` /
-    ``model.name_or_path`` starts its section afresh (see the module docstring).
-    """
+def merge_layers(layers: Sequence[tuple[str, dict[str, Any]]]) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+    """Merge ``(source, tree)`` layers, lowest first: ``(tree, {dotted key: source}, notes)``. Sections merge key
+    by key; ``null`` switches a nullable section off; the notes name every key a new identity dropped."""
     tree: dict[str, Any] = {}
     sources: dict[str, str] = {}
+    notes: list[str] = []
     for source, layer in layers:
         for key, value in layer.items():
             if key not in TOP_LEVEL:
                 raise unknown_key("", key, TOP_LEVEL)
             if key in SECTIONS and isinstance(value, dict):
-                _merge_section(tree, sources, key, value, source)
+                _merge_section(tree, sources, notes, key, value, source)
             else:
                 tree[key] = copy.deepcopy(value)
                 _forget(sources, key)
                 sources[key] = source
-    return tree, sources
+    return tree, sources, notes
 
 
-def _merge_section(tree, sources, name: str, values: dict[str, Any], source: str) -> None:
-    identity = SECTION_IDENTITY.get(name)
+def _merge_section(tree, sources, notes: list[str], name: str, values: dict[str, Any], source: str) -> None:
     current = tree.get(name)
-    starts_afresh = identity in values and isinstance(current, dict) and values[identity] != current.get(identity)
-    if current is None or starts_afresh:
+    if not isinstance(current, dict):
         tree[name] = {}
         _forget(sources, name)
+    identity = SECTIONS[name].identity
+    if isinstance(current, dict) and identity in values and values[identity] != current.get(identity, values[identity]):
+        _drop_tied(tree[name], sources, notes, name, values, source)
     for key, value in values.items():
         tree[name][key] = copy.deepcopy(value)
         sources[f"{name}.{key}"] = source
+
+
+def _drop_tied(section: dict, sources, notes: list[str], name: str, values: dict[str, Any], source: str) -> None:
+    """A new model / dataset: the lower layers' keys that described the previous one go, each named."""
+    identity = SECTIONS[name].identity
+    dropped = [key for key in SECTIONS[name].tied if key in section and key not in values]
+    if not dropped:
+        return
+    previous = f"{section.get(identity)!r} ({sources.get(f'{name}.{identity}', BUILTIN)})"
+    named = ", ".join(f"{name}.{key}={section[key]!r}" for key in dropped)
+    notes.append(f"{name}.{identity}={values[identity]!r} ({source}) replaces {previous}: dropped {named}, which "
+                 f"described the previous one (set again to keep); the other {name} keys are kept")
+    for key in dropped:
+        del section[key]
+        sources.pop(f"{name}.{key}", None)
 
 
 def _forget(sources: dict[str, str], prefix: str) -> None:
@@ -154,22 +141,26 @@ def _forget(sources: dict[str, str], prefix: str) -> None:
         del sources[key]
 
 
-def build_config(tree: dict[str, Any], sources: dict[str, str] | None = None) -> RecipeConfig:
+def build_config(tree: dict[str, Any], sources: dict[str, str] | None = None,
+                 notes: Sequence[str] = ()) -> RecipeConfig:
     """Check keys and types of a raw mapping and return the typed config (no cross-field checks)."""
-    hints = typing.get_type_hints(RecipeConfig)
     values: dict[str, Any] = {}
     for key, raw in tree.items():
         if key not in TOP_LEVEL:
             raise unknown_key("", key, TOP_LEVEL)
-        values[key] = SECTIONS[key].check(key, raw) if key in SECTIONS else coerce(raw, hints[key], key)
-    return RecipeConfig(**values, sources=dict(sources or {}))
+        values[key] = SECTIONS[key].check(key, raw) if key in SECTIONS else \
+            schema.coerce(raw, _top_level_types()[key], key)
+    return RecipeConfig(**values, sources=dict(sources or {}), notes=list(notes))
+
+
+@functools.cache
+def _top_level_types() -> dict[str, Any]:
+    return typing.get_type_hints(RecipeConfig)
 
 
 def load_config(path: str | None, overrides: dict[str, Any] | None = None) -> RecipeConfig:
-    """Built-in defaults < the YAML at ``path`` (the embedded default when None) < ``overrides``;
-    typed, not yet validated."""
-    yaml_layer = (path, load_yaml(path)) if path else (EMBEDDED_SOURCE, load_yaml(default_config_path()))
-    layers = [(BUILTIN, BUILTIN_DEFAULTS), yaml_layer, (COMMAND_LINE, overrides_tree(overrides or {}))]
-    tree, sources = merge_layers(layers)
-    return build_config(tree, sources)
-
+    """Built-in defaults < the YAML at ``path`` (the embedded default when None) < ``overrides``; typed, not yet
+    validated."""
+    yaml_layer = (path, load_yaml(path)) if path else (schema.EMBEDDED_SOURCE, load_yaml(default_config_path()))
+    layers = [(BUILTIN, schema.BUILTIN_DEFAULTS), yaml_layer, (schema.COMMAND_LINE, overrides_tree(overrides or {}))]
+    return build_config(*merge_layers(layers))

@@ -1,0 +1,66 @@
+"""The recipe's ``accumulation:`` section, checked before anything loads (its ``Section.validator``).
+
+* ``rampup_batch_size`` and ``tokens_per_update`` (loop engine only): the window changes from update to update
+  (:mod:`hf_accum.loop.windows`). With a token budget the update's size is the budget: a ``global_batch_size`` or
+  ``training.gradient_accumulation_steps`` from a lower layer yields to it (a note says so, and the Accelerator's K
+  becomes 1); one given in the same layer or above is a conflict.
+* ``noise_scale: true``: refused under DeepSpeed (its engine keeps the micro-batch gradients); one micro-batch per
+  update measures nothing (said, not refused).
+* ``normalization: token | sequence`` (:mod:`hf_accum.sequence_norm`), both engines.
+
+The engines take the section as :meth:`~hf_accum.recipe.config.AccumulationSection.loop_settings`; the loop's
+:class:`~hf_accum.loop.LoopConfig` is built once, by :mod:`hf_accum.recipe.preflight`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from hf_accum.errors import InputError
+from hf_accum.planned_windows import refuse_planned_windows
+from hf_accum.rampup import RampUp
+from hf_accum.sequence_norm import NORMALIZATIONS
+
+_BUDGET = "accumulation.tokens_per_update"
+
+
+class AccumulationError(InputError):
+    """A value of the ``accumulation`` section the engines cannot honour."""
+
+
+def check_accumulation_section(section: Any, config: Any) -> None:
+    """Values, the engine, the batch keys a token budget replaces (run after the batch arithmetic is resolved)."""
+    t = config.training
+    if section.normalization not in NORMALIZATIONS:
+        raise AccumulationError(f"accumulation.normalization={section.normalization!r}; allowed: "
+                                f"{', '.join(NORMALIZATIONS)}")
+    if section.noise_scale and t.get("deepspeed"):
+        raise AccumulationError("accumulation.noise_scale=true is not available with training.deepspeed (the engine "
+                                "keeps the micro-batch gradients); allowed: false, or drop training.deepspeed")
+    if section.noise_scale and t.gradient_accumulation_steps == 1:
+        config.notes.append("accumulation.noise_scale=true with one micro-batch per update and process: only "
+                            "updates spanning several micro-batches are measured")
+    if config.engine != "loop":
+        refuse_planned_windows("accumulation.", section.rampup_batch_size, section.tokens_per_update)
+    if section.rampup_batch_size is not None:  # the nearest valid values when it does not fit the batch
+        micro, world = t.per_device_train_batch_size, int(os.environ.get("WORLD_SIZE", "1"))
+        RampUp.from_list(list(section.rampup_batch_size), micro * t.gradient_accumulation_steps * world, micro, world,
+                         key="accumulation.rampup_batch_size")
+    if section.tokens_per_update is not None:
+        _yield_batch_keys(config)
+
+
+def _yield_batch_keys(config: Any) -> None:
+    budget = config.accumulation.tokens_per_update
+    for key, value in (("global_batch_size", config.global_batch_size),
+                       ("training.gradient_accumulation_steps", config.training.get("gradient_accumulation_steps"))):
+        rank = config.layer_rank(key)  # 0: a built-in default, or derived from global_batch_size
+        if value is not None and rank > 0 and rank >= config.layer_rank(_BUDGET):
+            raise AccumulationError(f"{_BUDGET}={budget} ({config.source(_BUDGET)}) and {key}={value} "
+                                    f"({config.source(key)}) both size the update; set only one of them")
+    if config.global_batch_size is not None or config.training.gradient_accumulation_steps != 1:
+        config.notes.append(f"{_BUDGET}={budget} replaces global_batch_size / gradient_accumulation_steps of a "
+                            "lower layer: each update holds that many targets")
+    config.global_batch_size = None
+    config.training["gradient_accumulation_steps"] = 1

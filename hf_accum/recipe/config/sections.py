@@ -1,0 +1,135 @@
+"""The sections the recipe declares itself (``model``, ``data``, ``accumulation``; attribute docstrings are the
+keys' documentation) and the typed ``training`` section (``TrainingArguments`` fields)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+@dataclass
+class ModelSection:
+    name_or_path: str = "hf_accum:tiny-llama"
+    """Hub id or local path of a causal LM; ``hf_accum:tiny-llama`` is the embedded default."""
+    dtype: str = "float32"
+    """Weights dtype: float32 | bfloat16 | float16 | auto."""
+    attn_implementation: str | None = None
+    """e.g. sdpa, eager, flash_attention_2 (None: transformers' default)."""
+    tokenizer: str | None = None
+    """Hub id or local path of the tokenizer, when ``name_or_path`` has none (None: the model's own)."""
+    chat_template: str | None = None
+    """Jinja chat template when the tokenizer has none (or to replace it)."""
+    trust_remote_code: bool = False
+    config_overrides: dict = field(default_factory=dict)
+    """LlamaConfig fields for the embedded tiny model (e.g. num_hidden_layers: 4)."""
+    TIED: ClassVar[tuple[str, ...]] = ("tokenizer", "config_overrides")
+    """Keys of one model: a higher layer's new ``name_or_path`` drops the lower layers' (named in a note)."""
+
+
+@dataclass
+class DataSection:
+    """The data of a run (:func:`hf_accum.recipe.data.load_tokenizer_and_data` reads it). These defaults are
+    the ones for the user's own data; the embedded dataset's settings come with it."""
+
+    dataset: str = "hf_accum:synthetic-tasks"
+    """A .jsonl/.json/.parquet/.csv file, a ``datasets`` name, or ``hf_accum:synthetic-tasks``."""
+    dataset_config: str | None = None
+    """``datasets`` config name of a hub dataset (e.g. ``main`` for gsm8k)."""
+    format: str = "auto"
+    """auto (detected from the columns) | chat | prompt_completion | alpaca | text."""
+    train_split: str = "train"
+    """Split or slice to train on (``train``, ``train[:90%]``); a local file is one split, ``train``."""
+    eval_split: str | None = None
+    """Held-out split or slice (``test``, ``train[90%:]``) or a second local file. None: hold out
+    ``eval_fraction`` of the training rows. Never overlaps the rows trained on."""
+    eval_fraction: float = 0.05
+    """Share of the training rows held out when ``eval_split`` is None (at most ``max_eval_examples``
+    rows, drawn with ``seed``); 0: no held-out rows."""
+    messages_column: str | None = None
+    """Column names, None for the format's usual ones: chat ``messages``; prompt_completion ``prompt``
+    + ``completion``/``answer``; alpaca ``instruction`` + ``output`` (+ ``input``); text ``text``."""
+    prompt_column: str | None = None
+    answer_column: str | None = None
+    input_column: str | None = None
+    """Context joined into the user message after the prompt (alpaca's ``input``)."""
+    text_column: str | None = None
+    system_prompt: str | None = None
+    """System message added to conversations that have none."""
+    max_length: int = 512
+    """Tokens per example after the chat template; longer ones are truncated (and counted)."""
+    packing: bool = False
+    """Padding-free packing (both engines): each micro-batch's sequences are concatenated into one
+    row with ``position_ids`` restarting per sequence (``hf_accum.batching.PackingCollator``) instead
+    of right-padded rows. Same sequences per micro-batch, same targets (loss on answers only), no pad
+    tokens computed. Needs an attention implementation that honours restarting ``position_ids``
+    (transformers' sdpa/eager/flash_attention_2 for Llama-style models do)."""
+    max_eval_examples: int = 200
+    """Held-out rows scored by exact match (the first ones; caps the ``eval_fraction`` carve-out)."""
+    eval_max_new_tokens: int = 32
+    num_train_examples: int = 6000
+    """Embedded dataset only: generated training examples."""
+    num_eval_examples: int = 200
+    """Embedded dataset only: generated held-out examples."""
+    seed: int = 0
+    """Seed of the embedded dataset's generation and of the ``eval_fraction`` draw."""
+    TIED: ClassVar[tuple[str, ...]] = ("dataset_config", "format", "train_split", "eval_split", "messages_column",
+                                       "prompt_column", "answer_column", "input_column", "text_column",
+                                       "num_train_examples", "num_eval_examples")
+    """Keys of one dataset (splits, columns, generated sizes): a new ``dataset`` drops the lower layers'."""
+
+
+@dataclass
+class AccumulationSection:
+    """How updates are formed beyond a fixed K (checked by :mod:`hf_accum.recipe.config.validation`)."""
+
+    rampup_batch_size: list | None = None
+    """``[start, increment, samples]``: Megatron's batch ramp-up towards the global batch (loop engine)."""
+    tokens_per_update: int | None = None
+    """Close an update once it holds this many targets on all ranks (loop engine); replaces the global batch."""
+    noise_scale: bool = False
+    """Track the gradient noise scale (metrics.json ``noise_scale``, ``grad_sq``, ``trace_cov``; the plot; an
+    end-of-run line on the batch size). Needs >= 2 micro-batches per update; not under DeepSpeed."""
+    normalization: str = "token"
+    """token: the update's loss is the mean over its target tokens; sequence: the mean over its sequences of each
+    sequence's mean token loss (long answers do not dominate; packed rows count each sequence)."""
+
+    def loop_settings(self) -> dict[str, Any]:
+        """The :class:`~hf_accum.loop.LoopConfig` fields this section sets (``AccumTrainer`` takes the last two)."""
+        return {"rampup_batch_size": self.rampup_batch_size, "tokens_per_update": self.tokens_per_update,
+                "noise_scale": self.noise_scale, "normalization": self.normalization}
+
+
+class TrainingSection(dict):
+    """``training``: the ``TrainingArguments`` fields this run sets (``in``, iteration and the saved copy see
+    only those), every field readable as an attribute: the value set, else ``TrainingArguments``' default."""
+
+    # The fields the recipe kit reads, for type checkers; every other field reads the same way.
+    output_dir: str
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    num_train_epochs: float
+    max_steps: int
+    max_grad_norm: float
+    bf16: bool
+    fp16: bool
+    use_cpu: bool
+    seed: int
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self:
+            return self[name]
+        defaults = training_defaults()
+        if name not in defaults:
+            raise AttributeError(f"TrainingArguments has no field {name!r}")
+        return defaults[name]
+
+
+@functools.cache
+def training_defaults() -> dict[str, Any]:
+    from transformers import TrainingArguments
+
+    return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            for f in dataclasses.fields(TrainingArguments)
+            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
