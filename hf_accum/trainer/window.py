@@ -5,6 +5,8 @@ Trainer pre-fetches the window's K micro-batches (``get_batch_samples``), so ``N
 backward: every micro-batch backpropagates ``loss_sum * W / N``. DDP averages over ``W`` ranks, so the applied
 gradient is ``grad(sum of every target's loss) / N`` -- one big batch -- and because the loss is scaled *before*
 backward (not the gradients after), this also holds under DeepSpeed/FSDP, which keep gradients out of reach.
+The unit is whatever the loss counts (targets, sequences, preference pairs: ``count_units``); a loss of several
+terms backpropagates ``sum_j S_jk * W / N_j`` (:func:`hf_accum.accumulation.combine_terms`).
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ import torch
 from hf_accum.accumulation import (
     Fp32GradientAccumulator,
     WindowTotals,
+    combine_terms,
     exact_mean_factor,
     low_precision_parameters,
     rescale_gradients_,
+    term_factors,
 )
-from hf_accum.boundary import Decision, UpdateBoundary, count_window_targets, discard_window_
+from hf_accum.boundary import Decision, UnitCounter, UpdateBoundary, count_window_units, discard_window_
 from hf_accum.control import NonFiniteGuard, TrainingControl
-from hf_accum.loss import LossKind
 from hf_accum.noise_probe import small_batch_grad_sq, squared_norm
 
 logger = logging.getLogger("hf_accum.trainer")
@@ -41,13 +44,15 @@ class TrainerWindow:
     low-precision weights, and the totals the logs report."""
 
     def __init__(self, accelerator: Any, control: TrainingControl, guard: NonFiniteGuard, deepspeed: bool,
-                 fsdp: bool, noise_scale: bool = False, clips: bool = True, normalization: str = "token") -> None:
+                 fsdp: bool, noise_scale: bool = False, clips: bool = True, normalization: str = "token",
+                 extra_terms: tuple[str, ...] = ()) -> None:
         self.accelerator = accelerator
         self.deepspeed = deepspeed
         self.fsdp = fsdp
         self.boundary = UpdateBoundary(
             accelerator, control, guard, logger, count_source="loss_sum_and_count", steps_in_backward=deepspeed,
             no_targets_note=_DEEPSPEED_NO_TARGETS if deepspeed else "", noise_scale=noise_scale,
+            extra_terms=extra_terms,
         )
         self.clips = clips
         self.normalization = normalization
@@ -60,7 +65,9 @@ class TrainerWindow:
         self.unclipped_grad_sq: float | None = None
         """Noise scale without clipping: the applied gradient's squared norm (measured at the boundary)."""
         self.targets = 0
-        """The window's global target count (``num_items_in_batch``)."""
+        """The window's global target count (``num_items_in_batch``; a multi-term loss: its primary term's)."""
+        self.counts: list[int] = [0]
+        """Every term's global count of the window (one entry for a single-term loss)."""
         self.fp32_sums: Fp32GradientAccumulator | None = None
         self.skip_step = False
         """This update's window was skipped (no targets, inf/NaN): Trainer must not step the LR scheduler."""
@@ -92,17 +99,27 @@ class TrainerWindow:
             self.fp32_sums.clear()
 
     # -- before and during the window ---------------------------------------------------------------------
-    def count(self, batches: list[dict[str, Any]], kind: LossKind) -> int:
-        """The window's targets on all ranks -- ALWAYS summed over ranks, also when
+    def count(self, batches: list[dict[str, Any]], count_units: UnitCounter) -> int:
+        """The window's units on all ranks -- ALWAYS summed over ranks, also when
         ``average_tokens_across_devices=False`` (where stock Trainer divides by each rank's own count and DDP
         then averages differently-normalized gradients). Every rank joins this all-reduce once per window."""
-        self.targets = count_window_targets(batches, kind, self.accelerator, self.normalization)
+        self.counts = count_window_units(batches, count_units, self.accelerator)
+        self.targets = self.counts[0]
         self.first_pending = True
         return self.targets  # a Python int: no device sync per micro-batch in compute_loss
 
     def loss_factor(self, window_targets: int) -> float:
         """What a micro-batch's summed loss is multiplied by before backward."""
         return self._backward_scale(self._window_scale(window_targets))
+
+    def scaled_loss(self, loss_sum: torch.Tensor, window_targets: int) -> torch.Tensor:
+        """The micro-batch's loss to backpropagate: ``loss_sum * W / N`` (:meth:`loss_factor`), or for a loss of
+        several terms ``sum_j S_j * W / N_j`` (exact factors: no fp32-sum remainder, :meth:`_write_fp32_sums`)."""
+        if loss_sum.dim() == 0:
+            return loss_sum * self.loss_factor(window_targets)
+        if not self.targets:  # no mean: zero keeps every rank's backward (and DDP's collectives) in step
+            return loss_sum.sum() * 0.0
+        return combine_terms(loss_sum, term_factors(self.counts, self.accelerator.num_processes))
 
     def _window_scale(self, window_targets: int | torch.Tensor) -> float:
         """``W / N`` from the core; 0 for a window without targets (its gradients are dropped later,
@@ -145,7 +162,7 @@ class TrainerWindow:
         if self.accelerator.scaler is None and not self.deepspeed:
             # fp16's GradScaler skips inf/NaN gradients itself; DeepSpeed keeps gradients inside its engine.
             gradients = [p.grad for p in model.parameters()]
-        decision = self.boundary.close(update, gradients, counted=self.targets)
+        decision = self.boundary.close(update, gradients, counted=self.counts if len(self.counts) > 1 else self.targets)
         self.decision = decision
         if decision.halt is not None:
             self.halting = decision
@@ -168,7 +185,7 @@ class TrainerWindow:
     def _write_fp32_sums(self, model: torch.nn.Module) -> None:
         """The window's fp32 gradient sums -> ``.grad``, times what ``_backward_scale`` left of ``W / N``."""
         window_scale = self._window_scale(self.targets)
-        remainder = window_scale / self._backward_scale(window_scale)
+        remainder = window_scale / self._backward_scale(window_scale) if len(self.counts) == 1 else 1.0
         self.fp32_sums.write_gradients_(remainder)  # rounded once to the weights' dtype
         rescale_gradients_(self.fp32_sums.other_parameters(model.parameters()), remainder)
 
