@@ -129,7 +129,8 @@ class AccumTrainer(Trainer):
         self._window = TrainerWindow(self.accelerator, self.run_control, guard, self.is_deepspeed_enabled,
                                      self.is_fsdp_enabled, noise_scale=noise_scale,
                                      clips=bool(self.args.max_grad_norm and self.args.max_grad_norm > 0),
-                                     normalization=normalization, extra_terms=extra_terms)
+                                     normalization=normalization, extra_terms=extra_terms,
+                                     unit=self._micro_batch_loss.term_names[0])
         self.noise_scale_advice: str | None = None
         """With ``noise_scale=True``: the end-of-run line on the batch size (also logged)."""
         self._records = UpdateRecorder(self._window.boundary, on_update)

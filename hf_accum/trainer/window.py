@@ -45,7 +45,7 @@ class TrainerWindow:
 
     def __init__(self, accelerator: Any, control: TrainingControl, guard: NonFiniteGuard, deepspeed: bool,
                  fsdp: bool, noise_scale: bool = False, clips: bool = True, normalization: str = "token",
-                 extra_terms: tuple[str, ...] = ()) -> None:
+                 extra_terms: tuple[str, ...] = (), unit: str = "target") -> None:
         self.accelerator = accelerator
         self.deepspeed = deepspeed
         self.fsdp = fsdp
@@ -71,7 +71,9 @@ class TrainerWindow:
         self.fp32_sums: Fp32GradientAccumulator | None = None
         self.skip_step = False
         """This update's window was skipped (no targets, inf/NaN): Trainer must not step the LR scheduler."""
-        self.interval = LogInterval()
+        self.unit = unit
+        """The primary term's unit (``target``, ``sequence``, ``pair``): names the logged update size."""
+        self.interval = LogInterval(unit)
         self.run_totals = WindowTotals()
         """Every window trained by this ``train()`` call: the exact final ``train_loss``."""
         self.decision: Decision | None = None
@@ -93,7 +95,7 @@ class TrainerWindow:
     def start(self) -> None:
         """At the start of every (re)try of the training loop: an OOM retry must not inherit a half-tallied window."""
         self.boundary.reset()
-        self.interval = LogInterval()
+        self.interval = LogInterval(self.unit)
         self.run_totals = WindowTotals()
         if self.fp32_sums is not None:
             self.fp32_sums.clear()
@@ -206,7 +208,7 @@ class TrainerWindow:
         """The exact loss and shape of the updates since the last log line ({} when none), then start over."""
         if not self.interval.updates:
             return {}
-        logs, self.interval = self.interval.as_logs(), LogInterval()
+        logs, self.interval = self.interval.as_logs(), LogInterval(self.unit)
         return logs
 
     # -- fp32 sums of low-precision weights ---------------------------------------------------------------
@@ -243,7 +245,8 @@ def poison_gradients_(model) -> None:
 class LogInterval:
     """Window totals (already summed over ranks) since the last log line."""
 
-    def __init__(self) -> None:
+    def __init__(self, unit: str = "target") -> None:
+        self.unit = unit
         self.totals = WindowTotals()
         self.updates = 0
         self.skipped = 0
@@ -263,10 +266,13 @@ class LogInterval:
         logs = {
             # Token-weighted over the interval: with logging_steps=1, the exact mean of the window.
             "loss": self.totals.mean_loss,
-            "tokens_per_update": self.totals.targets / self.updates,
+            # The update's size in its primary unit (targets and sequence-mode sequences log as tokens, as always).
+            _size_key(self.unit): self.totals.targets / self.updates,
             "sequences_per_update": self.totals.sequences / self.updates,
             "padding_fraction": self.totals.padding_fraction,
         }
+        for name, mean in self.totals.term_means().items():  # each extra term's own mean (its part of "loss")
+            logs[f"{name}_loss"] = mean
         if self.totals.aux_loss_sum:  # MoE router loss, logged apart from the cross-entropy "loss"
             logs["aux_loss"] = self.totals.mean_aux_loss
         if self.skipped:
@@ -274,3 +280,7 @@ class LogInterval:
         if self.skipped_nonfinite:
             logs["updates_skipped_nonfinite"] = self.skipped_nonfinite
         return logs
+
+
+def _size_key(unit: str) -> str:
+    return "tokens_per_update" if unit in ("target", "sequence") else f"{unit}s_per_update"
