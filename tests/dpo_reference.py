@@ -247,9 +247,6 @@ def run_dpo_trainer(trainer_cls, rows, tokenizer, out_dir: str, *, micro_batch: 
 
     from trl import DPOConfig
 
-    from hf_accum.testing.scenarios import reset_accelerate_state
-
-    reset_accelerate_state()
     model = dpo_model(tokenizer, peft)
     initial = copy.deepcopy(model)
     args = DPOConfig(
@@ -258,7 +255,7 @@ def run_dpo_trainer(trainer_cls, rows, tokenizer, out_dir: str, *, micro_batch: 
         logging_steps=logging_steps, save_strategy="no", num_train_epochs=1, beta=beta, loss_type=list(loss_type),
         loss_weights=loss_weights, label_smoothing=label_smoothing, precompute_ref_log_probs=precompute,
         activation_checkpointing=False, gradient_checkpointing=False, disable_tqdm=True,
-        accelerator_config={"even_batches": even_batches}, ddp_find_unused_parameters=False,
+        accelerator_config={"even_batches": even_batches}, ddp_find_unused_parameters=False, use_cpu=True,
     )
     ref_model = None if precompute or peft else copy.deepcopy(initial)
     audit = PairAudit()
@@ -284,6 +281,8 @@ def run_dpo_trainer(trainer_cls, rows, tokenizer, out_dir: str, *, micro_batch: 
         holder = copy.deepcopy(initial)
     trainer.data_collator = audit.wrap(trainer.data_collator)
     trainer.train()
+    if dist.is_initialized() and dist.get_rank() != 0:  # every rank's windows are on rank 0: it audits
+        return {"errors": [], "logs": [], "metrics": [], "pairs": [], "trainer": trainer}
     weighted = list(zip(loss_type, loss_weights or [1.0] * len(loss_type)))
     types = {t: w for t, w in weighted if t != "sft"}
     sft_weight = sum(w for t, w in weighted if t == "sft")
@@ -329,6 +328,8 @@ def run_dpo_loop(features: list[dict], loss, *, micro_batch: int = 2, accumulati
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     config = LoopConfig(lr_scheduler_type="constant", disable_tqdm=True, max_grad_norm=0.0)
     result = train(model, optimizer, loader, accelerator, config, loss_sum_fn=loss)
+    if dist.is_initialized() and dist.get_rank() != 0:  # every rank's windows are on rank 0: it audits
+        return {"errors": [], "result": result, "pairs": []}
     types = dict(loss.pair_weights)
     errors = audit_errors(audit, copy.deepcopy(initial), reference_logp_fn(initial, False), beta=loss.beta,
                           loss_types=types, sft_weight=loss.sft_weight, label_smoothing=loss.label_smoothing)
