@@ -82,7 +82,9 @@ class FakeGeneration:
         n = len(inputs)
         prompt_len = 2 + call % 3
         prompts = torch.randint(FIRST_WORD, vocab, (n, prompt_len), generator=g)
-        lengths = torch.randint(1, MAX_COMPLETION + 1, (n,), generator=g)
+        # Rank 1's completions are short (1-2 tokens), rank 0's up to MAX_COMPLETION: uneven counts across ranks.
+        longest = MAX_COMPLETION if rank == 0 else 2
+        lengths = torch.randint(1, longest + 1, (n,), generator=g)
         completions = torch.full((n, MAX_COMPLETION), TOKENIZER.pad_token_id, dtype=torch.long)
         mask = torch.zeros((n, MAX_COMPLETION), dtype=torch.long)
         for i in range(n):
@@ -149,7 +151,11 @@ def build_trainer(trainer_cls, output_dir: str, rows: int = 12, beta: float = 0.
                 recorder.micro_batch(inputs)
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
-    trainer = Recording(model=MODEL_FACTORY(), reward_funcs=reward_len, args=grpo_args(output_dir, beta=beta,
+    model = MODEL_FACTORY()
+    if beta:  # TRL loads its reference model from the policy's path (the fake generation gives ref log-probs)
+        model.save_pretrained(f"{output_dir}/initial_policy")
+        model.config._name_or_path = f"{output_dir}/initial_policy"
+    trainer = Recording(model=model, reward_funcs=reward_len, args=grpo_args(output_dir, beta=beta,
                         **overrides), train_dataset=prompts_dataset(rows), processing_class=TOKENIZER,
                         callbacks=[recorder])
     fake = FakeGeneration(trainer, beta)
@@ -173,12 +179,17 @@ def full_precision_logps(trainer, model, input_ids, attention_mask, logits_to_ke
     return torch.where(is_target, logps, zero), torch.where(is_target, entropy, zero) if compute_entropy else None, None
 
 
-def per_token_loss(args, loss_type: str, logps, old, advantage, entropy_coef: float = 0.0):
-    """TRL's documented per-token (or per-sequence) policy loss of one completion, written independently."""
+def importance_ratio(args, logps, old):
+    """``pi / pi_old`` per token, or ``exp`` of the mean log-ratio per sequence (GSPO)."""
     log_ratio = logps - old
     if args.importance_sampling_level == "sequence":
         log_ratio = log_ratio.mean().reshape(1)
-    ratio = torch.exp(log_ratio)
+    return torch.exp(log_ratio)
+
+
+def per_token_loss(args, loss_type: str, logps, old, advantage):
+    """TRL's documented per-token (or per-sequence) policy loss of one completion, written independently."""
+    ratio = importance_ratio(args, logps, old)
     eps_low, eps_high = args.epsilon, args.epsilon_high if args.epsilon_high is not None else args.epsilon
     if loss_type == "cispo":
         return -torch.clamp(ratio, max=eps_high).detach() * advantage * logps
@@ -203,7 +214,10 @@ def reference_loss(args, loss_type: str, rows: list[dict], model) -> torch.Tenso
         loss = loss.expand_as(logps)  # a sequence-level loss counts once per token, as TRL broadcasts it
         if args.beta:
             ref = row["ref"]
-            loss = loss + args.beta * (torch.exp(ref - logps) - (ref - logps) - 1)
+            kl = torch.exp(ref - logps) - (ref - logps) - 1  # k3, the estimator TRL and the GRPO paper use
+            if args.use_bias_correction_kl:  # TRL 1.16's default: the KL weighted by the importance ratio
+                kl = kl * importance_ratio(args, logps, row["old"])
+            loss = loss + args.beta * kl
         per_row.append(loss)
         entropy_sum = entropy_sum + entropy.sum()
         tokens += logps.numel()
