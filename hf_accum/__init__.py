@@ -43,7 +43,7 @@ _LAZY = {
     "planned_updates": "schedule",
     # The trainers import transformers.Trainer (heavy) and TRL (optional).
     "AccumTrainer": "trainer", "AccumSFTTrainer": "sft", "AccumDPOTrainer": "dpo",
-    "DPOPairLoss": "preference", "collate_pairs": "preference",
+    "DPOPairLoss": "preference", "collate_pairs": "preference", "AccumGRPOTrainer": "grpo",
 }
 
 __version__ = "0.1.0"

@@ -206,3 +206,59 @@ def evened_batches(accelerator: Any):
             accelerator.even_batches = previous
 
     return context()
+# GRPOTrainer (TRL 1.16, trl/trainer/grpo_trainer.py) -- AccumGRPOTrainer's private touches.
+
+
+def grpo_step(trainer: Any) -> int:
+    """``GRPOTrainer._step``: micro-batches trained so far; ``_prepare_inputs`` generates when
+    ``_step % (steps_per_generation * num_iterations) == 0`` and otherwise returns slice
+    ``_step % steps_per_generation`` of its buffer; ``training_step`` adds 1 after each micro-batch (TRL 1.16)."""
+    return trainer._step
+
+
+def set_grpo_step(trainer: Any, step: int) -> None:
+    trainer._step = step
+
+
+class grpo_entropy_bonus_switch:  # noqa: N801 -- a context manager, named like one
+    """Turn ``GRPOTrainer``'s entropy bonus (``_entropy_bonus_enabled``, TRL 1.16: read by ``_compute_loss`` only)
+    on or off for one loss computation, and restore it."""
+
+    def __init__(self, trainer: Any, enabled: bool) -> None:
+        if not hasattr(trainer, "_entropy_bonus_enabled"):
+            raise RuntimeError("trl.GRPOTrainer has no _entropy_bonus_enabled any more (checked: TRL 1.16): "
+                               "AccumGRPOTrainer cannot carry the entropy bonus as a term of its own")
+        self.trainer, self.enabled = trainer, enabled
+
+    def __enter__(self) -> None:
+        self.previous = self.trainer._entropy_bonus_enabled
+        self.trainer._entropy_bonus_enabled = self.enabled
+
+    def __exit__(self, *exc: Any) -> None:
+        self.trainer._entropy_bonus_enabled = self.previous
+
+
+def trl_grpo_divisor(trainer: Any, inputs: dict, mask: torch.Tensor) -> float | torch.Tensor:
+    """What ``GRPOTrainer._compute_loss`` (TRL 1.16, training mode) divides a micro-batch's summed loss by, per
+    ``loss_type``, so that ``loss * divisor`` is the micro-batch's sum again (K = the update's micro-batches,
+    ``current_gradient_accumulation_steps``; W = processes):
+
+    - grpo, sapo, luspo: rows x K (a mean over the micro-batch's completions, divided by K);
+    - bnpo: max(1, the micro-batch's tokens) x K;
+    - dr_grpo: rows x max_completion_length x K;
+    - dapo, cispo, vespo: max(1, num_items_in_batch) / W x K / steps_per_generation (the generation batch's tokens
+      over all ranks, scaled to an average window: not this window's count).
+    """
+    loss_type = trainer.loss_type
+    k = trainer.current_gradient_accumulation_steps
+    rows = mask.shape[0]
+    if loss_type in ("grpo", "sapo", "luspo"):
+        return rows * k
+    if loss_type == "bnpo":
+        return mask.sum().clamp(min=1.0).detach() * k
+    if loss_type == "dr_grpo":
+        return rows * trainer.max_completion_length * k
+    if loss_type in ("dapo", "cispo", "vespo"):
+        generation_tokens = torch.as_tensor(inputs["num_items_in_batch"]).clamp(min=1.0).detach()
+        return generation_tokens / trainer.accelerator.num_processes * k / trainer.args.steps_per_generation
+    raise ValueError(f"no TRL 1.16 divisor known for loss_type={loss_type!r}")

@@ -12,11 +12,8 @@ import pytest
 import torch
 import yaml
 
-<<<<<<< HEAD:tests/unit/test_config.py
 from hf_accum.checkpoint import write_text_atomically
-=======
 from hf_accum.errors import InputError
->>>>>>> cfg:tests/test_config.py
 from hf_accum.recipe import config as recipe_config
 from hf_accum.recipe import outputs as run_outputs
 
