@@ -46,14 +46,44 @@ class NotFusable(Exception):
 
 
 def resolve_head(module: nn.Module) -> LinearHead:
-    """The tensors ``module`` computes its logits with; :class:`NotFusable` (with the reason) otherwise."""
+    """The tensors ``module`` computes its logits with; :class:`NotFusable` (with the reason) otherwise.
+
+    Under a sharding engine (FSDP2, ZeRO-3) the tensors are whole only inside the module's forward (the
+    engine gathers them in its forward pre-hook): the fused loss therefore reads them there
+    (:class:`FusedCausalLMLoss` runs inside the head's forward, see :func:`_head_returns_loss`)."""
     _require_no_hooks(module)
     for cls, resolver in _head_resolvers().items():
-        if type(module) is cls:  # exact type: a subclass may override forward
+        if built_class(module) is cls:  # exact type: a subclass may override forward
             return resolver(module)
     raise NotFusable(
         f"the output layer is a {type(module).__name__}, not nn.Linear or a PEFT LoRA/modules_to_save wrapper"
     )
+
+
+def built_class(module: nn.Module) -> type:
+    """The class ``module`` was built as. FSDP2's ``fully_shard`` swaps an instance's class for a generated
+    ``FSDP<Class>(FSDPModule, <Class>)`` that adds sharding methods and no forward of its own."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(module)
+    if isinstance(module, FSDPModule):
+        return next(base for base in cls.__bases__ if base is not FSDPModule)
+    return cls
+
+
+def linear_leaf(head_module: nn.Module) -> nn.Module:
+    """The module whose own forward applies the head's linear map to the hidden states: the head itself, or
+    the copy a PEFT ``modules_to_save`` wrapper calls. The fused loss replaces that module's forward, so a
+    sharding engine's hooks on it (ZeRO-3 gathers each module's own parameters) and on every module around it
+    (FSDP2 units) run as they do for the logits path."""
+    from peft.utils.other import ModulesToSaveWrapper
+
+    if isinstance(head_module, ModulesToSaveWrapper):
+        adapters = head_module.active_adapters
+        if head_module.disable_adapters or not adapters or adapters[0] not in head_module.modules_to_save:
+            return linear_leaf(head_module.original_module)
+        return linear_leaf(head_module.modules_to_save[adapters[0]])
+    return head_module
 
 
 def _head_resolvers() -> dict[type, Callable[[Any], LinearHead]]:
@@ -64,12 +94,45 @@ def _head_resolvers() -> dict[type, Callable[[Any], LinearHead]]:
     return {nn.Linear: _plain_linear, ModulesToSaveWrapper: _modules_to_save, LoraLinear: _lora_linear}
 
 
+# Where the forward hooks of the sharding engines are defined: FSDP2 (gathers a unit's parameters before its
+# forward, frees them after, and re-gathers for backward from a hook on the forward's outputs) and DeepSpeed
+# ZeRO-3 (the same per module). The fused loss runs inside the head's forward and returns a tensor the model
+# carries to its outputs (:func:`_through_outputs`), so these hooks do for it what they do for the logits.
+ENGINE_HOOK_MODULES = ("torch.distributed.fsdp.", "deepspeed.runtime.zero.")
+
+
+# Decorators an engine wraps its hooks in without functools.wraps (DeepSpeed's NVTX ranges): the hook is the
+# function held in the wrapper's closure.
+HOOK_WRAPPER_MODULES = ("deepspeed.utils.nvtx",)
+
+
+def _is_engine_hook(hook: Callable) -> bool:
+    function = getattr(hook, "func", hook)  # functools.partial
+    module = getattr(function, "__module__", None) or ""
+    if module.startswith(HOOK_WRAPPER_MODULES):
+        cells = getattr(function, "__closure__", None) or ()
+        return any(callable(cell.cell_contents) and _is_engine_hook(cell.cell_contents) for cell in cells)
+    return module.startswith(ENGINE_HOOK_MODULES)
+
+
 def _require_no_hooks(module: nn.Module) -> None:
-    if module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__:
-        # FSDP2 shards the head and gathers it in a forward pre-hook: the fused pass would read a shard.
-        reason = "FSDP shards it (gathered only inside its forward)" if type(module).__name__.startswith("FSDP") \
-            else "it has forward hooks or a patched forward"
-        raise NotFusable(f"the output layer {type(module).__name__} cannot be read directly: {reason}")
+    hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
+    foreign = [hook for hook in hooks if not _is_engine_hook(hook)]
+    patched = module.__dict__.get("forward")
+    if foreign or (patched is not None and not getattr(patched, "is_fused_head", False)):
+        names = sorted({getattr(hook, "__qualname__", type(hook).__name__) for hook in foreign}) or ["forward"]
+        raise NotFusable(f"the output layer {type(module).__name__} cannot be read directly: it has forward hooks or "
+                         f"a patched forward ({', '.join(names)})")
+
+
+def _require_gathered(head: LinearHead) -> None:
+    """ZeRO-3 gathers a module's own parameters before *its* forward: a LoRA adapter's matrices live in
+    submodules whose forward the fused head never calls, so they are still partitioned when it runs."""
+    for tensor in (head.weight, head.bias, head.lora_a, head.lora_b):
+        status = getattr(tensor, "ds_status", None)
+        if status is not None and getattr(status, "name", "") == "NOT_AVAILABLE":
+            raise NotFusable("LoRA on the output layer under DeepSpeed ZeRO-3 (its matrices are gathered only "
+                             "inside their own forward)")
 
 
 def _plain_linear(module: nn.Linear) -> LinearHead:
@@ -147,9 +210,7 @@ class FusedCausalLMLoss:
         if self.head_module is None:
             return None
         targets = aligned_targets(labels, "causal_lm")
-        # Read per call: the active adapter may change between calls.
-        head = dataclasses.replace(resolve_head(self.head_module), transform=self.transform)
-        with _head_returns_loss(self.head_module, self._loss_of(head, targets, stats, weights)) as calls:
+        with _head_returns_loss(self.head_module, self._loss_of(targets, stats, weights)) as calls:
             outputs = model(**inputs)
         marker = outputs["logits"]
         if len(calls) != 1 or marker.shape != (1, 1, 1):
@@ -160,17 +221,19 @@ class FusedCausalLMLoss:
         # The loss as the head computed it: what the model returns went through its logit transform
         # (x scale, soft-cap), which applies to the logits, not to a loss. The returned marker still
         # depends on it, so every parameter with a gradient is reachable from the outputs (DDP).
-        return outputs, calls[0]
+        return outputs, _through_outputs(calls[0], marker)
 
     def disable(self, reason: str) -> None:
         """Decide for the logits path (e.g. a custom loss needs the logits)."""
         self._decided, self.head_module, self.reason = True, None, reason
 
-    def _loss_of(self, head: LinearHead, targets: torch.Tensor, stats: TokenStats | None,
-                 weights: torch.Tensor | None = None):
+    def _loss_of(self, targets: torch.Tensor, stats: TokenStats | None, weights: torch.Tensor | None = None):
         def loss(hidden: torch.Tensor) -> torch.Tensor:
             if hidden.shape[:-1] != targets.shape:
                 raise RuntimeError(f"hidden states {tuple(hidden.shape)} do not match labels {tuple(targets.shape)}")
+            # Read here, inside the head's forward: a sharding engine has gathered the weights (and the active
+            # adapter may change between calls).
+            head = dataclasses.replace(resolve_head(self.head_module), transform=self.transform)
             return linear_cross_entropy_sum(hidden, head, targets, self.label_smoothing, self.chunk_bytes, stats,
                                             weights)
 
@@ -179,16 +242,15 @@ class FusedCausalLMLoss:
     def _decide(self, model: nn.Module, inputs: dict[str, Any]) -> None:
         self._decided = True
         try:
-            self.head_module, self.transform = probe_fusable_head(model, inputs)
+            self.head_module, self.transform, vocab = probe_fusable_head(model, inputs)
         except NotFusable as reason:
             self.reason = str(reason)
             if is_main_process():  # every rank decides alike: say it once
                 logger.warning("fused linear cross-entropy off, logits path for this run: %s", reason)
             return
-        vocab = resolve_head(self.head_module).weight.shape[0]
         if is_main_process():
-            logger.info("fused linear cross-entropy on (vocabulary %d, at most %d MiB of logits per chunk%s)",
-                        vocab, self.chunk_bytes // 2**20, _describe(self.transform))
+            logger.info("fused linear cross-entropy on (vocabulary %d, at most %d MiB of logits per chunk%s%s)",
+                        vocab, self.chunk_bytes // 2**20, _describe(self.transform), _engine_note(self.head_module))
 
 
 def _describe(transform: LogitTransform) -> str:
@@ -197,9 +259,10 @@ def _describe(transform: LogitTransform) -> str:
     return "; " + ", ".join(steps) if steps else ""
 
 
-def probe_fusable_head(model: nn.Module, inputs: dict[str, Any]) -> tuple[nn.Module, LogitTransform]:
-    """The output-layer module to fuse and what the model does to its logits, after checking on a short
-    slice of ``inputs`` that the model returns exactly that from every position's hidden state."""
+def probe_fusable_head(model: nn.Module, inputs: dict[str, Any]) -> tuple[nn.Module, LogitTransform, int]:
+    """The output-layer module to fuse, what the model does to its logits and the vocabulary size, after
+    checking on a short slice of ``inputs`` that the model returns exactly that from every position's hidden
+    state. The head's tensors are read inside its forward, where a sharding engine has gathered them."""
     if isinstance(model, nn.DataParallel):
         raise NotFusable("nn.DataParallel replicates modules per call (use DDP)")
     inner = unwrap_model(model)
@@ -207,22 +270,31 @@ def probe_fusable_head(model: nn.Module, inputs: dict[str, Any]) -> tuple[nn.Mod
     head_module = get_head() if callable(get_head) else None
     if head_module is None:
         raise NotFusable(f"{type(inner).__name__} has no output embeddings (get_output_embeddings)")
-    expected = resolve_head(head_module)
+    resolve_head(head_module)  # its kind, and no foreign hooks (before any forward)
     # Through the model as training calls it (DDP and Accelerate's autocast included); every rank
     # probes its first micro-batch at the same point, so DDP's buffer broadcast stays in step.
     seen = _probe_forward(model, head_module, _probe_slice(inputs))
     if len(seen["calls"]) != 1:
         raise NotFusable(f"the output layer was called {len(seen['calls'])} times in one forward")
-    (hidden, head_output), positions = seen["calls"][0], seen["positions"]
+    (hidden, head_output, expected), positions = seen["calls"][0], seen["positions"]
+    if isinstance(expected, NotFusable):
+        raise expected
     if positions is None or tuple(hidden.shape[:-1]) != positions:
         raise NotFusable("the output layer does not see every position's hidden state")
-    _require_equal(
-        expected.logits(hidden), head_output, "the output layer computes something other than its linear map"
-    )
+    _require_equal(expected, head_output, "the output layer computes something other than its linear map")
     returned = seen["logits"]
     if returned is None or returned.dtype.itemsize < head_output.dtype.itemsize:
         raise NotFusable("the model does not return its output layer's logits")
-    return head_module, _proven_transform(inner, head_output, returned.to(head_output.dtype))
+    return head_module, _proven_transform(inner, head_output, returned.to(head_output.dtype)), head_output.shape[-1]
+
+
+def _engine_note(head_module: nn.Module) -> str:
+    """``; inside the FSDP2/ZeRO-3 head's forward`` when a sharding engine gathers the head (the log line)."""
+    modules = [head_module, linear_leaf(head_module)]
+    hooks = [hook for module in modules for hook in (*module._forward_pre_hooks.values(),)]
+    engines = {("FSDP2" if "fsdp" in getattr(getattr(h, "func", h), "__module__", "") else "ZeRO-3")
+               for h in hooks if _is_engine_hook(h)}
+    return f"; inside the {'/'.join(sorted(engines))}-gathered head's forward" if engines else ""
 
 
 def _proven_transform(inner: nn.Module, head_output: torch.Tensor, returned: torch.Tensor) -> LogitTransform:
@@ -262,17 +334,31 @@ def declared_transform(inner: nn.Module) -> LogitTransform:
 
 
 def _probe_forward(model: nn.Module, head_module: nn.Module, inputs: dict[str, Any]) -> dict:
+    """One no-grad forward recording, per call of the head, ``(hidden, head output, what the fused loss would
+    compute from the head's tensors)``: the last is computed inside the forward (gathered weights), or is the
+    :class:`NotFusable` met reading them (raised by the caller, after the forward has finished cleanly)."""
     calls = []
+    leaf = linear_leaf(head_module)
+    original = leaf.forward
 
-    def record(module, args, output):
-        calls.append((args[0].detach(), output.detach()))
+    def record(hidden, *args, **kwargs):
+        output = original(hidden, *args, **kwargs)
+        try:
+            head = resolve_head(head_module)
+            _require_gathered(head)
+            expected = head.logits(hidden)
+        except NotFusable as reason:
+            expected = reason
+        calls.append((hidden.detach(), output.detach(), expected))
+        return output
 
-    handle = head_module.register_forward_hook(record)
+    record.is_fused_head = True
+    leaf.forward = record
     try:
         with probing(model):
             outputs = model(**inputs)
     finally:
-        handle.remove()
+        del leaf.forward
     positions = next((tuple(inputs[k].shape[:2]) for k in ("input_ids", "inputs_embeds") if k in inputs), None)
     logits = outputs["logits"] if "logits" in outputs else None
     return {"calls": calls, "positions": positions, "logits": logits}
@@ -299,6 +385,7 @@ def _head_returns_loss(head_module: nn.Module, loss: Callable[[torch.Tensor], to
     """For one forward: the head returns ``loss(hidden_states)`` as a ``[1, 1, 1]`` tensor (the losses
     it computed are in the yielded list)."""
     calls: list[torch.Tensor] = []
+    leaf = linear_leaf(head_module)
 
     def forward(hidden_states, *args, **kwargs):
         if args or kwargs:
@@ -307,11 +394,35 @@ def _head_returns_loss(head_module: nn.Module, loss: Callable[[torch.Tensor], to
         # A copy: a model that transforms its logits in place must not change the loss.
         return calls[-1].reshape(1, 1, 1).clone()
 
-    head_module.forward = forward  # an instance attribute: nn.Module.__call__ finds it first
+    forward.is_fused_head = True
+    # An instance attribute: nn.Module.__call__ finds it first, after the module's (engine) pre-hooks ran.
+    leaf.forward = forward
     try:
         yield calls
     finally:
-        del head_module.forward
+        del leaf.forward
+
+
+def _through_outputs(loss_sum: torch.Tensor, marker: torch.Tensor) -> torch.Tensor:
+    """``loss_sum``, made to reach the model's outputs in backward: the same value and gradient (the marker
+    contributes an exact zero), but backward now runs the hooks a sharding engine put on every module's
+    *outputs* (FSDP2's root and unit pre-backward: re-gather, queue the gradient reduce-scatter; ZeRO-3's
+    pre-backward gather) before the fused loss's own backward, as it does for the logits path."""
+    return loss_sum + _ZeroThrough.apply(marker)
+
+
+class _ZeroThrough(torch.autograd.Function):
+    """A 0-dim zero whose backward sends zeros to its input: the input's autograd hooks fire, nothing
+    changes numerically (unlike ``0 * x``, which turns an inf marker into nan)."""
+
+    @staticmethod
+    def forward(ctx, marker):
+        ctx.shape, ctx.dtype = marker.shape, marker.dtype
+        return marker.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.new_zeros(ctx.shape, dtype=ctx.dtype)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -143,7 +143,7 @@ def _micro_batch_loss(model: torch.nn.Module, config: LoopConfig, loss_sum_fn: L
         logger.info("a custom loss_sum_fn receives the logits: this run takes the logits path, not the fused loss")
     return MicroBatchLoss(
         config.loss_kind, config.label_smoothing, model_problem_type(model), loss_sum_fn,
-        fused=config.fused_loss and loss_sum_fn is None and not is_deepspeed(accelerator),
+        fused=config.fused_loss and loss_sum_fn is None,
         normalization=config.normalization,
     )
 

@@ -189,7 +189,7 @@ class AccumTrainer(Trainer):
         return MicroBatchLoss(
             loss_kind, self.args.label_smoothing_factor, self._problem_type,
             None if normalization == "sequence" else self.loss_sum_and_count,
-            fused=fused_loss and not overridden and not self.is_deepspeed_enabled, normalization=normalization,
+            fused=fused_loss and not overridden, normalization=normalization,
         )
 
     def loss_sum_and_count(

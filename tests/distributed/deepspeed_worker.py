@@ -41,6 +41,7 @@ from hf_accum.testing.cases.deepspeed_case import (
     lora_model,
 )
 from hf_accum.testing.deltas import DeltaRecorder, delta_errors
+from hf_accum.testing.logs import CapturedLog
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SAVE_UPDATES = 10
@@ -116,7 +117,8 @@ class AppliedLRs:
 # -- exactness: weight deltas of SGD lr 1 -----------------------------------------------------------
 
 
-def exact_loop(stage: int | str, naive: bool = False, schedule: str = "linear", **windows) -> dict:
+def exact_loop(stage: int | str, naive: bool = False, schedule: str = "linear", fused_loss: bool = True,
+               **windows) -> dict:
     """``windows``: ``rampup_batch_size`` / ``tokens_per_update`` for planned windows (LoopConfig fields).
     ``schedule="constant"`` keeps every weight delta large: a decayed LR's tiny delta is measured in fp32 with
     a relative error growing as the LR shrinks (the LR horizon of planned windows is tested in the loop's tests)."""
@@ -145,7 +147,7 @@ def exact_loop(stage: int | str, naive: bool = False, schedule: str = "linear", 
         logged = []
     else:
         config = LoopConfig(num_train_epochs=EPOCHS, lr_scheduler_type="linear", max_grad_norm=0.0, disable_tqdm=True,
-                            **windows)
+                            fused_loss=fused_loss, **windows)
         result = train(engine, prepared_optimizer, loader, accelerator, config, lr_scheduler=scheduler_factory,
                        on_update=on_update)
         scheduler_steps = schedulers[0].last_epoch
@@ -312,6 +314,7 @@ def main(report_path: str) -> None:
         "loop_zero2": lambda: exact_loop(2),
         "loop_zero3": lambda: exact_loop(3),
         "loop_zero3_offload": lambda: exact_loop("3_offload"),
+        "loop_zero3_logits": lambda: exact_loop(3, fused_loss=False),
         "naive_loop_zero2": lambda: exact_loop(2, naive=True),
         "loop_zero2_window_without_targets": lambda: loop_window_without_targets(2),
         # Planned windows (tests/distributed/test_deepspeed_windows.py): ramp 4 -> 8 -> 12 sequences, and a token budget.
@@ -322,10 +325,12 @@ def main(report_path: str) -> None:
         "save_loop_zero3": lambda: saved_loop_adapter(3),
         "save_trainer_zero3": lambda: saved_trainer_adapters(3),
     }
-    report: dict = {}
+    report: dict = {"fused_logs": {}}
     for name, job in jobs.items():
         if not only or name in only:
+            log = CapturedLog()  # what the fused loss decided in this job
             report[name] = job()
+            report["fused_logs"][name] = log.remove()
     report["world_size"] = dist.get_world_size()
     if is_main():
         with open(report_path, "w") as handle:

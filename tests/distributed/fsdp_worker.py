@@ -29,6 +29,7 @@ from hf_accum.loop import LoopConfig, train
 from hf_accum.schedule import create_update_scheduler
 from hf_accum.testing import PAD, big_batch_learning_rates, random_rows, tiny_causal_lm
 from hf_accum.testing.deltas import DeltaRecorder, delta_errors
+from hf_accum.testing.logs import CapturedLog
 
 MICRO_BATCH, ACCUMULATION, EXAMPLES, EPOCHS = 2, 3, 28, 2
 UPDATES = 6  # per epoch: windows of 3, 3 and 1 micro-batches per rank
@@ -56,10 +57,12 @@ def accelerator_for(engine: str, **plugin_options):
     return fsdp_accelerator(fsdp2_plugin(LAYER, **plugin_options), ACCUMULATION, cpu=True)
 
 
-def lora(model: torch.nn.Module) -> torch.nn.Module:
+def lora(model: torch.nn.Module, train_head: bool = False) -> torch.nn.Module:
+    """LoRA on q/v; ``train_head``: the output layer trained too (PEFT ``modules_to_save``, its own FSDP unit)."""
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                        modules_to_save=["lm_head"] if train_head else None)
     return get_peft_model(model, config).to(torch.float64)
 
 
@@ -92,13 +95,14 @@ class ReduceScatterCounter:
 def model_factory(kind: str):
     def build():
         model = tiny_causal_lm(seed=0, dtype=torch.float64)
-        return lora(model) if kind == "lora" else model
+        return lora(model, train_head=kind == "lora_head") if kind.startswith("lora") else model
 
     return build
 
 
-def exact_run(kind: str = "full", naive: bool = False, checkpointing: bool = False) -> dict:
-    """SGD deltas vs the big batch (float64)."""
+def exact_run(kind: str = "full", naive: bool = False, checkpointing: bool = False, fused_loss: bool = True) -> dict:
+    """SGD deltas vs the big batch (float64). ``kind``: full (trainable head), lora (frozen head), lora_head
+    (LoRA + a trainable head through PEFT's modules_to_save)."""
     accelerator = accelerator_for("fsdp", activation_checkpointing=checkpointing)
     factory = model_factory(kind)
     model = factory()
@@ -109,6 +113,7 @@ def exact_run(kind: str = "full", naive: bool = False, checkpointing: bool = Fal
     loader = DataLoader(examples(), batch_size=MICRO_BATCH, shuffle=False, collate_fn=recorder.collate)
     prepared, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     counter = ReduceScatterCounter()
+    fused_log = CapturedLog()
 
     def on_update(_update=None):
         counter.close_update()
@@ -121,11 +126,12 @@ def exact_run(kind: str = "full", naive: bool = False, checkpointing: bool = Fal
             logged = []
         else:
             config = LoopConfig(num_train_epochs=EPOCHS, lr_scheduler_type="linear", max_grad_norm=0.0,
-                                disable_tqdm=True)
+                                disable_tqdm=True, fused_loss=fused_loss)
             result = train(prepared, optimizer, loader, accelerator, config, on_update=on_update)
             logged = [u.learning_rate for u in result.updates]
     finally:
         counter.remove()
+        fused_lines = fused_log.remove()
     expected = big_batch_learning_rates(LR, UPDATES, 0, "linear")
     errors = delta_errors(factory, initial, recorder, expected, pad_token_id=PAD) if dist.get_rank() == 0 else []
     sharded = [type(p).__name__ for p in prepared.parameters()]
@@ -134,7 +140,9 @@ def exact_run(kind: str = "full", naive: bool = False, checkpointing: bool = Fal
     return {"errors": errors, "logged_lrs": logged, "expected_lrs": expected, "updates": len(recorder.weights),
             "reduce_scatters": counter.per_update, "fsdp_units": units, "checkpointed_layers": checkpointed,
             "distributed_type": accelerator.distributed_type.value,
-            "all_dtensor": all(name == "DTensor" for name in sharded)}
+            "all_dtensor": all(name == "DTensor" for name in sharded), "fused_log": fused_lines,
+            "head_trainable": any(p.requires_grad for p in accelerator.unwrap_model(prepared)
+                                  .get_output_embeddings().parameters())}
 
 
 def _naive_with_records(model, optimizer, loader, accelerator, scheduler, on_update) -> None:
@@ -202,6 +210,8 @@ def main(report_path: str) -> None:
     report = {"world_size": dist.get_world_size()}
     report["full"] = exact_run("full")
     report["lora"] = exact_run("lora")
+    report["lora_head"] = exact_run("lora_head")
+    report["logits_path"] = exact_run("full", fused_loss=False)
     report["checkpointing"] = exact_run("full", checkpointing=True)
     report["naive"] = exact_run("full", naive=True)
     clip_ddp, clip_fsdp = clipped_run("ddp"), clipped_run("fsdp")

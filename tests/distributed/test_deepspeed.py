@@ -12,6 +12,7 @@ import pytest
 
 from hf_accum.testing import big_batch_learning_rates
 from hf_accum.testing.launch import run_torchrun
+from hf_accum.testing.logs import fused_on
 
 HERE = os.path.dirname(__file__)
 pytestmark = [
@@ -19,7 +20,12 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="pip install 'hf_accum[deepspeed]'"),
 ]
 
-EXACT_RUNS = ["loop_zero2", "loop_zero3", "loop_zero3_offload", "trainer_zero2", "trainer_zero3"]
+EXACT_RUNS = ["loop_zero2", "loop_zero3", "loop_zero3_offload", "loop_zero3_logits", "trainer_zero2", "trainer_zero3"]
+# The fused loss under ZeRO: inside the head's own forward, where ZeRO-3 has gathered it (ZeRO-2 does not
+# partition parameters). save_*_zero3 train LoRA + a trainable head (modules_to_save): its gradient is
+# reduced like any other (the saved adapter equals DDP's, test_zero3_saves_the_adapter_ddp_saves).
+FUSED_RUNS = {"loop_zero2": "", "loop_zero3": "ZeRO-3", "loop_zero3_offload": "ZeRO-3", "trainer_zero2": "",
+              "trainer_zero3": "ZeRO-3", "save_loop_zero3": "ZeRO-3", "save_trainer_zero3": "ZeRO-3"}
 UPDATES = 6  # 2 epochs x windows of 3, 3 and 1 micro-batches per rank
 
 
@@ -46,6 +52,17 @@ def test_update_equals_big_batch_update(report, name):
     run = report[name]
     assert run["updates"] == len(run["errors"]) == UPDATES
     assert max(run["errors"]) < 1e-6, run["errors"]
+
+
+@pytest.mark.parametrize("name", sorted(FUSED_RUNS))
+def test_the_fused_loss_runs_under_deepspeed(report, name):
+    """DeepSpeed refuses float64 (fp32 is its widest dtype), so exactness is shown at fp32 rounding (above);
+    a fused pass reading a partitioned (empty) head or skipping ZeRO's gradient reduction fails it by far."""
+    assert fused_on(report["fused_logs"][name], FUSED_RUNS[name]), report["fused_logs"][name]
+
+
+def test_the_logits_path_under_zero3_is_the_control(report):
+    assert not fused_on(report["fused_logs"]["loop_zero3_logits"])
 
 
 def test_ranks_hold_very_different_token_counts():

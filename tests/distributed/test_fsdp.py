@@ -11,10 +11,12 @@ import os
 import pytest
 
 from hf_accum.testing.launch import run_torchrun
+from hf_accum.testing.logs import fused_on
 
 HERE = os.path.dirname(__file__)
 pytestmark = pytest.mark.slow
-EXACT_RUNS = ["full", "lora", "checkpointing"]
+EXACT_RUNS = ["full", "lora", "lora_head", "checkpointing", "logits_path"]
+FUSED_RUNS = ["full", "lora", "lora_head", "checkpointing"]  # the fused loss inside the gathered head's forward
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +32,18 @@ def test_every_update_equals_the_big_batch_update_under_fsdp2(report, name):
     assert run["updates"] == len(run["errors"]) == 6
     assert max(run["errors"]) < 1e-10, run["errors"]  # measured ~6e-16 (LoRA ~2e-15)
     assert run["logged_lrs"] == pytest.approx(run["expected_lrs"], rel=1e-12)
+
+
+@pytest.mark.parametrize("name", FUSED_RUNS)
+def test_the_fused_loss_runs_under_fsdp2(report, name):
+    """Trainable head (full, lora_head: its gradient reduce-scattered like any parameter's) and frozen head
+    (lora): the fused loss reads the head inside its own FSDP2-gathered forward, no logits path."""
+    assert fused_on(report[name]["fused_log"], "FSDP2"), report[name]["fused_log"]
+    assert report[name]["head_trainable"] == (name != "lora")
+
+
+def test_the_logits_path_stays_available_and_exact(report):
+    assert not fused_on(report["logits_path"]["fused_log"])
 
 
 def test_activation_checkpointing_really_wrapped_the_layers(report):

@@ -11,6 +11,7 @@ import os
 import pytest
 
 from hf_accum.testing.launch import run_torchrun
+from hf_accum.testing.logs import fused_on
 
 HERE = os.path.dirname(__file__)
 pytestmark = pytest.mark.slow
@@ -29,6 +30,11 @@ def test_accum_trainer_updates_equal_the_big_batch_updates_under_fsdp2(report, n
     assert run["all_dtensor"]  # really sharded, not DDP
     assert run["updates"] == len(run["errors"]) == 6
     assert max(run["errors"]) < 1e-10, run["errors"]  # measured 6e-16 (LoRA 1.5e-15)
+
+
+@pytest.mark.parametrize("name", ["full", "lora"])
+def test_accum_trainer_fuses_the_loss_under_fsdp2(report, name):
+    assert fused_on(report[f"{name}_fused_log"], "FSDP2"), report[f"{name}_fused_log"]
 
 
 def test_stock_trainer_silently_runs_ddp_on_cpu_and_is_not_exact(report):

@@ -26,6 +26,7 @@ from hf_accum.batching import PaddingCollator
 from hf_accum.distributed import leave_process_group
 from hf_accum.testing import PAD, big_batch_learning_rates, random_rows, tiny_causal_lm
 from hf_accum.testing.deltas import DeltaRecorder, delta_errors
+from hf_accum.testing.logs import CapturedLog
 
 MICRO_BATCH, ACCUMULATION, EXAMPLES, EPOCHS = 2, 3, 28, 2
 UPDATES = 6  # windows of 3, 3 and 1 micro-batches per rank, 2 epochs
@@ -107,8 +108,12 @@ def main(report_path: str) -> None:
     logging.getLogger("transformers.trainer").setLevel(logging.WARNING)
     out_dir = os.path.dirname(report_path)
     report: dict = {"world_size": int(os.environ["WORLD_SIZE"])}
+    log = CapturedLog()  # what the fused loss decided: inside the FSDP2-gathered head's forward
     report["full"] = exact_run(out_dir, "full")
+    report["full_fused_log"] = log.remove()
+    log = CapturedLog()
     report["lora"] = exact_run(out_dir, "lora")
+    report["lora_fused_log"] = log.remove()
     report["stock"] = exact_run(out_dir, "stock_full", Trainer, average_tokens_across_devices=False)
     report["fsdp1"] = refused_fsdp1(os.path.join(out_dir, "fsdp1"))
     if dist.get_rank() == 0:

@@ -357,3 +357,27 @@ def test_noise_scale_section_times_both_sides(tmp_path):
     section = json.loads((out / "bench.json").read_text())["sections"]["noise_scale"]
     assert len(section["ratios"]) == 2 and all(_positive_finite(r) for r in section["ratios"])
     assert _positive_finite(section["tracked_seconds_per_update"])
+
+
+@pytest.mark.slow
+def test_fsdp_fused_section_measures_both_paths_under_fsdp2(tmp_path):
+    """2 CPU processes under FSDP2, fused loss vs logits path: both trained, both peaks read, ratios reported
+    (the <= 0.5x target applies at vocab >= 128256 only, so a tiny run judges nothing)."""
+    out = tmp_path / "bench"
+    assert main(["bench", "--only", "fsdp_fused", "--fsdp-fused-vocab", "4096", "--fsdp-fused-hidden", "32",
+                 "--fsdp-fused-length", "64", "--fsdp-fused-rounds", "1", "--no-progress",
+                 "--output-dir", str(out)]) == 0
+    section = json.loads((out / "bench.json").read_text())["sections"]["fsdp_fused"]
+    assert section["world_size"] == 2 and len(section["fused"]) == len(section["logits"]) == 1
+    for run in section["fused"] + section["logits"]:
+        assert run["updates"] == 2 and _positive_finite(run["peak_bytes"]) and math.isfinite(run["loss"])
+    # Same model, data and order: the two paths train to the same loss (float32 rounding apart).
+    assert section["fused"][0]["loss"] == pytest.approx(section["logits"][0]["loss"], rel=1e-4)
+    assert section["memory_ratio"] < 1.0  # vocab 4096 at 64 x 2 positions: the logits already dominate
+
+
+def test_fsdp_fused_section_refuses_bad_values(tmp_path, capsys):
+    out = tmp_path / "bench"
+    assert main(["bench", "--only", "fsdp_fused", "--fsdp-fused-hidden", "30", "--no-progress",
+                 "--output-dir", str(out)]) == 2
+    assert "--fsdp-fused-hidden 30 must be a multiple of 4" in capsys.readouterr().err and not out.exists()
