@@ -2,7 +2,8 @@
 recipe needs to train with no download and no file, in one place.
 
 * the **synthetic tasks** (copy, reverse, table lookup, last word): rows generated from a seed, a
-  training split and a held-out split with no row seen in training;
+  training split and a held-out split with no row seen in training; as **preference pairs** too (the
+  right answer chosen, a corrupted one of the same length rejected) for ``objective: dpo``;
 * the **tokenizer**: word-level (:func:`hf_accum.tiny.build_tiny_tokenizer`), over the tasks' words,
   or over the most frequent words of the user's own data when the tiny model trains on it;
 * the **model**: a tiny ``LlamaForCausalLM`` (:func:`hf_accum.tiny.tiny_llama_config`) of that
@@ -101,6 +102,39 @@ def synthetic_splits(num_train: int, num_eval: int, seed: int) -> dict[str, list
         if (row["prompt"], row["answer"]) not in seen:
             held_out.append(row)
     return {"train": train, "test": held_out}
+
+
+def corrupted_answer(rng: random.Random, row: dict[str, str]) -> str:
+    """A wrong answer to ``row`` with as many words as the right one (so that a model's preference between
+    the two is not a preference for shorter answers): reverse -> the words in their original order,
+    lookup -> another city of the table, last -> another word of the list, else one word replaced."""
+    answer, prompt = row["answer"].split(), row["prompt"]
+    if row["task"] == "reverse":
+        original = prompt.split(" : ", 1)[1].split()
+        if original != answer:
+            return " ".join(original)
+    elif row["task"] == "lookup":
+        cities = [entry.split(" = ")[1] for entry in prompt.split(" : ", 1)[1].split(" . ")[0].split(" ; ")]
+        return rng.choice([city for city in cities if city != row["answer"]])
+    elif row["task"] == "last":
+        others = sorted(set(prompt.split(" : ", 1)[1].split()) - {row["answer"]})
+        if others:
+            return rng.choice(others)
+    wrong = list(answer)
+    i = rng.randrange(len(wrong))
+    wrong[i] = rng.choice([word for word in WORDS if word != wrong[i]])
+    return " ".join(wrong)
+
+
+def synthetic_preference_splits(num_train: int, num_eval: int, seed: int) -> dict[str, list[dict[str, str]]]:
+    """The synthetic splits as preference pairs ``{"task", "prompt", "chosen", "rejected"}``: the right answer
+    chosen, :func:`corrupted_answer` rejected (drawn from its own seeded stream)."""
+    rng = random.Random(seed + 20_011)
+    return {
+        split: [{"task": row["task"], "prompt": row["prompt"], "chosen": row["answer"],
+                 "rejected": corrupted_answer(rng, row)} for row in rows]
+        for split, rows in synthetic_splits(num_train, num_eval, seed).items()
+    }
 
 
 def synthetic_corpus() -> list[str]:

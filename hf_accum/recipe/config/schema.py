@@ -136,6 +136,27 @@ class AccumulationSection:
     sequence's mean token loss (long answers do not dominate; packed rows count each sequence)."""
 
 
+# --- objective: dpo (issue 25 item 4): the DPOSection; its RecipeConfig fields are `objective` and `dpo` ---------
+OBJECTIVES = ("sft", "dpo")
+
+
+@dataclass
+class DPOSection:
+    """DPO's settings (``objective: dpo``; checked by :mod:`hf_accum.recipe.preference`), TRL's ``DPOConfig``
+    names: the trainer engine passes them to ``DPOConfig``, the loop engine to ``hf_accum.preference.DPOPairLoss``."""
+
+    beta: float = 0.1
+    """How far the policy may move from the reference (the base model: the adapter disabled); TRL's ``beta``."""
+    loss_type: str = "sigmoid"
+    """The per-pair loss: sigmoid (DPO) | ipo | hinge | robust; TRL's ``loss_type``."""
+    label_smoothing: float = 0.0
+    """The probability that a pair's preference is flipped (cDPO / robust DPO), in [0, 0.5)."""
+    sft_weight: float = 0.0
+    """Weight of an SFT term on the chosen answers (a token mean over the update's chosen tokens) added to the
+    pair loss; 0: none. TRL: ``loss_type=[<loss_type>, "sft"]``, ``loss_weights=[1, sft_weight]``."""
+# --- end objective: dpo --------------------------------------------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class Section:
     """A config section: where its keys and types come from, and the object it becomes.
@@ -215,6 +236,10 @@ class RecipeConfig:
     """Sequences per optimizer update over all processes; derives gradient_accumulation_steps."""
     overwrite_output_dir: bool = False
     """Allow writing into an output dir that holds a *different* run."""
+    objective: str = "sft"  # objective: dpo (issue 25 item 4) -- these two fields
+    """What is trained: sft (the answers' tokens) | dpo (preference pairs; the ``dpo`` section)."""
+    dpo: DPOSection = _section(DPOSection, recipe_class=DPOSection,
+                               validator="hf_accum.recipe.preference:check_dpo_section")
     model: ModelSection = _section(ModelSection, recipe_class=ModelSection,
                                   validator="hf_accum.recipe.modeling:check_model_section")
     data: DataSection = _section(DataSection, recipe_class=DataSection,

@@ -52,6 +52,7 @@ from hf_accum.recipe.data.encoding import (
 )
 from hf_accum.recipe.data.formats import (
     FORMATS,
+    PREFERENCE_FORMATS,
     Example,
     RowFormat,
     resolve_format,
@@ -71,7 +72,7 @@ from hf_accum.recipe.data.splits import Splits, check_split_spec, load_splits
 from hf_accum.recipe.embedded import EMBEDDED_DATASET, SPECIAL_TOKENS, TINY_MODEL
 
 __all__ = [
-    "FORMATS", "DataError", "EncodedSplit", "Example", "RecipeData", "RowFormat", "Splits", "check_local_file",
+    "FORMATS", "PREFERENCE_FORMATS", "DataError", "EncodedSplit", "Example", "RecipeData", "RowFormat", "Splits", "check_local_file",
     "check_split_spec", "dataset_source", "encode_examples", "exact_match", "load_splits", "load_tokenizer_and_data",
     "normalize_answer", "prompt_ids", "read_local", "render", "resolve_format", "to_example", "to_examples",
 ]
@@ -80,8 +81,8 @@ __all__ = [
 def check_data_section(data, config=None) -> None:
     """The data section's own check (its ``Section.validator``): what can be known without reading the
     data -- values, files, split names. Raises :class:`DataError` naming the key."""
-    if data.format not in ("auto", *FORMATS):
-        raise DataError(f"data.format={data.format!r}; allowed: auto, {', '.join(FORMATS)}")
+    if data.format not in ("auto", *FORMATS, *PREFERENCE_FORMATS):
+        raise DataError(f"data.format={data.format!r}; allowed: auto, {', '.join((*FORMATS, *PREFERENCE_FORMATS))}")
     minimums = {"max_length": 2, "num_train_examples": 1, "num_eval_examples": 0, "max_eval_examples": 0,
                 "eval_max_new_tokens": 1}
     for key, minimum in minimums.items():
