@@ -29,11 +29,14 @@ EMBEDDED_DATASET = "hf_accum:synthetic-tasks"
 TINY_VOCAB_LIMIT = 8192
 # The packaged name of recipes/configs/cpu_default.yaml (a link to it in the source tree, a copy in a wheel).
 DEFAULT_CONFIG_FILE = "cpu_default.yaml"
+# The embedded default of each objective other than sft (`objective=dpo` with no --config): its own sizes and LR.
+OBJECTIVE_CONFIG_FILES = {"dpo": "cpu_dpo.yaml"}
 
 
-def default_config_path() -> str:
-    """Path of the CPU default run's YAML (``recipes/configs/cpu_default.yaml``), as installed."""
-    path = resources.files("hf_accum.recipe") / DEFAULT_CONFIG_FILE
+def default_config_path(objective: str = "sft") -> str:
+    """Path of the CPU default run's YAML (``recipes/configs/cpu_default.yaml``; for ``objective=dpo``
+    ``recipes/configs/cpu_dpo.yaml``), as installed."""
+    path = resources.files("hf_accum.recipe") / OBJECTIVE_CONFIG_FILES.get(objective, DEFAULT_CONFIG_FILE)
     return str(path)
 
 

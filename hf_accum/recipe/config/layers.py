@@ -168,7 +168,9 @@ def build_config(tree: dict[str, Any], sources: dict[str, str] | None = None) ->
 def load_config(path: str | None, overrides: dict[str, Any] | None = None) -> RecipeConfig:
     """Built-in defaults < the YAML at ``path`` (the embedded default when None) < ``overrides``;
     typed, not yet validated."""
-    yaml_layer = (path, load_yaml(path)) if path else (EMBEDDED_SOURCE, load_yaml(default_config_path()))
+    # With no --config, the embedded default of the objective asked for on the command line (objective=dpo).
+    objective = str((overrides or {}).get("objective", "sft"))
+    yaml_layer = (path, load_yaml(path)) if path else (EMBEDDED_SOURCE, load_yaml(default_config_path(objective)))
     layers = [(BUILTIN, BUILTIN_DEFAULTS), yaml_layer, (COMMAND_LINE, overrides_tree(overrides or {}))]
     tree, sources = merge_layers(layers)
     return build_config(tree, sources)

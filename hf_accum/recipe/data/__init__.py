@@ -72,9 +72,10 @@ from hf_accum.recipe.data.splits import Splits, check_split_spec, load_splits
 from hf_accum.recipe.embedded import EMBEDDED_DATASET, SPECIAL_TOKENS, TINY_MODEL
 
 __all__ = [
-    "FORMATS", "PREFERENCE_FORMATS", "DataError", "EncodedSplit", "Example", "RecipeData", "RowFormat", "Splits", "check_local_file",
-    "check_split_spec", "dataset_source", "encode_examples", "exact_match", "load_splits", "load_tokenizer_and_data",
-    "normalize_answer", "prompt_ids", "read_local", "render", "resolve_format", "to_example", "to_examples",
+    "FORMATS", "PREFERENCE_FORMATS", "DataError", "EncodedSplit", "Example", "RecipeData", "RowFormat", "Splits",
+    "check_local_file", "check_split_spec", "dataset_source", "encode_examples", "exact_match", "load_splits",
+    "load_tokenizer_and_data", "normalize_answer", "prompt_ids", "read_local", "render", "resolve_format", "to_example",
+    "to_examples",
 ]
 
 
