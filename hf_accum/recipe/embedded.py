@@ -3,7 +3,8 @@ recipe needs to train with no download and no file, in one place.
 
 * the **synthetic tasks** (copy, reverse, table lookup, last word): rows generated from a seed, a
   training split and a held-out split with no row seen in training; as **preference pairs** too (the
-  right answer chosen, a corrupted one of the same length rejected) for ``objective: dpo``;
+  right answer chosen, the same answer with one word replaced by a word absent from the prompt rejected) for
+  ``objective: dpo``;
 * the **tokenizer**: word-level (:func:`hf_accum.tiny.build_tiny_tokenizer`), over the tasks' words,
   or over the most frequent words of the user's own data when the tiny model trains on it;
 * the **model**: a tiny ``LlamaForCausalLM`` (:func:`hf_accum.tiny.tiny_llama_config`) of that
@@ -108,24 +109,13 @@ def synthetic_splits(num_train: int, num_eval: int, seed: int) -> dict[str, list
 
 
 def corrupted_answer(rng: random.Random, row: dict[str, str]) -> str:
-    """A wrong answer to ``row`` with as many words as the right one (so that a model's preference between
-    the two is not a preference for shorter answers): reverse -> the words in their original order,
-    lookup -> another city of the table, last -> another word of the list, else one word replaced."""
-    answer, prompt = row["answer"].split(), row["prompt"]
-    if row["task"] == "reverse":
-        original = prompt.split(" : ", 1)[1].split()
-        if original != answer:
-            return " ".join(original)
-    elif row["task"] == "lookup":
-        cities = [entry.split(" = ")[1] for entry in prompt.split(" : ", 1)[1].split(" . ")[0].split(" ; ")]
-        return rng.choice([city for city in cities if city != row["answer"]])
-    elif row["task"] == "last":
-        others = sorted(set(prompt.split(" : ", 1)[1].split()) - {row["answer"]})
-        if others:
-            return rng.choice(others)
+    """A wrong answer to ``row``: the right one with one word replaced by a word the prompt does not hold (a city of
+    no row of the table for lookup, a word of no position of the list for the others). As many words as the right
+    answer, so that preferring it is not preferring shorter answers."""
+    answer, present = row["answer"].split(), set(row["prompt"].split())
+    pool = CITIES if row["task"] == "lookup" else WORDS
     wrong = list(answer)
-    i = rng.randrange(len(wrong))
-    wrong[i] = rng.choice([word for word in WORDS if word != wrong[i]])
+    wrong[rng.randrange(len(wrong))] = rng.choice([word for word in pool if word not in present])
     return " ".join(wrong)
 
 

@@ -232,14 +232,12 @@ def _section(default: Any = None, **spec: Any):
 class RecipeConfig:
     engine: str = "loop"
     """A name from the recipe's engine table: loop (hf_accum.train on Accelerate), trainer (AccumTrainer)."""
+    objective: str = "sft"  # objective: dpo (issue 25 item 4); its section: `dpo` below
+    """What is trained: sft (the answers' tokens) | dpo (preference pairs; the ``dpo`` section)."""
     global_batch_size: int | None = None
     """Sequences per optimizer update over all processes; derives gradient_accumulation_steps."""
     overwrite_output_dir: bool = False
     """Allow writing into an output dir that holds a *different* run."""
-    objective: str = "sft"  # objective: dpo (issue 25 item 4) -- these two fields
-    """What is trained: sft (the answers' tokens) | dpo (preference pairs; the ``dpo`` section)."""
-    dpo: DPOSection = _section(DPOSection, recipe_class=DPOSection,
-                               validator="hf_accum.recipe.preference:check_dpo_section")
     model: ModelSection = _section(ModelSection, recipe_class=ModelSection,
                                   validator="hf_accum.recipe.modeling:check_model_section")
     data: DataSection = _section(DataSection, recipe_class=DataSection,
@@ -248,6 +246,9 @@ class RecipeConfig:
         AccumulationSection, recipe_class=AccumulationSection,
         validator="hf_accum.recipe.accumulation:check_accumulation_section",
     )
+    dpo: DPOSection = _section(DPOSection, recipe_class=DPOSection,  # objective: dpo (issue 25 item 4)
+                               validator="hf_accum.recipe.preference:check_dpo_section")
+    """DPO's settings (``objective: dpo``): beta, loss_type, label_smoothing, sft_weight."""
     lora: dict | None = _section({}, hf_class="peft:LoraConfig", nullable=True, fixed={"task_type": "CAUSAL_LM"})
     """peft.LoraConfig fields; null = full fine-tuning."""
     quantization: dict | None = _section(None, hf_class="transformers:BitsAndBytesConfig", nullable=True,
