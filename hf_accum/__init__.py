@@ -42,12 +42,14 @@ _LAZY = {
     "BatchPlan": "schedule", "create_update_scheduler": "schedule", "plan_global_batch": "schedule",
     "planned_updates": "schedule",
     # The trainers import transformers.Trainer (heavy) and TRL (optional).
-    "AccumTrainer": "trainer", "AccumSFTTrainer": "sft",
+    "AccumTrainer": "trainer", "AccumSFTTrainer": "sft", "AccumDPOTrainer": "dpo",
+    "DPOPairLoss": "preference", "collate_pairs": "preference",
 }
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DPOPairLoss",
     "EXIT_INTERRUPTED",
     "EXIT_PREEMPTED",
     "BatchPlan",
@@ -61,6 +63,7 @@ __all__ = [
     "UpdateLog",
     "WindowTally",
     "WindowTotals",
+    "collate_pairs",
     "count_targets",
     "create_update_scheduler",
     "exact_mean_factor",

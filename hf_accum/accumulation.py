@@ -15,6 +15,17 @@ of micro-batches is what makes naive accumulation wrong on uneven micro-batches.
 
 A window with ``N == 0`` (every label masked) has no mean: it applies no update. Nor does a window with an
 inf/NaN loss or gradient: every rank learns of it from the same all-reduce (:meth:`WindowTally.mark_boundary`).
+
+**Units and terms.** Nothing above needs the unit to be a token: a loss returns its *sum* over its units and
+the *count* of its units (target tokens; sequences in sequence mode; preference pairs for DPO,
+:mod:`hf_accum.preference`). A loss of several terms with different units (DPO per pair + its ``sft`` term
+per chosen token) returns one ``(sum, count)`` per term, as two 1-d tensors ``sums[J]``, ``counts[J]``;
+term 0 is the *primary* one (its count is ``WindowTotals.targets``, an update without any skips). The
+update then applies ``sum_j grad(S_j) / N_j`` (``S_j``, ``N_j`` summed over micro-batches and ranks), and
+each rank's share is ``sum_j (W / N_j) grad(S_j)``: :func:`term_factors` gives the ``W / N_j`` (0 for an
+extra term without units: it has no mean and contributes nothing), :func:`combine_terms` the one scalar a
+front-end that counted the window before backward propagates. A single-term loss keeps 0-d tensors and the
+exact arithmetic of :func:`exact_mean_factor`.
 """
 
 from __future__ import annotations
@@ -34,6 +45,38 @@ def exact_mean_factor(n_global_targets: int | float, world_size: int) -> float:
     if n_global_targets <= 0:
         raise ZeroDivisionError("an update window with 0 prediction targets has no mean; skip it")
     return world_size / float(n_global_targets)
+
+
+def term_factors(counts: Iterable[int | float], world_size: int) -> list[float]:
+    """``W / N_j`` per term of a window counted on all ranks. The primary term (index 0) must have units (callers
+    skip a window without); an extra term without units has no mean: factor 0 (its sum is 0 as well)."""
+    counts = list(counts)
+    return [exact_mean_factor(counts[0], world_size)] + [
+        exact_mean_factor(n, world_size) if n > 0 else 0.0 for n in counts[1:]
+    ]
+
+
+def combine_terms(loss_sum: torch.Tensor, factors: list[float]) -> torch.Tensor:
+    """The one scalar to backpropagate: ``sum_j factors[j] * S_j``. A 0-d (single-term) sum is multiplied by
+    its factor alone, exactly as before terms existed (bit-identical token and sequence modes)."""
+    if loss_sum.dim() == 0:
+        if len(factors) != 1:
+            raise ValueError(f"a single-term loss got {len(factors)} factors")
+        return loss_sum * factors[0]
+    if loss_sum.shape[0] != len(factors):
+        raise ValueError(f"the loss returned {loss_sum.shape[0]} terms but the window was counted in {len(factors)}")
+    return (loss_sum * torch.tensor(factors, dtype=loss_sum.dtype, device=loss_sum.device)).sum()
+
+
+def split_terms(loss_sum: torch.Tensor, n_units: Any) -> tuple[torch.Tensor, Any, list[tuple[torch.Tensor, Any]]]:
+    """``(primary sum, primary count, [(sum, count) of each extra term])`` of what a loss returned."""
+    if not isinstance(loss_sum, torch.Tensor) or loss_sum.dim() == 0:
+        return loss_sum, n_units, []
+    counts = torch.as_tensor(n_units)
+    if counts.shape != loss_sum.shape:
+        raise ValueError(f"a loss of {loss_sum.shape[0]} terms must return as many counts (got shape "
+                         f"{tuple(counts.shape)})")
+    return loss_sum[0], counts[0], [(loss_sum[j], counts[j]) for j in range(1, loss_sum.shape[0])]
 
 
 def global_sum(values: torch.Tensor, accelerator: Any) -> torch.Tensor:
@@ -135,17 +178,36 @@ class WindowTotals:
     """Summed ``coef * aux_k * n_k`` of the micro-batches (MoE router losses; hf_accum.fused_loss.MicroBatchLoss)."""
     small_batches: tuple = field(default=(), compare=False)
     """Noise scale: each rank's measured small batch, ``(targets, |g_small|^2)`` pairs (empty when not measured)."""
+    extra_terms: dict = field(default_factory=dict, compare=False)
+    """A loss of several terms: ``{name: [sum, count]}`` of each term after the primary one (whose sum and count
+    are ``loss_sum`` and ``targets``), e.g. DPO's ``sft`` term per chosen token."""
 
     def add(self, other: WindowTotals) -> None:
         """Fold another window in (totals over a logging interval of several updates; the small batches are
         one update's own measurement and are not folded)."""
         for name in _TALLY_COLUMNS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name, (term_sum, count) in other.extra_terms.items():
+            mine = self.extra_terms.setdefault(name, [0.0, 0])
+            mine[0] += term_sum
+            mine[1] += count
+
+    @property
+    def term_counts(self) -> list[int]:
+        """Every term's count, the primary one first."""
+        return [self.targets] + [count for _, count in self.extra_terms.values()]
 
     @property
     def mean_loss(self) -> float:
-        """Exact per-target mean loss of the window (nan when it had no targets)."""
-        return self.loss_sum / self.targets if self.targets else float("nan")
+        """Exact mean loss of the window: ``sum_j S_j / N_j`` over its terms (one term: the per-target mean; nan
+        when the primary term had no units; an extra term without units adds nothing)."""
+        if not self.targets:
+            return float("nan")
+        return self.loss_sum / self.targets + sum(s / n for s, n in self.extra_terms.values() if n)
+
+    def term_means(self) -> dict[str, float]:
+        """Each extra term's own mean (for logs), by name."""
+        return {name: s / n for name, (s, n) in self.extra_terms.items() if n}
 
     @property
     def mean_aux_loss(self) -> float:
@@ -203,7 +265,8 @@ class DeviceSums:
 
 
 # The columns of a window tally, summed over micro-batches and then over ranks in one all-reduce.
-_TALLY_COLUMNS = tuple(name for name in WindowTotals.__dataclass_fields__ if name != "small_batches")
+_TALLY_COLUMNS = tuple(name for name in WindowTotals.__dataclass_fields__ if name not in ("small_batches",
+                                                                                           "extra_terms"))
 
 
 class WindowTally:
@@ -214,12 +277,18 @@ class WindowTally:
     every rank must agree on (inf/NaN, stop and checkpoint requests): no extra collective.
     """
 
-    def __init__(self, device: torch.device | str = "cpu", small_batch_slots: int = 0) -> None:
+    def __init__(self, device: torch.device | str = "cpu", small_batch_slots: int = 0,
+                 extra_terms: Iterable[str] = ()) -> None:
         # Noise scale: one (targets, |g|^2) slot pair per rank. Each rank writes only its own slot, so the
         # summed vector holds every rank's pair after the one all-reduce -- a gather without a collective.
         self.slots = small_batch_slots
         self._slot_columns = [(f"small_targets_{r}", f"small_grad_sq_{r}") for r in range(small_batch_slots)]
-        self._sums = DeviceSums(_TALLY_COLUMNS + tuple(c for pair in self._slot_columns for c in pair), device)
+        # A loss of several terms: a (sum, count) column pair per term after the primary one, in the same vector.
+        self.extra_terms = tuple(extra_terms)
+        self._term_columns = [(f"term_sum/{name}", f"term_count/{name}") for name in self.extra_terms]
+        pairs = self._slot_columns + self._term_columns
+        columns = _TALLY_COLUMNS + tuple(column for pair in pairs for column in pair)
+        self._sums = DeviceSums(columns, device)
 
     @property
     def device(self) -> torch.device | str:
@@ -229,10 +298,22 @@ class WindowTally:
         self, loss_sum: torch.Tensor, n_targets: torch.Tensor, batch: Mapping[str, Any],
         aux_sum: torch.Tensor | None = None,
     ) -> None:
-        """One micro-batch; ``aux_sum``: the part of ``loss_sum`` that is the model's extra terms (logged apart)."""
+        """One micro-batch; ``aux_sum``: the part of ``loss_sum`` that is the model's extra terms (logged apart).
+        A loss of several terms passes 1-d ``loss_sum`` / ``n_targets`` (:func:`split_terms`)."""
+        loss_sum, n_targets, extra = split_terms(loss_sum, n_targets)
+        if len(extra) != len(self._term_columns):
+            raise ValueError(f"the loss returned {1 + len(extra)} term(s) but the window tallies "
+                             f"{1 + len(self._term_columns)} ({('primary',) + self.extra_terms})")
+        terms = {}
+        for (sum_column, count_column), (term_sum, count) in zip(self._term_columns, extra):
+            terms[sum_column] = term_sum.detach()
+            terms[count_column] = count
         sequences, real_tokens, total_tokens = batch_shape_counts(batch)
         loss = loss_sum.detach().to(torch.float64).reshape(())
         aux = aux_sum.detach().to(loss.device, torch.float64).reshape(()) if aux_sum is not None else None
+        nonfinite = ~torch.isfinite(loss)
+        for term_sum, _ in extra:
+            nonfinite = nonfinite | ~torch.isfinite(term_sum.detach().to(loss.device))
         self._sums.add(
             loss_sum=loss - aux if aux is not None else loss,
             aux_loss_sum=aux if aux is not None else 0.0,
@@ -241,7 +322,8 @@ class WindowTally:
             real_tokens=real_tokens,
             total_tokens=float(total_tokens),
             micro_batches=1.0,
-            nonfinite_losses=(~torch.isfinite(loss)).to(torch.float64),  # stays on the device: no sync
+            nonfinite_losses=nonfinite.to(torch.float64),  # stays on the device: no sync
+            **terms,
         )
 
     def mark_boundary(
@@ -265,8 +347,11 @@ class WindowTally:
         values = self._sums.reduce(accelerator)
         losses = {name: values.pop(name) for name in ("loss_sum", "aux_loss_sum")}  # inf/nan stay: counts are exact
         small = tuple((values.pop(n), values.pop(g)) for n, g in self._slot_columns)
+        terms = {name: [values.pop(s), int(round(values.pop(c)))]
+                 for name, (s, c) in zip(self.extra_terms, self._term_columns)}
         totals = WindowTotals(**losses, **{name: int(round(value)) for name, value in values.items()})
         totals.small_batches = tuple(pair for pair in small if pair[0] > 0)
+        totals.extra_terms = terms
         return totals
 
     def reset(self) -> None:

@@ -8,8 +8,8 @@ At the boundary (:meth:`UpdateBoundary.close`), on every rank, in lockstep:
    (:mod:`hf_accum.control`);
 2. reduce the window's sums over ranks -- the ONE all-reduce of the update (loss, targets, sequences,
    padding, flags: :class:`hf_accum.accumulation.WindowTally`);
-3. check that the loss counted the targets the normalization was computed from
-   (:func:`hf_accum.loss.count_targets`);
+3. check that the loss counted the units the normalization was computed from (the targets of
+   :func:`hf_accum.loss.count_targets`, or the units a loss counts itself: ``count_units``, each term's);
 4. decide (:func:`decide`, the only place a skip reason is chosen): apply or skip the update (no targets,
    inf/NaN), write a checkpoint (a request, a stop, the inf/NaN limit), halt (:class:`Halt`);
 5. warn once, on the main process, about a skipped update.
@@ -17,8 +17,8 @@ At the boundary (:meth:`UpdateBoundary.close`), on every rank, in lockstep:
 After the step the front-end turns the decision into an :class:`~hf_accum.records.UpdateLog`
 (:meth:`UpdateBoundary.record`). Every rank takes the same decision because it comes from all-reduced sums.
 
-Before the window, front-ends that must know ``N`` ahead of backward (DeepSpeed, Trainer) count it with
-:func:`count_window_targets` (one all-reduce too). The scaling itself stays in
+Before the window, front-ends that must know ``N`` ahead of backward (DeepSpeed, Trainer, the loop for a
+loss of several terms) count it with :func:`count_window_units` (one all-reduce too). The scaling itself stays in
 :func:`hf_accum.accumulation.exact_mean_factor`.
 """
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -125,6 +125,7 @@ class UpdateBoundary:
     a window without targets where the front-end cannot keep it entirely out of the weights.
     ``noise_scale``: track the gradient noise scale (:mod:`hf_accum.noise_probe` measures, the window's
     all-reduce gathers every rank's small batch, :attr:`noise` keeps the moving averages).
+    ``extra_terms``: the names of a multi-term loss's terms after the primary one (tallied in the same all-reduce).
     """
 
     def __init__(
@@ -138,6 +139,7 @@ class UpdateBoundary:
         steps_in_backward: bool = False,
         no_targets_note: str = "",
         noise_scale: bool = False,
+        extra_terms: Sequence[str] = (),
     ) -> None:
         self.accelerator = accelerator
         self.control = control
@@ -147,7 +149,7 @@ class UpdateBoundary:
         self.steps_in_backward = steps_in_backward
         self.no_targets_note = no_targets_note
         slots = accelerator.num_processes if noise_scale else 0
-        self.tally = WindowTally(device=accelerator.device, small_batch_slots=slots)
+        self.tally = WindowTally(device=accelerator.device, small_batch_slots=slots, extra_terms=extra_terms)
         self.noise: NoiseScaleTracker | None = NoiseScaleTracker() if noise_scale else None
 
     def add(self, loss_sum: torch.Tensor, n_targets: torch.Tensor, batch: Mapping[str, Any],
@@ -185,10 +187,11 @@ class UpdateBoundary:
         self.tally.reset()
 
     def close(self, update: int, gradients: list[torch.Tensor | None] | None = None,
-              counted: int | None = None) -> Decision:
+              counted: int | Sequence[int] | None = None) -> Decision:
         """The boundary of update number ``update`` (see the module docstring). ``gradients``: this rank's
         gradients to check for inf/NaN (None where the front-end cannot or need not: fp16's GradScaler checks
-        them itself, DeepSpeed keeps them). ``counted``: the window's target count the normalization used."""
+        them itself, DeepSpeed keeps them). ``counted``: the window's unit count the normalization used (a list:
+        one per term of a multi-term loss)."""
         flag: torch.Tensor | bool = False if gradients is None else nonfinite_flag(gradients, self.tally.device)
         self.tally.mark_boundary(
             nonfinite_gradients=flag,
@@ -196,12 +199,8 @@ class UpdateBoundary:
             checkpoint_requested=self.control.take_checkpoint_request(),
         )
         totals = self.tally.reduce(self.accelerator)  # the update's one all-reduce
-        if counted is not None and totals.targets != counted:
-            raise ValueError(
-                f"{self.count_source} counted {totals.targets} targets in this window but count_targets counted "
-                f"{counted}; the normalization uses the latter, so {self.count_source} must return the same count "
-                "(a sum over exactly the targets of hf_accum.loss.count_targets)"
-            )
+        if counted is not None:
+            _check_counted(totals, counted, self.count_source)
         decision = decide(totals, self.guard, self.control)
         if totals.nonfinite and self.steps_in_backward:
             raise NonFiniteLossError(
@@ -241,6 +240,22 @@ class UpdateBoundary:
         )
 
 
+def _check_counted(totals: WindowTotals, counted: int | Sequence[int], count_source: str) -> None:
+    """The loss's own counts (summed by the tally) must be the ones the window was normalized by."""
+    expected = [counted] if isinstance(counted, int) else list(counted)
+    if len(expected) == 1 and totals.targets != expected[0]:
+        raise ValueError(
+            f"{count_source} counted {totals.targets} targets in this window but count_targets counted "
+            f"{expected[0]}; the normalization uses the latter, so {count_source} must return the same count "
+            "(a sum over exactly the targets of hf_accum.loss.count_targets)"
+        )
+    if totals.term_counts != expected:
+        raise ValueError(
+            f"{count_source} counted {totals.term_counts} units (one per term) in this window but the loss's "
+            f"count_units counted {expected}; the normalization uses the latter, so both must count the same units"
+        )
+
+
 def discard_window_(parameters: Iterable[torch.nn.Parameter], fp32_sums: Fp32GradientAccumulator | None) -> None:
     """Keep a skipped window out of the weights: no gradient anywhere, so the optimizer touches no parameter
     (AdamW's moments, step count and weight decay included)."""
@@ -249,15 +264,34 @@ def discard_window_(parameters: Iterable[torch.nn.Parameter], fp32_sums: Fp32Gra
     drop_gradients_(parameters)
 
 
-def count_window_targets(batches: Iterable[Mapping[str, Any]], kind: LossKind, accelerator: Any,
-                         normalization: str = "token") -> int:
-    """Targets in the window's micro-batches on every rank, counted before any forward: one all-reduce
-    per window (summed on the device, one host sync). ``normalization='sequence'``: the unit is a sequence with
-    at least one target (what the sequence-weighted loss reports, :mod:`hf_accum.sequence_norm`)."""
-    local = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+UnitCounter = Callable[[Mapping[str, Any]], torch.Tensor]
+"""``batch -> count`` (0-d) or ``counts[J]`` (one per term of a multi-term loss), from the batch alone."""
+
+
+def default_unit_counter(kind: LossKind, normalization: str = "token") -> UnitCounter:
+    """The units of the built-in losses: prediction targets (``token``), or sequences with at least one target
+    (``sequence``, what the sequence-weighted loss reports, :mod:`hf_accum.sequence_norm`)."""
+    if normalization == "sequence":
+        return count_sequences
+    return lambda batch: count_targets(batch["labels"], kind)
+
+
+def count_window_units(batches: Iterable[Mapping[str, Any]], count_units: UnitCounter, accelerator: Any) -> list[int]:
+    """Each term's units in the window's micro-batches on every rank, counted before any forward: one
+    all-reduce per window (summed on the device, one host sync). One entry per term (one for a single-term loss)."""
+    local: torch.Tensor | None = None
     for batch in batches:
         if "labels" not in batch:
             raise KeyError(f"batch has no 'labels' (keys: {sorted(batch)}); the collator must provide them")
-        count = count_sequences(batch) if normalization == "sequence" else count_targets(batch["labels"], kind)
-        local += count.to(accelerator.device, torch.float64)
-    return int(round(float(global_sum(local, accelerator))))
+        count = torch.as_tensor(count_units(batch)).to(accelerator.device, torch.float64).reshape(-1)
+        local = count if local is None else local + count
+    if local is None:
+        local = torch.zeros(1, dtype=torch.float64, device=accelerator.device)
+    return [int(round(value)) for value in global_sum(local, accelerator).tolist()]
+
+
+def count_window_targets(batches: Iterable[Mapping[str, Any]], kind: LossKind, accelerator: Any,
+                         normalization: str = "token") -> int:
+    """Targets (sequences with ``normalization='sequence'``) in the window's micro-batches on every rank:
+    :func:`count_window_units` with the built-in losses' unit."""
+    return count_window_units(batches, default_unit_counter(kind, normalization), accelerator)[0]

@@ -165,3 +165,25 @@ def trl_train_tokens(trainer: Any) -> int:
 
 def add_trl_train_tokens(trainer: Any, tokens: int) -> None:
     trainer._total_train_tokens += tokens
+
+
+def trl_reference_context(trainer: Any):
+    """The context in which ``trainer.model`` is its own DPO reference, as ``DPOTrainer`` picks it (TRL 1.16,
+    ``compute_ref_log_probs``): a PEFT model without ``ref_model`` is its base model with the adapters disabled
+    (or the adapter named ``"ref"`` when one was loaded); anything else needs no context."""
+    import contextlib
+
+    from accelerate.utils import is_peft_model
+    from trl.trainer.utils import use_adapter
+
+    if trainer.ref_model is not None or not is_peft_model(trainer.model):
+        return contextlib.nullcontext()
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    return use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None)
+
+
+def trl_without_gradient_checkpointing(trainer: Any):
+    """TRL 1.16's ``disable_gradient_checkpointing`` for a no-grad reference forward (what ``DPOTrainer`` does)."""
+    from trl.models.utils import disable_gradient_checkpointing
+
+    return disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs)

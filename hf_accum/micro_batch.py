@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from hf_accum.boundary import default_unit_counter
 from hf_accum.fused_head import FusedCausalLMLoss
 from hf_accum.fused_loss import (
     TokenStats,
@@ -39,7 +40,11 @@ from hf_accum.sequence_norm import SequenceMeanLoss, check_normalization, refuse
 logger = logging.getLogger("hf_accum.fused_loss")
 
 
-# (outputs, labels, inputs) -> (summed loss, number of targets). Must sum, never average.
+# (outputs, labels, inputs) -> (summed loss, number of units). Must sum, never average. A loss of several terms
+# with different units returns 1-d tensors (one sum and one count per term, hf_accum.accumulation); such a loss
+# (or one whose unit is not the target token, e.g. hf_accum.preference.DPOPairLoss) also declares
+# ``term_names`` and ``count_units(labels, inputs)`` (the same counts from the labels alone, for the front-ends
+# that count a window before backward) and may name ``non_model_keys`` (batch keys kept out of the forward).
 LossSumFn = Callable[[Any, torch.Tensor, dict], "tuple[torch.Tensor, torch.Tensor]"]
 
 
@@ -104,14 +109,42 @@ class MicroBatchLoss:
         self.token_stats = token_stats
         self.last_token_stats: TokenStats | None = None
 
+    @property
+    def term_names(self) -> tuple[str, ...]:
+        """The units of the loss's terms, primary first (one for the built-in losses)."""
+        names = getattr(self.loss_sum_fn, "term_names", None)
+        return tuple(names) if names else ("sequence" if self.normalization == "sequence" else "target",)
+
+    @property
+    def extra_terms(self) -> tuple[str, ...]:
+        """The terms after the primary one (what the window tally adds columns for)."""
+        return self.term_names[1:]
+
+    def count_units(self, batch: dict[str, Any]) -> torch.Tensor:
+        """The counts this loss will return for ``batch``, from the batch alone (before any forward)."""
+        own = getattr(self.loss_sum_fn, "count_units", None)
+        if own is not None:
+            return own(batch["labels"], batch)
+        return default_unit_counter(self.kind, self.normalization)(batch)
+
+    def model_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """The forward's inputs: without the keys the loss reads but the model must not get."""
+        skip = getattr(self.loss_sum_fn, "non_model_keys", ())
+        return {key: value for key, value in inputs.items() if key not in skip} if skip else inputs
+
     def __call__(self, model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor, need_logits: bool = False):
         if not self.terms_checked:
-            self._probe_model_loss(model, inputs, labels)
+            self._probe_model_loss(model, self.model_inputs(inputs), labels)
         if self.kind is None:
             self.kind = resolve_loss_kind(model, inputs, labels)
         outputs, loss_sum, n_targets = self._cross_entropy(model, inputs, labels, need_logits)
         self.aux_sum = None
         terms = model_loss_terms(model, outputs) if model.training else None
+        if terms is not None and loss_sum.dim() > 0:
+            raise NotImplementedError(
+                f"the model adds a term to its own loss (e.g. a MoE router loss) and the loss has several terms "
+                f"{self.term_names}: no rule for the router term is defined there; disable it "
+                "(output_router_logits=False)")
         if terms is not None:
             # coef * aux_k * n_k: the update's W / N turns it into the token-weighted mean (class docstring).
             self.aux_sum = terms.to(loss_sum.device, loss_sum.dtype) * torch.as_tensor(
@@ -132,7 +165,7 @@ class MicroBatchLoss:
             if fused is not None:
                 outputs, loss_sum = fused
                 return outputs, loss_sum, count if count is not None else count_targets(labels, self.kind)
-        outputs = model(**inputs)  # no labels: no model-side loss, no wasted (fp32) loss math
+        outputs = model(**self.model_inputs(inputs))  # no labels: no model-side loss, no wasted (fp32) loss math
         loss_sum, n_targets = self.loss_sum_fn(outputs, labels, inputs)
         if stats is not None and loss_kind_spec(self.kind).per_token:
             stats.add_(logits_token_stats(outputs.logits, labels, self.kind))

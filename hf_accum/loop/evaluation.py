@@ -35,7 +35,7 @@ def evaluate_loss(model, dataloader, accelerator: Accelerator, micro_batch_loss:
     forwards that count no target. Every rank must call it (it ends in one all-reduce)."""
     if dataloader is None:
         raise ValueError("LoopConfig.eval_strategy is set but train() got no eval_dataloader")
-    tally = WindowTally(device=accelerator.device)
+    tally = WindowTally(device=accelerator.device, extra_terms=micro_batch_loss.extra_terms)
     bare = accelerator.unwrap_model(model)
     was_training = bare.training
     bare.eval()

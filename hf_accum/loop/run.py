@@ -73,9 +73,9 @@ def train(
     plan = RunPlan.of(train_dataloader, accelerator, config, model)
     scheduler = (lr_scheduler or _default_scheduler(config))(optimizer, plan.total_updates)
     control = control or TrainingControl()
-    stepper = build_stepper(model, optimizer, scheduler, accelerator, config,
-                            _micro_batch_loss(model, config, loss_sum_fn, accelerator),
-                            _boundary(accelerator, config, control))
+    micro_batch_loss = _micro_batch_loss(model, config, loss_sum_fn, accelerator)
+    stepper = build_stepper(model, optimizer, scheduler, accelerator, config, micro_batch_loss,
+                            _boundary(accelerator, config, control, micro_batch_loss.extra_terms))
     checkpointer, resume_path = build_checkpointer(config, accelerator, resume_from_checkpoint, model, optimizer,
                                                    scheduler, train_dataloader, plan)
     result = TrainResult(batch_plan=plan.batch)
@@ -122,10 +122,11 @@ def _updates(stepper: Stepper, supervisor: Supervisor, dataloader: Any,
             yield epoch, consumed + step.consumed, step
 
 
-def _boundary(accelerator: Accelerator, config: LoopConfig, control: TrainingControl) -> UpdateBoundary:
+def _boundary(accelerator: Accelerator, config: LoopConfig, control: TrainingControl,
+              extra_terms: tuple[str, ...] = ()) -> UpdateBoundary:
     return UpdateBoundary(accelerator, control, NonFiniteGuard(config.max_consecutive_nonfinite), logger,
                           count_source="loss_sum_fn", steps_in_backward=is_deepspeed(accelerator),
-                          noise_scale=config.noise_scale)
+                          noise_scale=config.noise_scale, extra_terms=extra_terms)
 
 
 def _micro_batch_loss(model: torch.nn.Module, config: LoopConfig, loss_sum_fn: LossSumFn | None,

@@ -5,6 +5,12 @@
   others in DDP's ``no_sync``, so gradients are all-reduced once per update. Every micro-batch backpropagates
   its *summed* token loss (no look-ahead: streams and short last windows work unchanged); at the boundary the
   gradients are scaled once by ``K * W / N``, clipped, and applied.
+  A loss of several terms with different units (DPO's pair term + its ``sft`` term per chosen token) needs
+  ``sum_j (W / N_j) grad(S_j)``: one factor after backward cannot weigh two terms differently, and scaling per
+  term would need one gradient buffer per term. Its counts depend on the labels only (``count_units``), so
+  such a window is counted *before* backward instead (one look-ahead over its K micro-batches, as Trainer and
+  DeepSpeed do) and each micro-batch backpropagates ``K * sum_j (W / N_j) S_jk``
+  (:func:`~hf_accum.accumulation.combine_terms`); nothing is rescaled after backward.
 * :class:`DeepSpeedStepper`: the engine reduces, clips and steps inside ``backward`` of the window's last
   micro-batch, so nothing can be rescaled after backward. The window is counted *before* backward instead
   (as AccumTrainer does) and the loss carries the factor.
@@ -28,12 +34,14 @@ from accelerate.utils import DistributedType
 from hf_accum.accumulation import (
     Fp32GradientAccumulator,
     WindowTotals,
+    combine_terms,
     exact_mean_factor,
     global_sum,
     low_precision_parameters,
     rescale_gradients_,
+    term_factors,
 )
-from hf_accum.boundary import Decision, UpdateBoundary, count_window_targets, discard_window_
+from hf_accum.boundary import Decision, UpdateBoundary, count_window_units, discard_window_
 from hf_accum.compat import set_sync_gradients
 from hf_accum.loop.config import LoopConfig, LoopConfigError
 from hf_accum.loop.windows import PlanDriftError, check_window_targets
@@ -138,6 +146,9 @@ class AccumulateStepper(Stepper):
 
     def epoch(self, batches, done: int, windows: list[int] | None = None,
               targets: list[int] | None = None) -> Iterator[Step]:
+        if self.loss.extra_terms:
+            yield from self._counted_epoch(batches, done, windows, targets)
+            return
         if windows is not None:
             yield from self._planned_epoch(batches, done, windows, targets)
             return
@@ -188,6 +199,38 @@ class AccumulateStepper(Stepper):
             check_window_targets(next(planned) if planned else None, round(decision.totals.targets), done)
             yield Step(step, decision, grad_norm, learning_rate, noise)
 
+    def _counted_epoch(self, batches, done: int, windows: list[int] | None,
+                       targets: list[int] | None) -> Iterator[Step]:
+        """A loss of several terms (module docstring): every window counted before backward, each micro-batch's
+        terms weighted by their own ``W / N_j``; DDP's ``no_sync`` wraps all but the window's last micro-batch."""
+        accelerator = self.accelerator
+        K = accelerator.gradient_accumulation_steps
+        planned = iter(targets) if targets is not None else None
+        step = 0
+        for window in _windows(batches, windows if windows is not None else K):
+            step += len(window)
+            done += 1
+            counts = count_window_units(window, self.loss.count_units, accelerator)
+            check_window_targets(next(planned) if planned else None, counts[0], done)
+            if counts[0]:
+                # K undoes accelerator.backward's fixed 1 / K; W / N_j is each term's exact mean over ranks.
+                factors = [K * factor for factor in term_factors(counts, accelerator.num_processes)]
+                for index, batch in enumerate(window):
+                    closes = index == len(window) - 1
+                    set_sync_gradients(accelerator, closes)
+                    with contextlib.nullcontext() if closes else accelerator.no_sync(self.model):
+                        labels, inputs = split_labels(batch)
+                        _, loss_sum, n_units = self.loss(self.model, inputs, labels)
+                        accelerator.backward(combine_terms(loss_sum, factors))
+                        self.boundary.add(loss_sum, n_units, batch, aux_sum=self.loss.aux_sum)
+            else:  # no primary unit anywhere: no mean, no forward; tally the window's shape only
+                for batch in window:
+                    self.boundary.add(*_zero_terms(counts, accelerator.device), batch)
+            decision = self.boundary.close(done, self._gradients(), counted=counts)
+            learning_rate = self._learning_rate()
+            grad_norm, decision, _ = self._apply(decision, factor=1.0)  # scaled before backward
+            yield Step(step, decision, grad_norm, learning_rate)
+
     def _micro_batch(self, batch, first: bool) -> None:
         """One micro-batch; ``first``: it opens its window (the noise scale's small batch, when measured)."""
         labels, inputs = split_labels(batch)
@@ -213,20 +256,22 @@ class AccumulateStepper(Stepper):
         pending = self.fp32_sums.pending_sums() if self.fp32_sums is not None else []
         return [p.grad for p in self.params] + pending
 
-    def _apply(self, decision: Decision) -> tuple[float | None, Decision, float | None]:
+    def _apply(self, decision: Decision, factor: float | None = None) -> tuple[float | None, Decision, float | None]:
         """Scale to the exact mean, clip, step -- or keep a skipped window out of the weights entirely (no
         optimizer step: its moments and step count stay; no scheduler step). Also returns the applied
-        gradient's squared norm before clipping when the noise scale needs it (else None)."""
+        gradient's squared norm before clipping when the noise scale needs it (else None). ``factor``: given
+        when the window was scaled before backward (1.0), else the window's ``K * W / N``."""
         if not decision.applied:
             discard_window_(self.params, self.fp32_sums)
             return None, decision, None
         accelerator = self.accelerator
-        # accelerator.backward divided each micro-batch by K (and we multiplied by the magnitude hint):
-        # replace both by the exact W / N.
-        factor = accelerator.gradient_accumulation_steps * exact_mean_factor(
-            decision.totals.targets, accelerator.num_processes
-        )
-        factor *= self.magnitude.unscale_factor()
+        if factor is None:
+            # accelerator.backward divided each micro-batch by K (and we multiplied by the magnitude hint):
+            # replace both by the exact W / N.
+            factor = accelerator.gradient_accumulation_steps * exact_mean_factor(
+                decision.totals.targets, accelerator.num_processes
+            )
+            factor *= self.magnitude.unscale_factor()
         params = self.params
         if self.fp32_sums is not None:
             self.fp32_sums.write_gradients_(factor)  # low-precision weights: scaled in fp32, rounded once
@@ -287,33 +332,34 @@ class DeepSpeedStepper(Stepper):
               targets: list[int] | None = None) -> Iterator[Step]:
         """``windows``: planned sizes (ramp-up, token budget); the factor uses the engine's own K, which
         ``engine.backward`` divides by whatever the window's length, so planned windows need nothing more."""
-        kind = self.loss.kind or infer_loss_kind(self.model)
+        if self.loss.kind is None:  # the count below needs the layout before the first forward
+            self.loss.kind = infer_loss_kind(self.model)
         step = 0
         planned = iter(targets) if targets is not None else None
         sizes = windows if windows is not None else self.accelerator.gradient_accumulation_steps
         for window in _windows(batches, sizes):
             step += len(window)
             done += 1
-            n_window = count_window_targets(window, kind, self.accelerator, self.config.normalization)
-            check_window_targets(next(planned) if planned else None, n_window, done)
+            counts = count_window_units(window, self.loss.count_units, self.accelerator)
+            check_window_targets(next(planned) if planned else None, counts[0], done)
             learning_rate = self._learning_rate()
-            if n_window:
-                self._forward_backward(window, n_window)
+            if counts[0]:
+                self._forward_backward(window, counts)
             else:  # tally the window's shape only: no forward at all
                 for batch in window:
-                    self.boundary.add(torch.zeros((), device=self.accelerator.device), torch.zeros(()), batch)
-            decision = self.boundary.close(done, gradients=None, counted=n_window)
+                    self.boundary.add(*_zero_terms(counts, self.accelerator.device), batch)
+            decision = self.boundary.close(done, gradients=None, counted=counts if len(counts) > 1 else counts[0])
             if decision.applied:
                 decision = self._step_scheduler(decision)
             grad_norm = self.engine.get_global_grad_norm() if decision.applied else None
             yield Step(step, decision, float(grad_norm) if grad_norm is not None else None, learning_rate)
 
-    def _forward_backward(self, window: list, n_window: int) -> None:
+    def _forward_backward(self, window: list, counts: list[int]) -> None:
         """Forward and backward every micro-batch of one window; the engine steps on the last one."""
-        # K undoes the engine's own 1/K (engine.backward's scale_wrt_gas); W / N is the exact mean over ranks.
-        factor = self.engine.gradient_accumulation_steps() * exact_mean_factor(
-            n_window, self.accelerator.num_processes
-        )
+        # K undoes the engine's own 1/K (engine.backward's scale_wrt_gas); W / N_j is each term's exact mean over
+        # ranks (one term: W / N).
+        K = self.engine.gradient_accumulation_steps()
+        factors = [K * factor for factor in term_factors(counts, self.accelerator.num_processes)]
         for index, batch in enumerate(window):
             # The engine's boundary (reduce + step) is the window's last micro-batch, short windows included.
             # Set by hand, as Trainer._run_epoch does for its prefetched windows: accumulate() would see
@@ -321,7 +367,7 @@ class DeepSpeedStepper(Stepper):
             set_sync_gradients(self.accelerator, index == len(window) - 1)
             labels, inputs = split_labels(batch)
             _, loss_sum, n_targets = self.loss(self.model, inputs, labels)
-            self.accelerator.backward(loss_sum * factor)
+            self.accelerator.backward(combine_terms(loss_sum, factors))
             self.boundary.add(loss_sum, n_targets, batch, aux_sum=self.loss.aux_sum)
 
     def _step_scheduler(self, decision: Decision) -> Decision:
@@ -336,11 +382,20 @@ class DeepSpeedStepper(Stepper):
         return decision
 
 
+def _zero_terms(counts: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum, count)`` of a micro-batch that was not forwarded, shaped like the loss's terms."""
+    shape = () if len(counts) == 1 else (len(counts),)
+    return torch.zeros(shape, device=device), torch.zeros(shape)
+
+
 def build_stepper(model, optimizer, scheduler, accelerator: Accelerator, config: LoopConfig,
                   micro_batch_loss: MicroBatchLoss, boundary: UpdateBoundary) -> Stepper:
     kind = DeepSpeedStepper if is_deepspeed(accelerator) else AccumulateStepper
     if config.noise_scale and accelerator.distributed_type == DistributedType.FSDP:
         raise LoopConfigError(f"LoopConfig.noise_scale: {NOT_UNDER_FSDP}")
+    if config.noise_scale and micro_batch_loss.extra_terms:
+        raise LoopConfigError(f"LoopConfig.noise_scale: not measured for a loss of several terms "
+                              f"{micro_batch_loss.term_names} (its small batch has no single unit)")
     return kind(model, optimizer, scheduler, accelerator, config, micro_batch_loss, boundary)
 
 

@@ -122,16 +122,21 @@ class AccumTrainer(Trainer):
         # this also stops Trainer's own (rank-local when average_tokens_across_devices=False) count.
         self.model_accepts_loss_kwargs = False
         self.run_control = TrainingControl()  # request_checkpoint() / request_stop(), from callbacks or threads
+        extra_terms = self._micro_batch_loss.extra_terms
+        if noise_scale and extra_terms:
+            raise ValueError(f"AccumTrainer(noise_scale=True): not measured for a loss of several terms "
+                             f"{self._micro_batch_loss.term_names}")
         self._window = TrainerWindow(self.accelerator, self.run_control, guard, self.is_deepspeed_enabled,
                                      self.is_fsdp_enabled, noise_scale=noise_scale,
                                      clips=bool(self.args.max_grad_norm and self.args.max_grad_norm > 0),
-                                     normalization=normalization)
+                                     normalization=normalization, extra_terms=extra_terms,
+                                     unit=self._micro_batch_loss.term_names[0])
         self.noise_scale_advice: str | None = None
         """With ``noise_scale=True``: the end-of-run line on the batch size (also logged)."""
         self._records = UpdateRecorder(self._window.boundary, on_update)
         self._checkpoints = TrainerCheckpoints(self)
         self._planner = BatchPlanner(self)
-        self._eval_tally = WindowTally(device=self.args.device)  # the exact eval_loss
+        self._eval_tally = WindowTally(device=self.args.device, extra_terms=extra_terms)  # the exact eval_loss
         self._stop_on_signals = stop_on_signals
         self.add_callback(BoundaryActions(self._window, fp32_grad_accumulation, lambda: self.model))
 
@@ -207,7 +212,7 @@ class AccumTrainer(Trainer):
             batch = prepare_inputs(self, batch_samples[0])
             inputs = {key: value for key, value in batch.items() if key != "labels"}
             self._micro_batch_loss.kind = resolve_loss_kind(self.model, inputs, _labels(batch))
-        return batch_samples, self._window.count(batch_samples, self.loss_kind)
+        return batch_samples, self._window.count(batch_samples, self._micro_batch_loss.count_units)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Training: ``loss_sum * W / N`` (N = the window's targets on all ranks). Evaluation
@@ -222,10 +227,11 @@ class AccumTrainer(Trainer):
         if num_items_in_batch is None:
             self._eval_tally.add(loss_sum, n_targets, inputs)
             loss = loss_sum / torch.clamp(torch.as_tensor(n_targets, device=loss_sum.device), min=1)
+            loss = loss.sum() if loss.dim() else loss  # several terms: each one's mean, added
         else:
             self._window.boundary.add(loss_sum, n_targets, inputs, aux_sum=self._micro_batch_loss.aux_sum)
             self._window.micro_batch_targets = n_targets
-            loss = loss_sum * self._window.loss_factor(num_items_in_batch)
+            loss = self._window.scaled_loss(loss_sum, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):

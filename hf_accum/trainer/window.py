@@ -5,6 +5,8 @@ Trainer pre-fetches the window's K micro-batches (``get_batch_samples``), so ``N
 backward: every micro-batch backpropagates ``loss_sum * W / N``. DDP averages over ``W`` ranks, so the applied
 gradient is ``grad(sum of every target's loss) / N`` -- one big batch -- and because the loss is scaled *before*
 backward (not the gradients after), this also holds under DeepSpeed/FSDP, which keep gradients out of reach.
+The unit is whatever the loss counts (targets, sequences, preference pairs: ``count_units``); a loss of several
+terms backpropagates ``sum_j S_jk * W / N_j`` (:func:`hf_accum.accumulation.combine_terms`).
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ import torch
 from hf_accum.accumulation import (
     Fp32GradientAccumulator,
     WindowTotals,
+    combine_terms,
     exact_mean_factor,
     low_precision_parameters,
     rescale_gradients_,
+    term_factors,
 )
-from hf_accum.boundary import Decision, UpdateBoundary, count_window_targets, discard_window_
+from hf_accum.boundary import Decision, UnitCounter, UpdateBoundary, count_window_units, discard_window_
 from hf_accum.control import NonFiniteGuard, TrainingControl
-from hf_accum.loss import LossKind
 from hf_accum.noise_probe import small_batch_grad_sq, squared_norm
 
 logger = logging.getLogger("hf_accum.trainer")
@@ -41,13 +44,15 @@ class TrainerWindow:
     low-precision weights, and the totals the logs report."""
 
     def __init__(self, accelerator: Any, control: TrainingControl, guard: NonFiniteGuard, deepspeed: bool,
-                 fsdp: bool, noise_scale: bool = False, clips: bool = True, normalization: str = "token") -> None:
+                 fsdp: bool, noise_scale: bool = False, clips: bool = True, normalization: str = "token",
+                 extra_terms: tuple[str, ...] = (), unit: str = "target") -> None:
         self.accelerator = accelerator
         self.deepspeed = deepspeed
         self.fsdp = fsdp
         self.boundary = UpdateBoundary(
             accelerator, control, guard, logger, count_source="loss_sum_and_count", steps_in_backward=deepspeed,
             no_targets_note=_DEEPSPEED_NO_TARGETS if deepspeed else "", noise_scale=noise_scale,
+            extra_terms=extra_terms,
         )
         self.clips = clips
         self.normalization = normalization
@@ -60,11 +65,15 @@ class TrainerWindow:
         self.unclipped_grad_sq: float | None = None
         """Noise scale without clipping: the applied gradient's squared norm (measured at the boundary)."""
         self.targets = 0
-        """The window's global target count (``num_items_in_batch``)."""
+        """The window's global target count (``num_items_in_batch``; a multi-term loss: its primary term's)."""
+        self.counts: list[int] = [0]
+        """Every term's global count of the window (one entry for a single-term loss)."""
         self.fp32_sums: Fp32GradientAccumulator | None = None
         self.skip_step = False
         """This update's window was skipped (no targets, inf/NaN): Trainer must not step the LR scheduler."""
-        self.interval = LogInterval()
+        self.unit = unit
+        """The primary term's unit (``target``, ``sequence``, ``pair``): names the logged update size."""
+        self.interval = LogInterval(unit)
         self.run_totals = WindowTotals()
         """Every window trained by this ``train()`` call: the exact final ``train_loss``."""
         self.decision: Decision | None = None
@@ -86,23 +95,33 @@ class TrainerWindow:
     def start(self) -> None:
         """At the start of every (re)try of the training loop: an OOM retry must not inherit a half-tallied window."""
         self.boundary.reset()
-        self.interval = LogInterval()
+        self.interval = LogInterval(self.unit)
         self.run_totals = WindowTotals()
         if self.fp32_sums is not None:
             self.fp32_sums.clear()
 
     # -- before and during the window ---------------------------------------------------------------------
-    def count(self, batches: list[dict[str, Any]], kind: LossKind) -> int:
-        """The window's targets on all ranks -- ALWAYS summed over ranks, also when
+    def count(self, batches: list[dict[str, Any]], count_units: UnitCounter) -> int:
+        """The window's units on all ranks -- ALWAYS summed over ranks, also when
         ``average_tokens_across_devices=False`` (where stock Trainer divides by each rank's own count and DDP
         then averages differently-normalized gradients). Every rank joins this all-reduce once per window."""
-        self.targets = count_window_targets(batches, kind, self.accelerator, self.normalization)
+        self.counts = count_window_units(batches, count_units, self.accelerator)
+        self.targets = self.counts[0]
         self.first_pending = True
         return self.targets  # a Python int: no device sync per micro-batch in compute_loss
 
     def loss_factor(self, window_targets: int) -> float:
         """What a micro-batch's summed loss is multiplied by before backward."""
         return self._backward_scale(self._window_scale(window_targets))
+
+    def scaled_loss(self, loss_sum: torch.Tensor, window_targets: int) -> torch.Tensor:
+        """The micro-batch's loss to backpropagate: ``loss_sum * W / N`` (:meth:`loss_factor`), or for a loss of
+        several terms ``sum_j S_j * W / N_j`` (exact factors: no fp32-sum remainder, :meth:`_write_fp32_sums`)."""
+        if loss_sum.dim() == 0:
+            return loss_sum * self.loss_factor(window_targets)
+        if not self.targets:  # no mean: zero keeps every rank's backward (and DDP's collectives) in step
+            return loss_sum.sum() * 0.0
+        return combine_terms(loss_sum, term_factors(self.counts, self.accelerator.num_processes))
 
     def _window_scale(self, window_targets: int | torch.Tensor) -> float:
         """``W / N`` from the core; 0 for a window without targets (its gradients are dropped later,
@@ -145,7 +164,7 @@ class TrainerWindow:
         if self.accelerator.scaler is None and not self.deepspeed:
             # fp16's GradScaler skips inf/NaN gradients itself; DeepSpeed keeps gradients inside its engine.
             gradients = [p.grad for p in model.parameters()]
-        decision = self.boundary.close(update, gradients, counted=self.targets)
+        decision = self.boundary.close(update, gradients, counted=self.counts if len(self.counts) > 1 else self.targets)
         self.decision = decision
         if decision.halt is not None:
             self.halting = decision
@@ -168,7 +187,7 @@ class TrainerWindow:
     def _write_fp32_sums(self, model: torch.nn.Module) -> None:
         """The window's fp32 gradient sums -> ``.grad``, times what ``_backward_scale`` left of ``W / N``."""
         window_scale = self._window_scale(self.targets)
-        remainder = window_scale / self._backward_scale(window_scale)
+        remainder = window_scale / self._backward_scale(window_scale) if len(self.counts) == 1 else 1.0
         self.fp32_sums.write_gradients_(remainder)  # rounded once to the weights' dtype
         rescale_gradients_(self.fp32_sums.other_parameters(model.parameters()), remainder)
 
@@ -189,7 +208,7 @@ class TrainerWindow:
         """The exact loss and shape of the updates since the last log line ({} when none), then start over."""
         if not self.interval.updates:
             return {}
-        logs, self.interval = self.interval.as_logs(), LogInterval()
+        logs, self.interval = self.interval.as_logs(), LogInterval(self.unit)
         return logs
 
     # -- fp32 sums of low-precision weights ---------------------------------------------------------------
@@ -226,7 +245,8 @@ def poison_gradients_(model) -> None:
 class LogInterval:
     """Window totals (already summed over ranks) since the last log line."""
 
-    def __init__(self) -> None:
+    def __init__(self, unit: str = "target") -> None:
+        self.unit = unit
         self.totals = WindowTotals()
         self.updates = 0
         self.skipped = 0
@@ -246,10 +266,13 @@ class LogInterval:
         logs = {
             # Token-weighted over the interval: with logging_steps=1, the exact mean of the window.
             "loss": self.totals.mean_loss,
-            "tokens_per_update": self.totals.targets / self.updates,
+            # The update's size in its primary unit (targets and sequence-mode sequences log as tokens, as always).
+            _size_key(self.unit): self.totals.targets / self.updates,
             "sequences_per_update": self.totals.sequences / self.updates,
             "padding_fraction": self.totals.padding_fraction,
         }
+        for name, mean in self.totals.term_means().items():  # each extra term's own mean (its part of "loss")
+            logs[f"{name}_loss"] = mean
         if self.totals.aux_loss_sum:  # MoE router loss, logged apart from the cross-entropy "loss"
             logs["aux_loss"] = self.totals.mean_aux_loss
         if self.skipped:
@@ -257,3 +280,7 @@ class LogInterval:
         if self.skipped_nonfinite:
             logs["updates_skipped_nonfinite"] = self.skipped_nonfinite
         return logs
+
+
+def _size_key(unit: str) -> str:
+    return "tokens_per_update" if unit in ("target", "sequence") else f"{unit}s_per_update"

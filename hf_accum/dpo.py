@@ -1,0 +1,235 @@
+"""AccumDPOTrainer: TRL's ``DPOTrainer`` whose every update applies the big batch's gradient of the mean over ALL
+its preference pairs.
+
+This module owns the composition of AccumTrainer with TRL's ``DPOTrainer`` and nothing else. TRL keeps what it
+owns: dataset preparation (prompt/chosen/rejected, chat templates, tokenization), its collator, the reference
+model (a copy, the PEFT adapter disabled, or precomputed reference log-probs), ``sync_ref_model``, model cards.
+:mod:`hf_accum.preference` owns the math of one micro-batch (:class:`~hf_accum.preference.DPOPairLoss`: the SUM
+over the micro-batch's pairs of the pair loss and the number of pairs, and the ``sft`` term as a sum over the
+chosen completions' tokens with their count). AccumTrainer owns the normalization: each term's count is taken
+over the window's micro-batches on all ranks before backward and each micro-batch backpropagates
+``sum_j S_jk * W / N_j`` (:mod:`hf_accum.trainer.window`).
+
+Why it is needed: TRL 1.16 takes each micro-batch's *mean* over its pairs and divides it by K, which weighs a
+pair by ``1 / (K * P_k)`` instead of ``1 / P`` -- wrong whenever micro-batches or ranks hold different numbers of
+pairs (a short last batch, ``even_batches=False``) -- and its ``sft`` term is a per-micro-batch token mean. Its
+metrics gather per-micro-batch tensors across ranks, which fails (gloo size mismatch) when ranks hold different
+numbers of pairs.
+
+What the composition has to repair:
+
+* the batches: TRL's collator marks completions with ``completion_mask``; :class:`PairLabels` turns it into
+  ``labels`` (-100 outside the completions), the convention every front-end counts from;
+* the log-probs: TRL's fused LM head accumulates in float32 whatever the model's dtype; here they are computed
+  from the logits in the model's own dtype (:func:`hf_accum.preference.completion_logps`), for the policy, the
+  live reference and the precomputed reference alike (float64 models are exact to rounding);
+* the metrics: ``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins``,
+  ``logps/chosen``, ``logps/rejected`` are sums over pairs on each rank, all-reduced once per update and
+  logged as pair-weighted means over the logged updates (exact over the update like the loss); ``num_tokens``
+  counts the attended tokens of every rank.
+
+Refused before any model loads (one line naming the setting): loss types that are not sums over pairs or chosen
+tokens (``aot``, ``aot_unpaired``, ``apo_*``, ...: only :data:`hf_accum.preference.SUPPORTED_LOSS_TYPES`),
+``ld_alpha``, ``f_divergence_type`` other than ``reverse_kl``, ``use_weighting``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from hf_accum.accumulation import DeviceSums
+from hf_accum.compat import (
+    add_trl_train_tokens,
+    trl_metrics,
+    trl_reference_context,
+    trl_train_tokens,
+    trl_without_gradient_checkpointing,
+)
+from hf_accum.errors import InputError
+from hf_accum.micro_batch import MicroBatchLoss
+from hf_accum.preference import IGNORE_INDEX, REFERENCE_KEYS, SUPPORTED_LOSS_TYPES, DPOPairLoss, completion_logps
+from hf_accum.trainer import AccumTrainer
+
+try:
+    from trl import DPOTrainer
+except ImportError as error:  # TRL is an optional extra
+    raise ImportError("AccumDPOTrainer needs TRL: pip install 'hf_accum[trl]'") from error
+
+_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+            "logps/rejected")
+_COLUMNS = ("pairs",) + _METRICS + ("tokens",)
+# Batch keys that are not inputs of the model's forward (TRL's `_non_model_keys`, plus our labels).
+_NOT_MODEL_INPUTS = {"completion_mask", "labels", *REFERENCE_KEYS}
+
+
+def check_dpo_args(args: Any) -> None:
+    """Refuse, before TRL loads anything, the settings whose loss is not a sum over pairs or chosen tokens."""
+    if args is None:
+        return  # TRL's defaults: loss_type sigmoid
+    loss_types = args.loss_type if isinstance(args.loss_type, (list, tuple)) else [args.loss_type]
+    for loss_type in loss_types:
+        if loss_type not in SUPPORTED_LOSS_TYPES:
+            whole_batch = " depends on the whole batch" if loss_type in ("aot", "aot_unpaired") else ""
+            raise InputError(
+                f"DPOConfig.loss_type={loss_type!r}{whole_batch}: AccumDPOTrainer supports loss types that are a sum "
+                f"over pairs (or chosen tokens), exact over every update: {', '.join(SUPPORTED_LOSS_TYPES)}"
+            )
+    if not any(loss_type != "sft" for loss_type in loss_types):
+        raise InputError(f"DPOConfig.loss_type={loss_types!r}: AccumDPOTrainer needs at least one pair loss type "
+                         f"({', '.join(t for t in SUPPORTED_LOSS_TYPES if t != 'sft')})")
+    refused = {
+        "ld_alpha": (getattr(args, "ld_alpha", None), None),
+        "f_divergence_type": (getattr(args, "f_divergence_type", "reverse_kl"), "reverse_kl"),
+        "use_weighting": (getattr(args, "use_weighting", False), False),
+    }
+    for key, (value, supported) in refused.items():
+        if value != supported:
+            raise InputError(f"DPOConfig.{key}={value!r} is not supported by AccumDPOTrainer (allowed: {supported!r})")
+
+
+class PairLabels:
+    """Wraps TRL's preference collator: ``labels`` = ``input_ids`` with -100 outside the completions (TRL's
+    ``completion_mask``), which is dropped. Rows stay TRL's: chosen ``[0, P)``, rejected ``[P, 2P)``.
+
+    Precomputed reference log-probs are taken from the examples again in float64: TRL's collator builds them
+    with ``torch.tensor(list of floats)``, i.e. in the default float32 (a ~1e-7 relative error floor)."""
+
+    def __init__(self, collator: Callable) -> None:
+        self.collator = collator
+
+    def __call__(self, examples):
+        return with_labels(self.collator(examples), examples)
+
+
+def with_labels(batch: dict[str, Any], examples: list[dict] | None = None) -> dict[str, Any]:
+    """``batch`` in :class:`PairLabels`' layout (unchanged when it has ``labels`` already)."""
+    if "completion_mask" in batch:
+        completion = batch.pop("completion_mask")
+        batch["labels"] = batch["input_ids"].masked_fill(completion == 0, IGNORE_INDEX)
+    for key in REFERENCE_KEYS:
+        if examples and key in batch and all(key in example for example in examples):
+            batch[key] = torch.tensor([float(example[key]) for example in examples], dtype=torch.float64)
+    return batch
+
+
+class AccumDPOTrainer(AccumTrainer, DPOTrainer):
+    """``trl.DPOTrainer`` whose every update applies the exact big-batch gradient of the mean pair loss.
+
+    Same constructor as ``DPOTrainer`` (model, ``ref_model``, ``DPOConfig``, datasets in TRL's preference formats,
+    ``processing_class``, ``peft_config``, ...), plus AccumTrainer's options. The update's loss is
+    ``sum_t w_t * mean over all pairs of the update of loss_t`` over the pair loss types of ``loss_type`` (with
+    ``loss_weights``), plus, for ``"sft"`` in ``loss_type``, its weight times the mean over all chosen completion
+    tokens of the update of ``-log p`` -- all micro-batches, all ranks, short last windows, uneven ranks
+    (``accelerator_config={"even_batches": False}``) included. See the module docstring for what is refused.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        check_dpo_args(kwargs.get("args", args[2] if len(args) > 2 else None))
+        super().__init__(*args, **kwargs)
+        self.data_collator = PairLabels(self.data_collator)
+        device = self.args.device
+        self._pair_metrics = {"train": _PairMetrics(device), "eval": _PairMetrics(device)}
+
+    def _build_micro_batch_loss(self, loss_kind, fused_loss: bool, normalization: str = "token") -> MicroBatchLoss:
+        """Called by AccumTrainer's constructor: the pair loss of TRL's settings, on the logits path (full
+        precision; TRL's fused head would compute the log-probs in float32)."""
+        if normalization != "token":
+            raise InputError(f"AccumDPOTrainer(normalization={normalization!r}): a DPO loss is normalized per pair")
+        self.dpo_loss = DPOPairLoss(self.beta, self.loss_types, self.label_smoothing, loss_weights=self.loss_weights)
+        return MicroBatchLoss("causal_lm", loss_sum_fn=self.dpo_loss, fused=False)
+
+    # -- the reference log-probs (live or precomputed), in the model's dtype -----------------------------
+    def compute_ref_log_probs(self, model, inputs):
+        """The reference's summed completion log-probs ``(chosen[P], rejected[P])`` of one batch (TRL's or
+        :class:`PairLabels`' layout), from the logits in the model's dtype. TRL's precompute pass calls it too."""
+        labels = inputs.get("labels")
+        if labels is None:
+            labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, IGNORE_INDEX)
+        model_inputs = {key: value for key, value in inputs.items() if key not in _NOT_MODEL_INPUTS}
+        with torch.no_grad(), trl_without_gradient_checkpointing(self), trl_reference_context(self), \
+                self.accelerator.autocast():
+            logits = model(**model_inputs, use_cache=False).logits
+        logps, _ = completion_logps(logits, labels)
+        return logps.chunk(2, dim=0)
+
+    def _with_reference(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        if all(key in inputs for key in REFERENCE_KEYS):
+            return inputs  # precomputed (precompute_ref_log_probs=True)
+        chosen, rejected = self.compute_ref_log_probs(self.ref_model if self.ref_model is not None else self.model,
+                                                      inputs)
+        return {**inputs, REFERENCE_KEYS[0]: chosen, REFERENCE_KEYS[1]: rejected}
+
+    # -- the loss and TRL's metrics -------------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """AccumTrainer's loss (the pair terms, scaled once per window); the pair metrics recorded on the side."""
+        inputs = self._with_reference(with_labels(dict(inputs)))
+        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        stats = self.dpo_loss.last_stats
+        if stats is not None:
+            mode = "train" if self.model.training else "eval"
+            tokens = inputs["attention_mask"].sum() if "attention_mask" in inputs else inputs["input_ids"].numel()
+            self._pair_metrics[mode].add(**stats, tokens=tokens)
+        return result
+
+    def get_train_dataloader(self):
+        # Every (re)try of the training loop starts without half-counted metrics (AccumTrainer resets its tallies).
+        self._pair_metrics["train"].reset()
+        return super().get_train_dataloader()
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        # The window's last micro-batch (as in AccumTrainer): one all-reduce for the metrics.
+        if num_items_in_batch is not None and self.accelerator.sync_gradients:
+            window = self._pair_metrics["train"].reduce(self.accelerator)
+            add_trl_train_tokens(self, int(window["tokens"]))
+        return loss
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):
+        self._pair_metrics["eval"].reset()
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        self._pair_metrics["eval"].reduce(self.accelerator)  # every rank runs the evaluation loop
+        return output
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Hand TRL's ``log`` (which averages ``self._metrics[mode]``) one pair-weighted mean per metric."""
+        mode = "train" if self.model.training else "eval"
+        metrics = self._pair_metrics[mode].take_means()
+        trl_logged = trl_metrics(self, mode)
+        trl_logged.clear()
+        if metrics:
+            trl_logged.update({name: [value] for name, value in metrics.items()})
+            if mode == "train":
+                trl_logged["num_tokens"] = [trl_train_tokens(self)]
+        super().log(logs, start_time)
+
+
+class _PairMetrics:
+    """Per-rank sums of the pair metrics (:class:`~hf_accum.accumulation.DeviceSums`: one all-reduce per update),
+    and the reduced totals since the last log line."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self._pending = DeviceSums(_COLUMNS, device)
+        self._totals = torch.zeros(len(_COLUMNS), dtype=torch.float64)
+
+    def add(self, **sums: Any) -> None:
+        self._pending.add(**sums)
+
+    def reduce(self, accelerator: Any) -> dict[str, float]:
+        """Fold this rank's pending sums, summed over all ranks, into the totals. A collective."""
+        reduced = self._pending.reduce(accelerator)
+        self._totals += torch.tensor([reduced[name] for name in _COLUMNS], dtype=torch.float64)
+        return reduced
+
+    def take_means(self) -> dict[str, float]:
+        """Pair means over the totals (then cleared); empty when no pair was seen."""
+        totals = dict(zip(_COLUMNS, self._totals.tolist()))
+        self._totals.zero_()
+        pairs = totals["pairs"]
+        return {name: totals[name] / pairs for name in _METRICS} if pairs else {}
+
+    def reset(self) -> None:
+        self._pending.reset()
+        self._totals.zero_()

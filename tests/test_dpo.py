@@ -1,0 +1,145 @@
+"""DPO exact over every update: ``AccumDPOTrainer`` (on TRL's own dataset preparation and collator) and
+``hf_accum.train(loss_sum_fn=DPOPairLoss(...))`` against an independent big-batch reference
+(tests/dpo_reference.py: each sequence forwarded alone, float64 ``log_softmax``, the mean over ALL pairs of the
+update, its gradient by autograd); stock ``trl.DPOTrainer`` as the negative control. The 2-process cases are in
+tests/test_dpo_ddp.py.
+
+float64 with dtype-keeping norms, so "exact" means < 1e-10. With 13 pairs, 2 per micro-batch and K = 3, the
+windows hold 6, 6 and 1 pairs (micro-batches of 2, 2, 2 | 2, 2, 2 | 1): a 1-pair micro-batch in a short last
+window.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from dpo_reference import pair_features, preference_rows, run_dpo_loop, run_dpo_trainer  # noqa: E402
+from trl import DPOConfig, DPOTrainer  # noqa: E402
+
+from hf_accum import AccumDPOTrainer  # noqa: E402
+from hf_accum.errors import InputError  # noqa: E402
+from hf_accum.preference import DPOPairLoss  # noqa: E402
+from hf_accum.testing.sft import sft_tokenizer  # noqa: E402
+
+EXACT = 1e-10
+TOKENIZER = sft_tokenizer()
+ROWS = preference_rows(13, seed=1)
+ELEVEN = preference_rows(11, seed=2)  # windows of 6 and 5 pairs: micro-batches 2, 2, 2 | 2, 2, 1
+CASES = {
+    "sigmoid_live_reference": dict(loss_type=("sigmoid",)),
+    "sigmoid_precomputed": dict(loss_type=("sigmoid",), precompute=True),
+    "hinge_precomputed": dict(loss_type=("hinge",), precompute=True),
+    "ipo_live_reference": dict(loss_type=("ipo",)),
+    "robust_precomputed": dict(loss_type=("robust",), label_smoothing=0.2, precompute=True),
+    "sigmoid_sft": dict(loss_type=("sigmoid", "sft"), loss_weights=[1.0, 0.5]),
+    "sigmoid_sft_precomputed": dict(loss_type=("sigmoid", "sft"), loss_weights=[1.0, 0.5], precompute=True),
+    "ipo_hinge_mix": dict(loss_type=("ipo", "hinge"), loss_weights=[0.3, 1.0]),
+    # TRL adds the adapter (peft_config): the reference is the model with the adapter disabled.
+    "peft_adapter_disabled_reference": dict(loss_type=("sigmoid", "sft"), loss_weights=[1.0, 0.25], peft="new"),
+    # A model with its adapter already: TRL's reference is a frozen copy of that adapter ("ref").
+    "peft_existing_adapter_reference": dict(loss_type=("sigmoid",), peft="existing"),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Each case trained once, on demand, shared by the tests below."""
+    cache = {}
+
+    def get(name: str, trainer_cls=AccumDPOTrainer, rows=ROWS):
+        key = (name, trainer_cls.__name__, len(rows))
+        if key not in cache:
+            out = str(tmp_path_factory.mktemp(name))
+            cache[key] = run_dpo_trainer(trainer_cls, rows, TOKENIZER, out, **CASES[name])
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_accum_dpo_trainer_is_exact(runs, name):
+    run = runs(name)
+    assert run["pairs"] == [6, 6, 1]  # uneven micro-batches, a short last window
+    assert max(run["errors"]) < EXACT, run["errors"]
+    # The logged update size is the update's pairs (all of them, not a micro-batch's).
+    assert [log["pairs_per_update"] for log in run["logs"]] == run["pairs"]
+
+
+def test_stock_dpo_trainer_is_off_with_uneven_pairs(runs):
+    """TRL divides each micro-batch's pair mean by K: a 1-pair micro-batch weighs 1/3 instead of 1/5."""
+    stock = runs("sigmoid_live_reference", DPOTrainer, ELEVEN)
+    ours = runs("sigmoid_live_reference", AccumDPOTrainer, ELEVEN)
+    print(f"sigmoid, 11 pairs (2,2,2 | 2,2,1): stock DPOTrainer errors {[f'{e:.3f}' for e in stock['errors']]}, "
+          f"AccumDPOTrainer {max(ours['errors']):.1e}")
+    # Equal micro-batches: TRL's mean of means is the right mean, off only by its float32 log-probs (fused head).
+    assert stock["errors"][0] < 1e-5
+    assert stock["errors"][1] > 0.05
+    assert max(ours["errors"]) < EXACT
+
+
+def test_stock_dpo_trainer_sft_term_is_off_even_on_equal_pairs(runs):
+    """TRL's sft term is a token mean per micro-batch: wrong whenever chosen completions differ in length."""
+    stock = runs("sigmoid_sft", DPOTrainer, ELEVEN)
+    print(f"sigmoid + 0.5 sft: stock DPOTrainer errors {[f'{e:.3f}' for e in stock['errors']]}")
+    assert min(stock["errors"]) > 1e-3
+
+
+def test_pair_metrics_are_exact_over_the_update(runs):
+    """rewards/* and logps/* are means over ALL pairs of the update (logging_steps=1), as the reference
+    computes them at the weights the update's forwards saw."""
+    run = runs("sigmoid_sft")
+    assert len(run["logs"]) == len(run["metrics"]) == 3
+    for logged, expected in zip(run["logs"], run["metrics"]):
+        for key, value in expected.items():
+            assert abs(logged[key] - value) <= 1e-10 * max(1.0, abs(value)), (key, logged[key], value)
+    assert run["logs"][-1]["num_tokens"] > run["logs"][0]["num_tokens"] > 0
+
+
+def test_logged_loss_is_the_update_mean(runs):
+    """The logged loss is each term's mean over the update (the pair mean plus the weighted token mean)."""
+    run = runs("sigmoid_live_reference")
+    for logged in run["logs"]:
+        assert logged["loss"] > 0
+
+
+@pytest.mark.parametrize("loss_type", ["aot", "aot_unpaired", "apo_zero"])
+def test_batch_level_loss_types_are_refused(tmp_path, loss_type):
+    args = DPOConfig(output_dir=str(tmp_path), loss_type=[loss_type], report_to="none", bf16=False)
+    with pytest.raises(InputError, match=rf"loss_type='{loss_type}'.*sigmoid, hinge, ipo, robust, sft"):
+        AccumDPOTrainer("no-model-is-loaded", args=args)
+
+
+def test_unsupported_settings_are_refused_before_loading(tmp_path):
+    args = DPOConfig(output_dir=str(tmp_path), ld_alpha=0.5, report_to="none", bf16=False)
+    with pytest.raises(InputError, match="ld_alpha"):
+        AccumDPOTrainer("no-model-is-loaded", args=args)
+
+
+# -- the Accelerate loop with DPOPairLoss -------------------------------------------------------------------
+
+LOOP_CASES = {
+    "sigmoid": DPOPairLoss(beta=0.5),
+    "ipo": DPOPairLoss(beta=0.5, loss_type="ipo"),
+    "robust": DPOPairLoss(beta=0.5, loss_type="robust", label_smoothing=0.2),
+    "hinge_sft": DPOPairLoss(beta=0.5, loss_type="hinge", sft_weight=0.5),
+    "sigmoid_sft_list": DPOPairLoss(beta=0.5, loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.3]),
+}
+
+
+@pytest.mark.parametrize("name", list(LOOP_CASES))
+def test_loop_with_dpo_pair_loss_is_exact(name):
+    run = run_dpo_loop(pair_features(13, seed=3), LOOP_CASES[name])
+    assert run["pairs"] == [6, 6, 1]
+    assert max(run["errors"]) < EXACT, run["errors"]
+    assert [update.targets for update in run["result"].updates] == run["pairs"]
