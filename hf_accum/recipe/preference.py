@@ -157,6 +157,11 @@ def train_dpo_with_trainer(model, tokenizer, data, collator, args, record, resum
         train_dataset=Dataset.from_list(data.train.as_conversations()),
         eval_dataset=Dataset.from_list(data.held_out.as_conversations()) if data.held_out else None,
     )
+    if "ref" in getattr(trainer.model, "peft_config", {}):
+        # TRL copies an already-wrapped model's adapter as a "ref" adapter; the recipe's reference is the base model
+        # (the adapter disabled, TRL's choice when there is no "ref"), as in the loop engine. And PEFT cannot save a
+        # model whose second adapter lacks the modules_to_save copies (KeyError 'modules_to_save.ref.weight').
+        trainer.model.delete_adapter("ref")
     check_engine(trainer.accelerator, launch)
     trainer.train(resume_from_checkpoint=resume)
     record.updates = [asdict(update) for update in trainer.updates]
