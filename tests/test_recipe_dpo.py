@@ -16,7 +16,7 @@ from hf_accum.loss import IGNORE_INDEX
 from hf_accum.recipe import config as recipe_config
 from hf_accum.recipe import embedded
 from hf_accum.recipe.data import DataError
-from hf_accum.recipe.data.preference import encode_pairs, labelled, load_preference_data
+from hf_accum.recipe.data.preference import labelled, load_preference_data
 from hf_accum.recipe.data.splits import load_splits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -138,19 +138,27 @@ def test_the_embedded_preference_pairs_are_a_right_and_a_wrong_answer_of_the_sam
     assert {pair["task"] for pair in splits["test"]} == set(embedded.TASKS)
 
 
-def test_trl_tokenizes_the_recipes_pairs_exactly_as_the_recipe_encodes_them(tmp_path):
-    """The trainer engine hands TRL the conversational rows; the loop engine uses the recipe's own encoding."""
+def test_the_trainer_engine_gets_the_recipes_settings_and_the_same_token_ids(tmp_path):
+    """The trainer engine hands TRL the kept pairs as conversations and a DPOConfig built from the recipe's
+    TrainingArguments (not DPOConfig's own defaults) and the dpo section; TRL tokenizes the pairs to the ids
+    the loop engine trains on."""
     from datasets import Dataset
-    from trl import DPOConfig, DPOTrainer
 
-    tokenizer, data = load_preference_data(recipe_config.ModelSection(),
-                                           recipe_config.DataSection(num_train_examples=24, num_eval_examples=4))
-    trainer = DPOTrainer.__new__(DPOTrainer)  # only its dataset preparation: no model needed
-    trainer._tokenizer = tokenizer
-    args = DPOConfig(output_dir=str(tmp_path), max_length=128, use_cpu=True, bf16=False, report_to="none")
-    prepared = trainer._prepare_dataset(Dataset.from_list(data.train.as_conversations()), tokenizer, args, "train")
-    assert len(prepared) == len(data.train.examples) == 24
-    for theirs, ours in zip(prepared, data.train.examples):
+    from hf_accum import AccumDPOTrainer
+    from hf_accum.recipe.preference import dpo_config
+
+    config = resolved("objective=dpo", "data.num_train_examples=24", "data.num_eval_examples=4", "dpo.beta=0.25",
+                      "dpo.loss_type=hinge", "dpo.sft_weight=0.5", f"training.output_dir={tmp_path}")
+    args = dpo_config(config, config.training_arguments(activation_checkpointing=False, gradient_checkpointing=None,
+                                                        resume_from_checkpoint=None))
+    assert (args.beta, args.loss_type, args.loss_weights, args.max_length) == (0.25, ["hinge", "sft"], [1.0, 0.5], 128)
+    assert (args.learning_rate, args.bf16, args.per_device_train_batch_size) == (2e-3, False, 8)  # not 1e-6, True
+    tokenizer, data = load_preference_data(config.model, config.data)
+    _, model = tiny_lora_model(tokenizer)
+    trainer = AccumDPOTrainer(model=model, args=args, processing_class=tokenizer,
+                              train_dataset=Dataset.from_list(data.train.as_conversations()))
+    assert len(trainer.train_dataset) == len(data.train.examples) == 24
+    for theirs, ours in zip(trainer.train_dataset, data.train.examples):
         assert {key: theirs[key] for key in ours} == ours
 
 

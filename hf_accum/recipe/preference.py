@@ -135,7 +135,7 @@ def dpo_config(config: Any, args: Any):
 
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainingArguments) if f.init}
     return DPOConfig(**values, **trl_settings(config.dpo), max_length=config.data.max_length,
-                     precompute_ref_log_probs=True)
+                     precompute_ref_log_probs=True, precompute_ref_batch_size=args.per_device_eval_batch_size)
 
 
 # ----------------------------------------------------------------------------------------------

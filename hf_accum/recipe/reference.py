@@ -80,8 +80,14 @@ def weights_digest(model: torch.nn.Module) -> str:
             continue
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
         with contextlib.suppress(RuntimeError, TypeError):  # packed 4-bit or empty partitioned storage
-            digest.update(repr(float(tensor.detach().double().sum())).encode())
+            digest.update(repr(_float64_sum(tensor)).encode())
     return digest.hexdigest()
+
+
+def _float64_sum(tensor: torch.Tensor, chunk: int = 1 << 22) -> float:
+    """The float64 sum of a tensor, a chunk at a time (no float64 copy of a whole embedding matrix)."""
+    flat = tensor.detach().reshape(-1)
+    return float(sum(part.double().sum() for part in flat.split(chunk))) if flat.numel() else 0.0
 
 
 def pairs_digest(splits: dict[str, Sequence[dict[str, Any]]]) -> str:
