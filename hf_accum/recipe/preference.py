@@ -10,7 +10,8 @@ and engines:
   pairs, and chosen tokens for ``dpo.sft_weight``); the reference log-probs are computed once before training,
   with the LoRA adapter disabled, and cached beside the run (:func:`hf_accum.recipe.reference.reference_logps`);
 * ``trainer``: :class:`hf_accum.AccumDPOTrainer` with TRL's ``DPOConfig`` built from the training section and
-  the ``dpo`` section (the reference: the adapter disabled, its log-probs precomputed by TRL).
+  the ``dpo`` section (the reference: the adapter disabled, its log-probs precomputed by TRL on one process,
+  computed with each micro-batch on several: :func:`dpo_config`).
 
 Refused with ``objective: dpo`` (exit 2, before any model loads): what has not been built or tested for pairs
 (packing, sequence normalization, token-budget windows, batch ramp-up, noise scale, DeepSpeed, FSDP).
@@ -128,14 +129,19 @@ def trl_settings(dpo: DPOSection) -> dict[str, Any]:
 
 def dpo_config(config: Any, args: Any):
     """TRL's ``DPOConfig``: every ``TrainingArguments`` value the recipe resolved (``args``: DPOConfig's own
-    defaults, e.g. bf16 and learning_rate 1e-6, never apply), the ``dpo`` section, ``data.max_length``, and the
-    reference log-probs precomputed once (the adapter disabled) instead of a reference forward every step."""
+    defaults, e.g. bf16 and learning_rate 1e-6, never apply), the ``dpo`` section and ``data.max_length``.
+
+    The reference log-probs (the adapter disabled) are precomputed once on one process. On several, TRL's precompute
+    hands its result from rank 0 to the others through the dataset's cache directory, which the recipe's in-memory
+    dataset lacks (each process gets its own temporary one: FileNotFoundError on rank 1, TRL 1.16): the reference
+    forward then runs with every micro-batch instead."""
     from transformers import TrainingArguments
     from trl import DPOConfig
 
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainingArguments) if f.init}
     return DPOConfig(**values, **trl_settings(config.dpo), max_length=config.data.max_length,
-                     precompute_ref_log_probs=True, precompute_ref_batch_size=args.per_device_eval_batch_size)
+                     precompute_ref_log_probs=args.world_size == 1,
+                     precompute_ref_batch_size=args.per_device_eval_batch_size)
 
 
 # ----------------------------------------------------------------------------------------------
