@@ -200,6 +200,16 @@ def test_the_dpo_section_maps_to_trls_config_and_the_pair_loss():
     assert "the dpo section is not used with objective=sft" in " ".join(resolved("dpo.beta=0.3").notes)
 
 
+def test_objective_dpo_without_a_config_loads_the_embedded_dpo_default():
+    config = resolved("objective=dpo")
+    assert (config.objective, config.dpo.sft_weight, config.data.num_train_examples, config.global_batch_size) == (
+        "dpo", 1.0, 2000, 16)
+    assert os.path.samefile(embedded.default_config_path("dpo"), os.path.join(ROOT, "recipes", "configs",
+                                                                              "cpu_dpo.yaml"))
+    sft = resolved()
+    assert (sft.objective, sft.data.num_train_examples, sft.dpo) == ("sft", 5000, recipe_config.DPOSection())
+
+
 def test_a_bad_dpo_value_exits_2_before_any_model_loads(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, SCRIPT, "objective=dpo", "dpo.loss_type=aot_unpaired",

@@ -82,7 +82,7 @@ def _check_sft(dpo: DPOSection, config: Any) -> None:
         config.notes.append("the dpo section is not used with objective=sft (set objective=dpo to train DPO)")
 
 
-# What objective=dpo cannot run with yet: (is it set?, the key and value, why).
+# What objective=dpo cannot run with yet: (is it set?, "key=value (why)").
 def _dpo_refusals(config: Any) -> list[tuple[bool, str]]:
     t, acc = config.training, config.accumulation
     return [

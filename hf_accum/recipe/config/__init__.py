@@ -33,6 +33,7 @@ from hf_accum.recipe.config.schema import (
     TOP_LEVEL,
     ConfigError,
     DataSection,
+    DPOSection,
     ModelSection,
     RecipeConfig,
     Section,
@@ -44,7 +45,8 @@ from hf_accum.recipe.config.validation import bf16_supported, load_recipe_config
 
 __all__ = [
     "BUILTIN", "BUILTIN_DEFAULTS", "COMMAND_LINE", "EMBEDDED_SOURCE", "NOT_PART_OF_THE_RUN", "RESOLVED_CONFIG_NAME",
-    "SECTIONS", "SECTION_IDENTITY", "TOP_LEVEL", "ConfigError", "DataSection", "ModelSection", "RecipeConfig",
+    "SECTIONS", "SECTION_IDENTITY", "TOP_LEVEL", "ConfigError", "DPOSection", "DataSection", "ModelSection",
+    "RecipeConfig",
     "Section", "bf16_supported", "build_config", "coerce", "differences", "field_types", "load_config",
     "load_recipe_config", "load_yaml", "merge_layers", "overrides_tree", "parse_overrides", "resolve",
     "section_types", "world_size_from_env",
