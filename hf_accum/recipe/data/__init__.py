@@ -23,6 +23,9 @@ which reads, checks, splits and encodes everything before any model is loaded. W
 
   The non-text formats become a conversation rendered with the model's chat template (alpaca's
   ``input`` is joined into the user message). ``data.<role>_column`` renames a column.
+* **Preference pairs** (``objective: dpo``): ``prompt`` + ``chosen`` + ``rejected`` (strings or messages), or
+  ``chosen`` + ``rejected`` conversations sharing their prompt; read, checked and encoded by
+  :mod:`hf_accum.recipe.data.preference` (:func:`~hf_accum.recipe.data.preference.load_preference_data`).
 * **Splits.** The held-out rows (the exact-match metric) come from ``data.eval_split`` -- a split
   or slice of the same dataset, or a second local file -- or, when it is unset, are carved at
   random from the training rows (``data.eval_fraction``, capped at ``data.max_eval_examples``,
