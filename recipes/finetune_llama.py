@@ -38,6 +38,7 @@ from hf_accum.recipe.launch import (  # noqa: E402
     loop_fsdp_options, start_process_group,
 )
 from hf_accum.recipe.modeling import build_model, trainable_summary  # noqa: E402
+from hf_accum.recipe.preference import Objective, dpo_objective  # noqa: E402
 from hf_accum.recipe.outputs import (  # noqa: E402
     RunRecord, barrier, check_output_dir, claim_output_dir, describe_trainable, disk_full_is_one_line, percent,
     probe_writable, quiet_third_party_warnings, run_cli, save_outputs, say,
@@ -53,9 +54,10 @@ from hf_accum.run_lock import run_lock  # noqa: E402
 # ----------------------------------------------------------------------------------------------
 
 
-def train_with_loop(model, tokenizer, data, collator, args, record, resume, launch):
+def train_with_loop(model, tokenizer, data, collator, args, record, resume, launch, loss_sum_fn=None):
     """hf_accum.train on Accelerate: accumulate() with a summed loss and one W/N rescale per update
-    (under DeepSpeed: the window counted first, the loss scaled before backward)."""
+    (under DeepSpeed: the window counted first, the loss scaled before backward). ``loss_sum_fn``: a
+    (sum, count) loss other than the token loss (objective dpo: one per pair)."""
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
     if launch.backend in ("deepspeed", "fsdp"):  # Accelerate on CPU would drop both: built for them
         accelerator = loop_accelerator(
@@ -93,7 +95,7 @@ def train_with_loop(model, tokenizer, data, collator, args, record, resume, laun
     result = train(
         model, optimizer, loader, accelerator,
         LoopConfig.from_training_arguments(args, **record.config.accumulation.loop_settings()), on_update=on_update,
-        eval_dataloader=eval_loader, resume_from_checkpoint=resume,
+        eval_dataloader=eval_loader, resume_from_checkpoint=resume, loss_sum_fn=loss_sum_fn,
     )
     for tracker in accelerator.trackers:  # not end_training(): it destroys the process group, and the
         tracker.finish()                  # ZeRO-3 save and the final barriers below still need it
@@ -159,6 +161,19 @@ def data_facts(data) -> dict:
             "eval_examples": len(data.eval_rows)}
 
 
+def sft_collator(config, tokenizer):
+    """Padding-free packing (one row per micro-batch, position_ids restarting per sequence) or right padding;
+    both keep the loss on the answers only."""
+    return PackingCollator() if config.data.packing else PaddingCollator(tokenizer.pad_token_id)
+
+
+# objective -> what its steps do: data, collator, held-out metric, engines (DPO's: hf_accum.recipe.preference).
+OBJECTIVES = {
+    "sft": Objective("exact match", load_tokenizer_and_data, sft_collator, evaluate, percent, ENGINES),
+    "dpo": dpo_objective(train_with_loop, LOOP_READS),
+}
+
+
 def main(argv):
     # 1. Config: built-in defaults < YAML < command line; typed and validated, nothing loaded yet.
     config = load_recipe_config(argv, engines=ENGINES)
@@ -185,18 +200,18 @@ def run(config):
     say(f"engine {config.engine}: {launch_line(args, launch)}")
     resume = resume_checkpoint(given, out, state)  # None: a fresh start; rank 0 verifies, every rank decides alike
     check_resume_fits(resume, args, deepspeed=launch.backend == "deepspeed")  # batch arithmetic, engine files
+    objective = OBJECTIVES[config.objective]
+    train_engine = objective.engines[config.engine][0]
     record = RunRecord(config, started=START)
-    announce_config(config)
+    announce_config(config, objective.engines[config.engine][1])
 
     # 2. Tokenizer and data: the format detected from the columns, chat template applied, labels -100
     #    outside the answers, a held-out split (given, or carved off), every bad row refused.
     set_seed(args.seed)
-    tokenizer, data = load_tokenizer_and_data(config.model, config.data)
+    tokenizer, data = objective.load_data(config.model, config.data)  # DPO: prompt/chosen/rejected pairs
     for line in data.report:
         say(line)
-    # Padding-free packing (one row per micro-batch, position_ids restarting per sequence) or right
-    # padding; both keep the loss on the answers only.
-    collator = PackingCollator() if config.data.packing else PaddingCollator(tokenizer.pad_token_id)
+    collator = objective.collator(config, tokenizer)  # DPO: chosen rows, then rejected rows
 
     # 3. Model: LoRA targets checked on a weightless skeleton, then weights, LoRA/QLoRA, checkpointing.
     model = build_model(config, tokenizer, seed=args.seed, model_checkpointing=launch.backend != "fsdp")
@@ -204,34 +219,35 @@ def run(config):
     say(describe_trainable(record.facts["trainable"]))
 
     # 4. Held-out metric, training with exact accumulation, the metric again.
-    before = evaluate(model, tokenizer, data, config, args)
+    before = objective.evaluate(model, tokenizer, data, config, args)
     why = " (ZeRO-3 partitioned the model as it loaded: scored after training)" if (
         before is None and data.eval_rows and is_partitioned(model)) else ""
-    say(f"held-out exact match before training: {percent(before)}{why}")
+    say(f"held-out {objective.metric} before training: {objective.score(before)}{why}")
     claim_output_dir(config)  # from here on, the directory is this run's (a re-run may resume it)
     train_start = time.time()
-    model, plan = ENGINES[config.engine][0](model, tokenizer, data, collator, args, record, resume, launch)
+    model, plan = train_engine(model, tokenizer, data, collator, args, record, resume, launch)
     train_seconds = time.time() - train_start
-    after = evaluate(model, tokenizer, data, config, args)
+    after = objective.evaluate(model, tokenizer, data, config, args)
 
     # 5. Outputs: adapter (or model) + tokenizer, loss/LR plot, metrics.json (written last: finished).
     record.add_result(plan, eval_before=before, eval_after=after, train_seconds=train_seconds, data=data_facts(data))
     out = save_outputs(record, model, tokenizer)
     say(f"{len(record.updates)} updates in {train_seconds:.0f}s; wall time {record.wall_seconds:.0f}s "
         f"(from process start)")
-    say(f"held-out exact match: before {percent(before)} -> after {percent(after)}  (outputs in {out})")
+    say(f"held-out {objective.metric}: before {objective.score(before)} -> after {objective.score(after)}  "
+        f"(outputs in {out})")
     if record.noise_scale_advice:
         say(record.noise_scale_advice)  # accumulation.noise_scale: the measured critical batch vs this run's
     leave_process_group()
     return record.metrics()
 
 
-def announce_config(config):
-    """The resolved config, the notes its validation left, and the training keys this engine ignores."""
+def announce_config(config, honoured):
+    """The resolved config, the notes its validation left, and the training keys this engine ignores
+    (``honoured``: the ``TrainingArguments`` fields it reads; None: all)."""
     say("resolved config:\n" + config.to_yaml())
     for note in config.notes:
         say(f"note: {note}")
-    honoured = ENGINES[config.engine][1]
     if honoured is not None and set(config.training) - honoured:
         say(f"note: engine {config.engine!r} ignores training.{', training.'.join(sorted(set(config.training) - honoured))}")
 

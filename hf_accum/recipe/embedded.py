@@ -2,7 +2,9 @@
 recipe needs to train with no download and no file, in one place.
 
 * the **synthetic tasks** (copy, reverse, table lookup, last word): rows generated from a seed, a
-  training split and a held-out split with no row seen in training;
+  training split and a held-out split with no row seen in training; as **preference pairs** too (the
+  right answer chosen, the same answer with one word replaced by a word absent from the prompt rejected) for
+  ``objective: dpo``;
 * the **tokenizer**: word-level (:func:`hf_accum.tiny.build_tiny_tokenizer`), over the tasks' words,
   or over the most frequent words of the user's own data when the tiny model trains on it;
 * the **model**: a tiny ``LlamaForCausalLM`` (:func:`hf_accum.tiny.tiny_llama_config`) of that
@@ -28,11 +30,14 @@ EMBEDDED_DATASET = "hf_accum:synthetic-tasks"
 TINY_VOCAB_LIMIT = 8192
 # The packaged name of recipes/configs/cpu_default.yaml (a link to it in the source tree, a copy in a wheel).
 DEFAULT_CONFIG_FILE = "cpu_default.yaml"
+# The embedded default of each objective other than sft (`objective=dpo` with no --config): its own sizes and LR.
+OBJECTIVE_CONFIG_FILES = {"dpo": "cpu_dpo.yaml"}
 
 
-def default_config_path() -> str:
-    """Path of the CPU default run's YAML (``recipes/configs/cpu_default.yaml``), as installed."""
-    path = resources.files("hf_accum.recipe") / DEFAULT_CONFIG_FILE
+def default_config_path(objective: str = "sft") -> str:
+    """Path of the CPU default run's YAML (``recipes/configs/cpu_default.yaml``; for ``objective=dpo``
+    ``recipes/configs/cpu_dpo.yaml``), as installed."""
+    path = resources.files("hf_accum.recipe") / OBJECTIVE_CONFIG_FILES.get(objective, DEFAULT_CONFIG_FILE)
     return str(path)
 
 
@@ -101,6 +106,28 @@ def synthetic_splits(num_train: int, num_eval: int, seed: int) -> dict[str, list
         if (row["prompt"], row["answer"]) not in seen:
             held_out.append(row)
     return {"train": train, "test": held_out}
+
+
+def corrupted_answer(rng: random.Random, row: dict[str, str]) -> str:
+    """A wrong answer to ``row``: the right one with one word replaced by a word the prompt does not hold (a city of
+    no row of the table for lookup, a word of no position of the list for the others). As many words as the right
+    answer, so that preferring it is not preferring shorter answers."""
+    answer, present = row["answer"].split(), set(row["prompt"].split())
+    pool = CITIES if row["task"] == "lookup" else WORDS
+    wrong = list(answer)
+    wrong[rng.randrange(len(wrong))] = rng.choice([word for word in pool if word not in present])
+    return " ".join(wrong)
+
+
+def synthetic_preference_splits(num_train: int, num_eval: int, seed: int) -> dict[str, list[dict[str, str]]]:
+    """The synthetic splits as preference pairs ``{"task", "prompt", "chosen", "rejected"}``: the right answer
+    chosen, :func:`corrupted_answer` rejected (drawn from its own seeded stream)."""
+    rng = random.Random(seed + 20_011)
+    return {
+        split: [{"task": row["task"], "prompt": row["prompt"], "chosen": row["answer"],
+                 "rejected": corrupted_answer(rng, row)} for row in rows]
+        for split, rows in synthetic_splits(num_train, num_eval, seed).items()
+    }
 
 
 def synthetic_corpus() -> list[str]:

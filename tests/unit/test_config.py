@@ -332,9 +332,9 @@ def test_saved_config_round_trips(tmp_path):
 
 def test_sections_are_one_registry():
     """Adding a section is adding one RecipeConfig field carrying a Section: keys, types, building."""
-    assert list(recipe_config.SECTIONS) == ["model", "data", "accumulation", "lora", "quantization", "training"]
+    assert list(recipe_config.SECTIONS) == ["model", "data", "accumulation", "dpo", "lora", "quantization", "training"]
     assert recipe_config.SECTIONS["lora"].cls().__name__ == "LoraConfig" and recipe_config.SECTIONS["data"].cls() is recipe_config.DataSection
-    with pytest.raises(recipe_config.ConfigError, match="Valid sections: accumulation, data, lora, model, quantization, training"):
+    with pytest.raises(recipe_config.ConfigError, match="Valid sections: accumulation, data, dpo, lora, model, quantization, training"):
         recipe_config.load_config(None, {"trainig.seed": 1})
 
 

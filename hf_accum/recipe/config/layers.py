@@ -161,6 +161,9 @@ def _top_level_types() -> dict[str, Any]:
 def load_config(path: str | None, overrides: dict[str, Any] | None = None) -> RecipeConfig:
     """Built-in defaults < the YAML at ``path`` (the embedded default when None) < ``overrides``; typed, not yet
     validated."""
-    yaml_layer = (path, load_yaml(path)) if path else (schema.EMBEDDED_SOURCE, load_yaml(default_config_path()))
+    # With no --config, the embedded default of the objective asked for on the command line (objective=dpo).
+    objective = str((overrides or {}).get("objective", "sft"))
+    default = default_config_path(objective)
+    yaml_layer = (path, load_yaml(path)) if path else (schema.EMBEDDED_SOURCE, load_yaml(default))
     layers = [(BUILTIN, schema.BUILTIN_DEFAULTS), yaml_layer, (schema.COMMAND_LINE, overrides_tree(overrides or {}))]
     return build_config(*merge_layers(layers))

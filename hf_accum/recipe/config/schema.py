@@ -23,9 +23,16 @@ from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from hf_accum.errors import InputError
 from hf_accum.recipe.accumulation_section import check_accumulation_section
-from hf_accum.recipe.config.sections import AccumulationSection, DataSection, ModelSection, TrainingSection
+from hf_accum.recipe.config.sections import (
+    AccumulationSection,
+    DataSection,
+    DPOSection,
+    ModelSection,
+    TrainingSection,
+)
 from hf_accum.recipe.data import check_data_section
 from hf_accum.recipe.modeling import check_model_section, check_quantization_section
+from hf_accum.recipe.preference import check_dpo_section
 
 RESOLVED_CONFIG_NAME = "resolved_config.yaml"
 BUILTIN = "built-in default"
@@ -106,6 +113,8 @@ def _section(default: Any = None, **spec: Any):
 class RecipeConfig:
     engine: str = "loop"
     """A name from the recipe's engine table: loop (hf_accum.train on Accelerate), trainer (AccumTrainer)."""
+    objective: str = "sft"  # objective: dpo (issue 25 item 4); its section: `dpo` below
+    """What is trained: sft (the answers' tokens) | dpo (preference pairs; the ``dpo`` section)."""
     global_batch_size: int | None = None
     """Sequences per optimizer update over all processes; derives gradient_accumulation_steps."""
     overwrite_output_dir: bool = False
@@ -116,6 +125,8 @@ class RecipeConfig:
                                  identity="dataset", tied=DataSection.TIED)
     accumulation: AccumulationSection = _section(AccumulationSection, recipe_class=AccumulationSection,
                                                  validator=check_accumulation_section)
+    dpo: DPOSection = _section(DPOSection, recipe_class=DPOSection, validator=check_dpo_section)
+    """DPO's settings (``objective: dpo``): beta, loss_type, label_smoothing, sft_weight."""
     lora: dict | None = _section({}, hf_class="peft:LoraConfig", nullable=True, fixed={"task_type": "CAUSAL_LM"})
     """peft.LoraConfig fields; null = full fine-tuning."""
     quantization: dict | None = _section(None, hf_class="transformers:BitsAndBytesConfig", nullable=True,

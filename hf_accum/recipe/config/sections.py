@@ -133,3 +133,24 @@ def training_defaults() -> dict[str, Any]:
     return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
             for f in dataclasses.fields(TrainingArguments)
             if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+
+
+# --- objective: dpo (issue 25 item 4): the DPOSection; its RecipeConfig fields are `objective` and `dpo` ---------
+OBJECTIVES = ("sft", "dpo")
+
+
+@dataclass
+class DPOSection:
+    """DPO's settings (``objective: dpo``; checked by :mod:`hf_accum.recipe.preference`), TRL's ``DPOConfig``
+    names: the trainer engine passes them to ``DPOConfig``, the loop engine to ``hf_accum.preference.DPOPairLoss``."""
+
+    beta: float = 0.1
+    """How far the policy may move from the reference (the base model: the adapter disabled); TRL's ``beta``."""
+    loss_type: str = "sigmoid"
+    """The per-pair loss: sigmoid (DPO) | ipo | hinge | robust; TRL's ``loss_type``."""
+    label_smoothing: float = 0.0
+    """The probability that a pair's preference is flipped (cDPO / robust DPO), in [0, 0.5)."""
+    sft_weight: float = 0.0
+    """Weight of an SFT term on the chosen answers (a token mean over the update's chosen tokens) added to the
+    pair loss; 0: none. TRL: ``loss_type=[<loss_type>, "sft"]``, ``loss_weights=[1, sft_weight]``."""
+# --- end objective: dpo --------------------------------------------------------------------------------------------

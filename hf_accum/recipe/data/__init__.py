@@ -23,6 +23,9 @@ which reads, checks, splits and encodes everything before any model is loaded. W
 
   The non-text formats become a conversation rendered with the model's chat template (alpaca's
   ``input`` is joined into the user message). ``data.<role>_column`` renames a column.
+* **Preference pairs** (``objective: dpo``): ``prompt`` + ``chosen`` + ``rejected`` (strings or messages), or
+  ``chosen`` + ``rejected`` conversations sharing their prompt; read, checked and encoded by
+  :mod:`hf_accum.recipe.data.preference` (:func:`~hf_accum.recipe.data.preference.load_preference_data`).
 * **Splits.** The held-out rows (the exact-match metric) come from ``data.eval_split`` -- a split
   or slice of the same dataset, or a second local file -- or, when it is unset, are carved at
   random from the training rows (``data.eval_fraction``, capped at ``data.max_eval_examples``,
@@ -52,6 +55,7 @@ from hf_accum.recipe.data.encoding import (
 )
 from hf_accum.recipe.data.formats import (
     FORMATS,
+    PREFERENCE_FORMATS,
     Example,
     RowFormat,
     resolve_format,
@@ -71,17 +75,18 @@ from hf_accum.recipe.data.splits import Splits, check_split_spec, load_splits
 from hf_accum.recipe.embedded import EMBEDDED_DATASET, SPECIAL_TOKENS, TINY_MODEL
 
 __all__ = [
-    "FORMATS", "DataError", "EncodedSplit", "Example", "RecipeData", "RowFormat", "Splits", "check_local_file",
-    "check_split_spec", "dataset_source", "encode_examples", "exact_match", "load_splits", "load_tokenizer_and_data",
-    "normalize_answer", "prompt_ids", "read_local", "render", "resolve_format", "to_example", "to_examples",
+    "FORMATS", "PREFERENCE_FORMATS", "DataError", "EncodedSplit", "Example", "RecipeData", "RowFormat", "Splits",
+    "check_local_file", "check_split_spec", "dataset_source", "encode_examples", "exact_match", "load_splits",
+    "load_tokenizer_and_data", "normalize_answer", "prompt_ids", "read_local", "render", "resolve_format", "to_example",
+    "to_examples",
 ]
 
 
 def check_data_section(data, config=None) -> None:
     """The data section's own check (its ``Section.validator``): what can be known without reading the
     data -- values, files, split names. Raises :class:`DataError` naming the key."""
-    if data.format not in ("auto", *FORMATS):
-        raise DataError(f"data.format={data.format!r}; allowed: auto, {', '.join(FORMATS)}")
+    if data.format not in ("auto", *FORMATS, *PREFERENCE_FORMATS):
+        raise DataError(f"data.format={data.format!r}; allowed: auto, {', '.join((*FORMATS, *PREFERENCE_FORMATS))}")
     minimums = {"max_length": 2, "num_train_examples": 1, "num_eval_examples": 0, "max_eval_examples": 0,
                 "eval_max_new_tokens": 1}
     for key, minimum in minimums.items():

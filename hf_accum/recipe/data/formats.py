@@ -1,8 +1,10 @@
-"""Formats: the user's rows -> examples (a conversation ending in the assistant's answer, or plain text).
+"""Formats: the user's rows -> examples (a conversation ending in the assistant's answer, or plain text;
+for preference data, that conversation plus a rejected answer to the same prompt).
 
-The format is detected from the columns (first match in the order of :data:`FORMATS`) or forced
-with ``data.format``; ``data.<role>_column`` renames a column. A row that cannot be trained on is a
-:class:`BadRow`; :func:`to_examples` counts them by kind and refuses the whole dataset, naming the first.
+The format is detected from the columns (first match in the order of :data:`FORMATS`, or of
+:data:`PREFERENCE_FORMATS` for ``objective: dpo``) or forced with ``data.format``; ``data.<role>_column``
+renames a column. A row that cannot be trained on is a :class:`BadRow`; :func:`to_examples` counts them by
+kind and refuses the whole dataset, naming the first.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ from typing import Any, Iterable, Sequence
 from hf_accum.recipe.data.reading import DataError, RawRow
 
 FORMATS = ("chat", "prompt_completion", "alpaca", "text")
+# Preference data (objective: dpo), detected in this order; never picked for SFT. ``preference``: TRL's explicit
+# prompt (prompt + chosen + rejected, each a string or a message list); ``preference_implicit``: TRL's implicit
+# prompt (chosen and rejected are whole conversations that share every message but the last answer).
+PREFERENCE_FORMATS = ("preference", "preference_implicit")
 # The columns each format reads, by role, with their usual names (the first one present is used).
 # ``input`` is optional: alpaca's context, joined into the user message. ``data.<role>_column``
 # replaces the usual names (and makes the column required).
@@ -24,6 +30,8 @@ FORMAT_COLUMNS: dict[str, dict[str, tuple[str, ...]]] = {
     "prompt_completion": {"prompt": ("prompt", "question"), "answer": ("completion", "answer"), "input": ()},
     "alpaca": {"prompt": ("instruction",), "answer": ("output",), "input": ("input",)},
     "text": {"text": ("text",)},
+    "preference": {"prompt": ("prompt",), "chosen": ("chosen",), "rejected": ("rejected",)},
+    "preference_implicit": {"chosen": ("chosen",), "rejected": ("rejected",)},
 }
 OPTIONAL_ROLES = {"input"}
 # ShareGPT conversations (``conversations``: ``[{"from", "value"}, ...]``): their speakers, as chat roles.
@@ -51,12 +59,19 @@ class Example:
     task: str = "all"
     """Group for the per-task exact match (a ``task`` column, as in the embedded dataset)."""
     where: str = ""
+    rejected: dict[str, str] | None = None
+    """Preference formats only: the rejected assistant answer to ``messages[:-1]`` (``messages[-1]`` is the
+    chosen one)."""
 
     def texts(self) -> list[str]:
-        return [self.text] if self.text is not None else [m["content"] for m in self.messages or []]
+        if self.text is not None:
+            return [self.text]
+        return [m["content"] for m in (*(self.messages or []), *([self.rejected] if self.rejected else []))]
 
     def key(self) -> str:
         """Content identity (to spot held-out rows that duplicate training rows)."""
+        if self.rejected is not None:
+            return json.dumps([self.messages, self.rejected], sort_keys=True)
         return json.dumps([self.messages, self.text], sort_keys=True)
 
 
@@ -68,14 +83,15 @@ class BadRow(ValueError):
         self.kind = kind
 
 
-def resolve_format(present: Iterable[str], data, source: str) -> RowFormat:
-    """The format of a dataset with columns ``present``: ``data.format``, or the first that fits.
+def resolve_format(present: Iterable[str], data, source: str, formats: Sequence[str] = FORMATS) -> RowFormat:
+    """The format of a dataset with columns ``present``: ``data.format``, or the first of ``formats`` that
+    fits (:data:`FORMATS` for SFT, :data:`PREFERENCE_FORMATS` for DPO).
 
     ``data`` is a :class:`hf_accum.recipe.config.DataSection` (its ``format``, ``*_column`` and
     ``system_prompt`` are read).
     """
     present = set(present)
-    candidates = FORMATS if data.format == "auto" else (data.format,)
+    candidates = formats if data.format == "auto" else (data.format,)
     for name in candidates:
         columns = _format_columns(name, present, data)
         if columns is not None:
@@ -86,9 +102,14 @@ def resolve_format(present: Iterable[str], data, source: str) -> RowFormat:
             f"data.format={data.format}: {source} lacks column(s) {_needed_columns(data.format, data)} "
             f"(its columns: {found}); name yours with data.<role>_column"
         )
-    allowed = "; ".join(f"{name}: {_needed_columns(name, data)}" for name in FORMATS)
+    allowed = "; ".join(f"{name}: {_needed_columns(name, data)}" for name in formats)
+    if formats == PREFERENCE_FORMATS:
+        raise DataError(f"objective=dpo needs preference data, but {source} has the columns {found}; preference "
+                        f"formats and their columns: {allowed} (each a string or a list of messages)")
+    hint = next((f" ({source} looks like preference data ({name}): train it with objective=dpo)"
+                 for name in PREFERENCE_FORMATS if _format_columns(name, present, data) is not None), "")
     raise DataError(
-        f"cannot tell the format of {source} from its columns ({found}); formats and their columns: {allowed}. "
+        f"cannot tell the format of {source} from its columns ({found}){hint}; formats and their columns: {allowed}. "
         "Force one with data.format=... and name your columns with data.prompt_column / data.answer_column / "
         "data.input_column / data.messages_column / data.text_column"
     )
@@ -119,6 +140,8 @@ def _needed_columns(name: str, data) -> str:
 def to_example(values: dict[str, Any], fmt: RowFormat, where: str = "") -> Example:
     """One row as an :class:`Example`; raises :class:`BadRow` when it cannot be trained on."""
     task = values.get("task") if isinstance(values.get("task"), str) else "all"
+    if fmt.name in PREFERENCE_FORMATS:
+        return _preference_example(values, fmt, where, task)
     if fmt.name == "text":
         return Example(text=_required_text(values, fmt.columns["text"], "text"), task=task, where=where)
     if fmt.name == "chat":
@@ -132,6 +155,67 @@ def to_example(values: dict[str, Any], fmt: RowFormat, where: str = "") -> Examp
     if fmt.system_prompt and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": fmt.system_prompt})
     return Example(messages=messages, task=task, where=where)
+
+
+# ----------------------------------------------------------------------------------------------
+# Preference rows (TRL's formats: https://huggingface.co/docs/trl/dataset_formats#preference)
+# ----------------------------------------------------------------------------------------------
+
+
+def _preference_example(values: dict[str, Any], fmt: RowFormat, where: str, task: str) -> Example:
+    """A preference row as the chosen conversation plus the rejected answer (:attr:`Example.rejected`)."""
+    if fmt.name == "preference":
+        prompt = _prompt_messages(values, fmt.columns["prompt"])
+        chosen = _completion(values, fmt.columns["chosen"])
+        rejected = _completion(values, fmt.columns["rejected"])
+    else:
+        prompt, chosen, rejected = _shared_prompt(values, fmt.columns["chosen"], fmt.columns["rejected"])
+    if chosen["content"] == rejected["content"]:
+        raise BadRow("whose chosen and rejected answers are the same", "the chosen and rejected answers are the same")
+    if fmt.system_prompt and prompt[0]["role"] != "system":
+        prompt.insert(0, {"role": "system", "content": fmt.system_prompt})
+    return Example(messages=[*prompt, chosen], rejected=rejected, task=task, where=where)
+
+
+def _prompt_messages(values: dict[str, Any], column: str) -> list[dict[str, str]]:
+    """The prompt: a string (one user message) or a list of messages not ending with the assistant."""
+    value = values.get(column)
+    if not isinstance(value, (list, tuple)):
+        return [{"role": "user", "content": _required_text(values, column, "prompt", allow_empty=True)}]
+    kind = f"without a prompt conversation in {column!r}"
+    if not value:
+        raise BadRow(kind, f"{column!r} is an empty list of messages")
+    messages = [_message(message, i, kind) for i, message in enumerate(value, start=1)]
+    if messages[-1]["role"] == "assistant":
+        raise BadRow(kind, f"{column!r} ends with an assistant message: the answer belongs in the chosen/rejected "
+                           "columns")
+    return messages
+
+
+def _completion(values: dict[str, Any], column: str) -> dict[str, str]:
+    """A chosen or rejected answer: a string, or a list holding one assistant message."""
+    value = values.get(column)
+    kind = f"without one assistant answer in {column!r}"
+    if not isinstance(value, (list, tuple)):
+        return {"role": "assistant", "content": _required_text(values, column, column)}
+    if len(value) != 1:
+        raise BadRow(kind, f"{column!r} holds {len(value)} messages, not one assistant answer")
+    message = _message(value[0], 1, kind)
+    if message["role"] != "assistant" or not message["content"].strip():
+        raise BadRow(kind, f"{column!r} holds a message from {message['role']!r}"
+                           + (", not the assistant" if message["role"] != "assistant" else " that is empty"))
+    return message
+
+
+def _shared_prompt(values: dict[str, Any], chosen_column: str,
+                   rejected_column: str) -> tuple[list[dict[str, str]], dict[str, str], dict[str, str]]:
+    """TRL's implicit prompt: two conversations equal up to their last message, each an assistant answer."""
+    kind = "whose chosen and rejected conversations do not share a prompt"
+    chosen, rejected = (_conversation(values.get(column), column) for column in (chosen_column, rejected_column))
+    if chosen[:-1] != rejected[:-1]:
+        raise BadRow(kind, f"{chosen_column!r} and {rejected_column!r} differ before their last message (the "
+                           "prompt must be every message but the answer; or give a 'prompt' column)")
+    return chosen[:-1], chosen[-1], rejected[-1]
 
 
 def _as_text(value: Any) -> str | None:

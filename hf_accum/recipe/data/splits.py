@@ -13,7 +13,15 @@ import random
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from hf_accum.recipe.data.formats import Example, RowFormat, resolve_format, to_example, to_examples
+from hf_accum.recipe.data.formats import (
+    FORMATS,
+    PREFERENCE_FORMATS,
+    Example,
+    RowFormat,
+    resolve_format,
+    to_example,
+    to_examples,
+)
 from hf_accum.recipe.data.reading import (
     DataError,
     RawRow,
@@ -26,7 +34,7 @@ from hf_accum.recipe.data.reading import (
     read_local,
     refuse_url,
 )
-from hf_accum.recipe.embedded import EMBEDDED_DATASET, synthetic_splits
+from hf_accum.recipe.embedded import EMBEDDED_DATASET, synthetic_preference_splits, synthetic_splits
 
 # A row's identity inside its dataset: (unsliced split name, index).
 RowKey = tuple[str, int]
@@ -129,15 +137,16 @@ class Splits:
     report: list[str] = field(default_factory=list)
 
 
-def load_splits(data) -> Splits:
+def load_splits(data, formats: Sequence[str] = FORMATS) -> Splits:
     """Training and held-out examples for a :class:`hf_accum.recipe.config.DataSection`; every row checked.
+    ``formats``: the formats detected (:data:`~hf_accum.recipe.data.formats.PREFERENCE_FORMATS` for DPO).
 
     Held-out rows: ``data.eval_split`` (a split or slice of ``data.dataset``, or a second local
     file), else ``data.eval_fraction`` of the training rows carved at random (seeded by
     ``data.seed``, at most ``data.max_eval_examples``). They are never trained on.
     """
     if data.dataset == EMBEDDED_DATASET:
-        return _embedded_splits(data)
+        return _embedded_splits(data, preference=formats == PREFERENCE_FORMATS)
     check_split_spec(data.dataset, "data.train_split", data.train_split)
     check_split_spec(data.dataset, "data.eval_split", data.eval_split)
     source = DatasetRows(data.dataset, data.dataset_config)
@@ -145,11 +154,11 @@ def load_splits(data) -> Splits:
     # The rows of one dataset are checked together, so that one message counts every bad row.
     chosen = sorted(set(train_keys) | set(eval_keys))
     rows = source.rows(chosen)
-    fmt = resolve_format(_columns(rows), data, data.dataset)
+    fmt = resolve_format(_columns(rows), data, data.dataset, formats)
     examples = dict(zip(chosen, to_examples(rows, fmt, data.dataset)))
     train, held_out = [examples[k] for k in train_keys], [examples[k] for k in eval_keys]
     if _held_out_file(data):
-        held_out = _file_examples(data.eval_split, data)
+        held_out = _file_examples(data.eval_split, data, formats)
         held_out_line += f" ({len(held_out)} rows)"
     report = [f"data: {data.dataset}: format {fmt.describe()}{_ignored_columns(rows, fmt)}", held_out_line]
     report += _held_out_notes(train, held_out, data.max_eval_examples)
@@ -176,11 +185,11 @@ def _choose_rows(source: DatasetRows, data) -> tuple[list[RowKey], list[RowKey],
     return _disjoint(train_keys, source.select("data.eval_split", data.eval_split), data)
 
 
-def _file_examples(path: str, data) -> list[Example]:
+def _file_examples(path: str, data, formats: Sequence[str]) -> list[Example]:
     rows = read_local(path)
     if not rows:
         raise DataError(f"data.eval_split={path!r} holds no rows")
-    return to_examples(rows, resolve_format(_columns(rows), data, path), path)
+    return to_examples(rows, resolve_format(_columns(rows), data, path, formats), path)
 
 
 def _columns(rows: Sequence[RawRow]) -> set[str]:
@@ -245,13 +254,20 @@ def _held_out_notes(train: list[Example], held_out: list[Example], max_eval_exam
     return notes
 
 
-def _embedded_splits(data) -> Splits:
+def _embedded_splits(data, preference: bool = False) -> Splits:
+    """The synthetic tasks; with ``preference``, as pairs: the right answer chosen, a corrupted one rejected."""
     check_split_spec(EMBEDDED_DATASET, "data.train_split", data.train_split)
     check_split_spec(EMBEDDED_DATASET, "data.eval_split", data.eval_split)
-    splits = synthetic_splits(data.num_train_examples, data.num_eval_examples, data.seed)
-    fmt = RowFormat("prompt_completion", {"prompt": "prompt", "answer": "answer"}, data.system_prompt)
+    if preference:
+        splits = synthetic_preference_splits(data.num_train_examples, data.num_eval_examples, data.seed)
+        fmt = RowFormat("preference", {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"},
+                        data.system_prompt)
+    else:
+        splits = synthetic_splits(data.num_train_examples, data.num_eval_examples, data.seed)
+        fmt = RowFormat("prompt_completion", {"prompt": "prompt", "answer": "answer"}, data.system_prompt)
     train = [to_example(row, fmt) for row in splits["train"]]
     held_out = [to_example(row, fmt) for row in splits["test"][: data.max_eval_examples]]
-    report = [f"data: {EMBEDDED_DATASET} (generated, seed {data.seed}): {len(train)} training rows, "
-              f"{len(held_out)} held-out rows unseen in training"]
+    what = "preference pairs (the right answer chosen, a corrupted one rejected)" if preference else "rows"
+    report = [f"data: {EMBEDDED_DATASET} (generated, seed {data.seed}): {len(train)} training {what}, "
+              f"{len(held_out)} held-out {what.split(' (')[0]} unseen in training"]
     return Splits(train, held_out, fmt, report)
