@@ -32,7 +32,7 @@ from hf_accum.recipe.config.sections import (
 )
 from hf_accum.recipe.data import check_data_section
 from hf_accum.recipe.modeling import check_model_section, check_quantization_section
-from hf_accum.recipe.preference import check_dpo_section
+from hf_accum.recipe.preference_section import check_dpo_section
 
 RESOLVED_CONFIG_NAME = "resolved_config.yaml"
 BUILTIN = "built-in default"
