@@ -75,8 +75,8 @@ def build_run_objects(config: RecipeConfig) -> None:
         if values is not None and key in values and not accepted(values[key]):
             raise ConfigError(f"{dotted}={values[key]!r} ({config.source(dotted)}): allowed: {allowed}")
     # Last, what no rule above names: the optimizer's steps must stay finite, the learning rates finite and >= 0.
-    _built(config, f"the optimizer with the {scheduler_name} scheduler", lambda: _step(optimizer, scheduler, config.engine),
-           "training", rebuild=lambda: run_schedule(training()))
+    _built(config, f"the optimizer with the {scheduler_name} scheduler",
+           lambda: _step(optimizer, scheduler, config.engine), "training", rebuild=lambda: run_schedule(training()))
 
 
 def _loop_config(config: RecipeConfig, args):
