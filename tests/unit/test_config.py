@@ -579,6 +579,16 @@ def test_a_new_model_or_dataset_keeps_the_rest_of_its_section_and_names_what_it_
     assert not recipe_config.load_config(path, {"model.dtype": "float32"}).notes  # an unrelated override drops nothing
 
 
+def test_a_yaml_section_without_its_identity_describes_the_default_one(tmp_path):
+    path = write_yaml(tmp_path, {"data": {"max_length": 64, "eval_split": "test"}})  # the embedded dataset's split
+    config = recipe_config.load_config(path, {"data.dataset": "e.jsonl"})
+    assert config.data.max_length == 64 and config.data.eval_split is None
+    assert config.notes == ["data.dataset='e.jsonl' (command line) replaces 'hf_accum:synthetic-tasks' (built-in "
+                            "default): dropped data.eval_split='test', which described the previous one (set again to "
+                            "keep); the other data keys are kept"]
+    assert recipe_config.load_config(path, {"data.dataset": "hf_accum:synthetic-tasks"}).data.eval_split == "test"
+
+
 def test_the_embedded_dataset_settings_dropped_for_a_user_file_are_each_named():
     config = recipe_config.load_config(None, {"data.dataset": "my.jsonl"})
     note, = config.notes

@@ -114,7 +114,7 @@ def _merge_section(tree, sources, notes: list[str], name: str, values: dict[str,
         tree[name] = {}
         _forget(sources, name)
     identity = SECTIONS[name].identity
-    if isinstance(current, dict) and identity in values and values[identity] != current.get(identity, values[identity]):
+    if isinstance(current, dict) and identity in values and values[identity] != _identity(name, current):
         _drop_tied(tree[name], sources, notes, name, values, source)
     for key, value in values.items():
         tree[name][key] = copy.deepcopy(value)
@@ -127,13 +127,19 @@ def _drop_tied(section: dict, sources, notes: list[str], name: str, values: dict
     dropped = [key for key in SECTIONS[name].tied if key in section and key not in values]
     if not dropped:
         return
-    previous = f"{section.get(identity)!r} ({sources.get(f'{name}.{identity}', BUILTIN)})"
+    previous = f"{_identity(name, section)!r} ({sources.get(f'{name}.{identity}', BUILTIN)})"
     named = ", ".join(f"{name}.{key}={section[key]!r}" for key in dropped)
     notes.append(f"{name}.{identity}={values[identity]!r} ({source}) replaces {previous}: dropped {named}, which "
                  f"described the previous one (set again to keep); the other {name} keys are kept")
     for key in dropped:
         del section[key]
         sources.pop(f"{name}.{key}", None)
+
+
+def _identity(name: str, section: dict[str, Any]) -> Any:
+    """The model / dataset a layer's section describes: its own, else the section's default."""
+    identity = str(SECTIONS[name].identity)
+    return section[identity] if identity in section else getattr(SECTIONS[name].cls()(), identity)
 
 
 def _forget(sources: dict[str, str], prefix: str) -> None:
