@@ -52,7 +52,7 @@ class KillAtMicroBatch:
         self.n = n
         self.calls = 0
 
-    def __call__(self, examples):
+    def __call__(self, examples: list[dict]) -> Any:
         self.calls += 1
         if self.calls == self.n:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -67,7 +67,7 @@ def kill_during_checkpoint_write(update: int) -> None:
     original = torch.save
     marker = f"{STAGING_PREFIX}checkpoint-{update}"
 
-    def save(obj, f, *args, **kwargs):
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
         original(obj, f, *args, **kwargs)
         if marker in str(f):
             os.kill(os.getpid(), signal.SIGKILL)
@@ -92,7 +92,7 @@ class Recorder:
         if enabled:
             os.makedirs(self.folder, exist_ok=True)
 
-    def optimizer_hook(self, optimizer, args, kwargs) -> None:
+    def optimizer_hook(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         flat = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
         self.pending_grad = torch.cat(flat).detach().clone()

@@ -109,6 +109,7 @@ def _loop_run(output_dir, resume=None):
                                          resume_from_checkpoint=resume).updates]
 
 
+@pytest.mark.slow
 def test_a_resumed_loop_run_continues_the_same_averages(tmp_path):
     import json
     import shutil

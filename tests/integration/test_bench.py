@@ -97,6 +97,7 @@ VOCAB_TINY = ["--vocab-sizes", "512", "--vocab-min-length", "4", "--vocab-max-le
               "--vocab-hidden-size", "32", "--vocab-pairs", "1", "--threads", "1"]
 
 
+@pytest.mark.slow
 def test_vocab_section_prints_its_ratios(tmp_path, capsys):
     out = tmp_path / "only-vocab"
     assert main(["bench", "--only", "vocab", *VOCAB_TINY, "--no-progress", "--output-dir", str(out)]) == 0
@@ -128,6 +129,7 @@ def test_vocab_section_prints_its_ratios(tmp_path, capsys):
     assert {r["path"] for r in row["runs"]["trainer"] + row["runs"]["accelerate_loop"]} == {"-"}
 
 
+@pytest.mark.slow
 def test_vocab_section_compares_sequence_normalization_fused_with_its_logits_path(tmp_path, capsys):
     out = tmp_path / "vocab-sequence"
     assert main(["bench", "--only", "vocab", *VOCAB_TINY, "--no-progress", "--vocab-sequence-normalization",
@@ -271,6 +273,7 @@ SFT_LABELS = ["stock Trainer, padded", "TRL SFTTrainer, padding_free=True", "TRL
               "hf_accum.train + PackingCollator"]
 
 
+@pytest.mark.slow
 def test_sft_section_prints_every_front_end_and_ratio(tmp_path, capsys):
     out = tmp_path / "only-sft"
     assert main(["bench", "--only", "sft", *SFT_TINY, "--no-progress", "--output-dir", str(out)]) == 0
@@ -312,6 +315,7 @@ SOFTCAP_TINY = ["--softcap-vocab-sizes", "512", "--softcap-min-length", "4", "--
                 "--softcap-hidden-size", "32", "--softcap-pairs", "2", "--threads", "1"]
 
 
+@pytest.mark.slow
 def test_softcap_section_says_which_loss_path_and_prints_ratios(tmp_path, capsys):
     out = tmp_path / "only-softcap"
     assert main(["bench", "--only", "softcap", *SOFTCAP_TINY, "--no-progress", "--output-dir", str(out)]) == 0

@@ -21,6 +21,7 @@ def run_plan(*args):
                           timeout=600)
 
 
+@pytest.mark.slow
 def test_a_budget_between_two_measured_sizes_picks_the_smaller():
     model, cpu = tiny_causal_lm(seed=0, dtype=torch.float32), torch.device("cpu")
     peaks = {m: training_step_peak(model, cpu, m, 64) for m in (2, 4, 8)}

@@ -516,6 +516,7 @@ def run_recipe(tmp_path, *overrides):
     return proc, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ENGINES)
 def test_the_recipe_refuses_save_steps_0_before_loading_in_both_engines(engine, tmp_path):
     proc, out = run_recipe(tmp_path, f"engine={engine}", "training.save_steps=0")
@@ -527,6 +528,7 @@ def test_the_recipe_refuses_save_steps_0_before_loading_in_both_engines(engine, 
     assert "Traceback" not in proc.stderr and "held-out exact match" not in proc.stdout and not out.exists()
 
 
+@pytest.mark.slow
 def test_the_recipe_refuses_a_model_directory_without_weights_before_loading(tmp_path):
     path = make_model_dir(tmp_path / "m", weights=False)
     proc, out = run_recipe(tmp_path, f"model.name_or_path={path}")
@@ -535,6 +537,7 @@ def test_the_recipe_refuses_a_model_directory_without_weights_before_loading(tmp
     assert "Traceback" not in proc.stderr and not out.exists()
 
 
+@pytest.mark.slow
 def test_the_recipe_refuses_a_url_as_data_dataset_before_loading(tmp_path):
     proc, out = run_recipe(tmp_path, "data.dataset=https://example.com/train.jsonl")
     assert proc.returncode == 2, proc.stderr[-2000:]

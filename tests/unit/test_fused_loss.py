@@ -328,6 +328,7 @@ def _train_large_vocab(front_end: str, row_length: int, output_dir: str, fused_l
                      data_collator=scenario.collator, fused_loss=fused_loss).train()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["padded", "flattened"])
 @pytest.mark.parametrize("front_end", ["loop", "trainer"])
 def test_no_tokens_by_vocab_tensor_is_allocated_while_training(front_end, layout, tmp_path):

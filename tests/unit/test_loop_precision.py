@@ -104,6 +104,7 @@ def _fp16_autocast_run(vocab=32000, micro_batch=2, length=128, accumulation=4, u
     return [u.applied for u in result.updates]
 
 
+@pytest.mark.slow
 def test_fp16_summed_losses_keep_mean_magnitudes_so_no_window_is_skipped(monkeypatch):
     """A summed loss is ~N/K times a mean: under fp16 its activation gradients overflow at the default
     loss scale and the GradScaler throws the whole window away. The loop multiplies each micro-batch's

@@ -116,6 +116,7 @@ def _ramped_run(output_dir, resume=None, ramp=RAMP, **config):
     return result, weights
 
 
+@pytest.mark.slow
 def test_resume_mid_ramp_is_exact(tmp_path):
     full, weights = _ramped_run(tmp_path / "full")
     # Update 5 is mid-ramp (windows 1, 1, 1, 2, 2, 3, ...): resume there in a fresh run.

@@ -100,6 +100,7 @@ def _shuffled_run(output_dir=None, resume=None, budget=BUDGET, audit=False, epoc
     return result, weights, auditor
 
 
+@pytest.mark.slow
 def test_planning_pass_sees_the_shuffled_training_order_every_epoch():
     """The plan is counted before training; training checks every window's targets against it
     (PlanDriftError otherwise), and the epochs' orders differ (so the check is not vacuous)."""
@@ -111,6 +112,7 @@ def test_planning_pass_sees_the_shuffled_training_order_every_epoch():
     assert first != second
 
 
+@pytest.mark.slow
 def test_resume_is_exact(tmp_path):
     full, weights, _ = _shuffled_run(tmp_path / "full")
     middle = len(full.updates) // 2 + 1  # mid second epoch

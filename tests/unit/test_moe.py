@@ -67,6 +67,7 @@ def audited_run(scenario: Scenario, front_end: str, tmp_path, caplog) -> tuple[l
 # -- the update's objective: exact against the rule, and the big batch's with identical micro-batches ---
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("front_end", FRONT_ENDS)
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_update_is_exact_with_the_token_weighted_router_loss(family, front_end, tmp_path, caplog):

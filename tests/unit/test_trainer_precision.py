@@ -3,6 +3,7 @@ as the loop does (tests/unit/test_loop_precision.py): measured against the float
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hf_accum import AccumTrainer
@@ -27,6 +28,7 @@ def _trainer_error(seed: int, fp32_accumulation: bool, output_dir: str) -> float
     return run.max_error
 
 
+@pytest.mark.slow
 def test_fp32_accumulation_of_bf16_weights_beats_bf16_accumulation(tmp_path):
     fp32 = [_trainer_error(seed, True, str(tmp_path / f"fp32_{seed}")) for seed in range(3)]
     bf16 = [_trainer_error(seed, False, str(tmp_path / f"bf16_{seed}")) for seed in range(3)]

@@ -81,6 +81,7 @@ AUTO = Scenario("auto_batch", tiny_causal_lm, random_rows(24, seed=13), PaddingC
                        micro_batch=4, accumulation=2, args={"auto_find_batch_size": True})
 
 
+@pytest.mark.slow
 def test_auto_find_batch_size_keeps_the_effective_batch(tmp_path, caplog):
     auditor = BigBatchAuditor()
     with caplog.at_level(logging.INFO, logger="hf_accum.trainer"):
@@ -92,6 +93,7 @@ def test_auto_find_batch_size_keeps_the_effective_batch(tmp_path, caplog):
     assert run.max_error < 1e-10
 
 
+@pytest.mark.slow
 def test_stock_auto_find_batch_size_halves_the_effective_batch(tmp_path):
     auditor = BigBatchAuditor()
     run = run_trainer(AUTO, str(tmp_path), _oom_above_two_rows(Trainer, auditor), auditor=auditor)
