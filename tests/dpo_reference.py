@@ -158,7 +158,12 @@ def reference_gradient(model: torch.nn.Module, window: list[dict], ref_logp: Cal
         loss = loss - sft_weight * torch.stack(chosen_token_logps).sum() / chosen_tokens
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+    LOSSES.append(float(loss))
     return {name: (g if g is not None else torch.zeros_like(p)) for (name, p), g in zip(named, grads)}
+
+
+LOSSES: list[float] = []
+"""Every loss :func:`reference_gradient` computed, in order (the logged loss is checked against them)."""
 
 
 def relative_error(applied: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
@@ -287,6 +292,7 @@ def run_dpo_trainer(trainer_cls, rows, tokenizer, out_dir: str, *, micro_batch: 
     types = {t: w for t, w in weighted if t != "sft"}
     sft_weight = sum(w for t, w in weighted if t == "sft")
     ref_logp = reference_logp_fn(initial, peft)
+    LOSSES.clear()
     errors = audit_errors(audit, holder, ref_logp, beta=beta, loss_types=types, sft_weight=sft_weight,
                           label_smoothing=label_smoothing)
     metrics = []
@@ -298,7 +304,8 @@ def run_dpo_trainer(trainer_cls, rows, tokenizer, out_dir: str, *, micro_batch: 
         metrics.append(reference_metrics(holder, window, ref_logp, beta))
     logs = [log for log in trainer.state.log_history if "loss" in log and "train_loss" not in log]
     pairs = [sum(batch["input_ids"].shape[0] // 2 for batch in window) for window in audit.windows]
-    return {"errors": errors, "logs": logs, "metrics": metrics, "pairs": pairs, "trainer": trainer}
+    return {"errors": errors, "logs": logs, "metrics": metrics, "pairs": pairs, "trainer": trainer,
+            "losses": list(LOSSES)}
 
 
 def run_dpo_loop(features: list[dict], loss, *, micro_batch: int = 2, accumulation: int = 3,
@@ -331,10 +338,11 @@ def run_dpo_loop(features: list[dict], loss, *, micro_batch: int = 2, accumulati
     if dist.is_initialized() and dist.get_rank() != 0:  # every rank's windows are on rank 0: it audits
         return {"errors": [], "result": result, "pairs": []}
     types = dict(loss.pair_weights)
+    LOSSES.clear()
     errors = audit_errors(audit, copy.deepcopy(initial), reference_logp_fn(initial, False), beta=loss.beta,
                           loss_types=types, sft_weight=loss.sft_weight, label_smoothing=loss.label_smoothing)
     pairs = [sum(batch["input_ids"].shape[0] // 2 for batch in window) for window in audit.windows]
-    return {"errors": errors, "result": result, "pairs": pairs}
+    return {"errors": errors, "result": result, "pairs": pairs, "losses": list(LOSSES)}
 
 
 @torch.no_grad()
