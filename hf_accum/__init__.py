@@ -41,9 +41,9 @@ _LAZY = {
     "LoopConfig": "loop", "TrainResult": "loop", "UpdateLog": "loop", "train": "loop",
     "BatchPlan": "schedule", "create_update_scheduler": "schedule", "plan_global_batch": "schedule",
     "planned_updates": "schedule",
+    "AccumGRPOTrainer": "grpo",  # TRL's GRPOTrainer (heavy, optional), like the trainers below
     # The trainers import transformers.Trainer (heavy) and TRL (optional).
     "AccumTrainer": "trainer", "AccumSFTTrainer": "sft",
-    "AccumGRPOTrainer": "grpo",
 }
 
 __version__ = "0.1.0"

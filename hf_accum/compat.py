@@ -152,21 +152,6 @@ def set_train_batch_size(trainer: Any, size: int) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def trl_metrics(trainer: Any, mode: str) -> dict[str, list[float]]:
-    """``SFTTrainer._metrics[mode]``: the lists TRL's ``log`` averages into ``entropy``, ``mean_token_accuracy``,
-    ``num_tokens`` (TRL 1.16)."""
-    return trainer._metrics[mode]
-
-
-def trl_train_tokens(trainer: Any) -> int:
-    """``SFTTrainer._total_train_tokens``: TRL's running count of trained tokens (all ranks; TRL 1.16)."""
-    return trainer._total_train_tokens
-
-
-def add_trl_train_tokens(trainer: Any, tokens: int) -> None:
-    trainer._total_train_tokens += tokens
-
-
 # GRPOTrainer (TRL 1.16, trl/trainer/grpo_trainer.py) -- AccumGRPOTrainer's private touches.
 
 
@@ -223,3 +208,18 @@ def trl_grpo_divisor(trainer: Any, inputs: dict, mask: torch.Tensor) -> float | 
         generation_tokens = torch.as_tensor(inputs["num_items_in_batch"]).clamp(min=1.0).detach()
         return generation_tokens / trainer.accelerator.num_processes * k / trainer.args.steps_per_generation
     raise ValueError(f"no TRL 1.16 divisor known for loss_type={loss_type!r}")
+
+
+def trl_metrics(trainer: Any, mode: str) -> dict[str, list[float]]:
+    """``SFTTrainer._metrics[mode]``: the lists TRL's ``log`` averages into ``entropy``, ``mean_token_accuracy``,
+    ``num_tokens`` (TRL 1.16)."""
+    return trainer._metrics[mode]
+
+
+def trl_train_tokens(trainer: Any) -> int:
+    """``SFTTrainer._total_train_tokens``: TRL's running count of trained tokens (all ranks; TRL 1.16)."""
+    return trainer._total_train_tokens
+
+
+def add_trl_train_tokens(trainer: Any, tokens: int) -> None:
+    trainer._total_train_tokens += tokens
