@@ -262,3 +262,5 @@ def trl_grpo_divisor(trainer: Any, inputs: dict, mask: torch.Tensor) -> float | 
         generation_tokens = torch.as_tensor(inputs["num_items_in_batch"]).clamp(min=1.0).detach()
         return generation_tokens / trainer.accelerator.num_processes * k / trainer.args.steps_per_generation
     raise ValueError(f"no TRL 1.16 divisor known for loss_type={loss_type!r}")
+
+

@@ -252,8 +252,9 @@ class AccumGRPOTrainer(GRPOTrainer):
             result = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **model_kwargs)
-        if self._captured is not None:
-            self._captured.append(result)
+        captured = getattr(self, "_captured", None)  # only inside AccumGRPOTrainer.compute_loss
+        if captured is not None:
+            captured.append(result)
         return result
 
     def _full_precision_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy):

@@ -151,13 +151,17 @@ def build_trainer(trainer_cls, output_dir: str, rows: int = 12, beta: float = 0.
                 recorder.micro_batch(inputs)
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
+    args = grpo_args(output_dir, beta=beta, **overrides)  # sets up the process group under torchrun
     model = MODEL_FACTORY()
     if beta:  # TRL loads its reference model from the policy's path (the fake generation gives ref log-probs)
-        model.save_pretrained(f"{output_dir}/initial_policy")
-        model.config._name_or_path = f"{output_dir}/initial_policy"
-    trainer = Recording(model=model, reward_funcs=reward_len, args=grpo_args(output_dir, beta=beta,
-                        **overrides), train_dataset=prompts_dataset(rows), processing_class=TOKENIZER,
-                        callbacks=[recorder])
+        path = f"{output_dir}/initial_policy"
+        if args.process_index == 0:
+            model.save_pretrained(path)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        model.config._name_or_path = path
+    trainer = Recording(model=model, reward_funcs=reward_len, args=args, train_dataset=prompts_dataset(rows),
+                        processing_class=TOKENIZER, callbacks=[recorder])
     fake = FakeGeneration(trainer, beta)
     trainer._generate_and_score_completions = fake
     if trainer_cls is GRPOTrainer:

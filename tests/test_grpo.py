@@ -111,3 +111,20 @@ def test_unknown_loss_type_names_the_supported_ones():
 
     with pytest.raises(ValueError, match="supported .*grpo, sapo, luspo, dr_grpo, bnpo, dapo, cispo, vespo"):
         refuse_inexact_settings(Args())
+
+
+def test_two_iterations_per_generation_with_evaluations_between_updates(tmp_path):
+    """``num_iterations=2`` (each generation batch trained twice) and an evaluation every 2 updates (it leaves the
+    model in eval mode before the next update's micro-batches are prepared)."""
+    from grpo_reference import prompts_dataset
+
+    trainer, recorder, _ = build_trainer(AccumGRPOTrainer, str(tmp_path), loss_type="dapo", beta=0.1,
+                                         num_iterations=2)
+    trainer.eval_dataset = prompts_dataset(4)
+    trainer.args.eval_strategy, trainer.args.eval_steps, trainer.args.per_device_eval_batch_size = "steps", 2, 2
+    trainer.train()
+    assert [log for log in trainer.state.log_history if "eval_loss" in log]
+    rows = trained_rows(recorder)
+    assert len(rows) == 24 and set(rows.values()) == {2}
+    errors = update_errors(trainer, recorder)
+    assert len(errors) == 12 and max(errors) < EXACT, errors
