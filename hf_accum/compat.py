@@ -187,3 +187,22 @@ def trl_without_gradient_checkpointing(trainer: Any):
     from trl.models.utils import disable_gradient_checkpointing
 
     return disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs)
+
+
+def evened_batches(accelerator: Any):
+    """A context in which dataloaders prepared by ``accelerator`` repeat examples to give every rank as many
+    batches of the same size (``even_batches=True``). TRL 1.16's reference precompute pass (``_precompute_ref_logps``)
+    all-gathers each batch's log-probs with ``gather_for_metrics``, which fails (gloo size mismatch) when ranks hold
+    batches of different sizes; with even batches it drops the repeated rows itself."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def context():
+        previous = accelerator.even_batches
+        accelerator.even_batches = True
+        try:
+            yield
+        finally:
+            accelerator.even_batches = previous
+
+    return context()

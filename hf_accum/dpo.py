@@ -42,6 +42,7 @@ import torch
 from hf_accum.accumulation import DeviceSums
 from hf_accum.compat import (
     add_trl_train_tokens,
+    evened_batches,
     trl_metrics,
     trl_reference_context,
     trl_train_tokens,
@@ -153,6 +154,12 @@ class AccumDPOTrainer(AccumTrainer, DPOTrainer):
             logits = model(**model_inputs, use_cache=False).logits
         logps, _ = completion_logps(logits, labels)
         return logps.chunk(2, dim=0)
+
+    def _precompute_ref_logps(self, dataset, name: str, batch_size: int):
+        """TRL's precompute pass, with even batches across ranks: its all-gather needs them (``even_batches=False``
+        would crash it); it drops the repeated rows, so every example gets its own reference log-probs."""
+        with evened_batches(self.accelerator):
+            return super()._precompute_ref_logps(dataset, name, batch_size)
 
     def _with_reference(self, inputs: dict[str, Any]) -> dict[str, Any]:
         if all(key in inputs for key in REFERENCE_KEYS):

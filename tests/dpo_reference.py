@@ -158,7 +158,12 @@ def reference_gradient(model: torch.nn.Module, window: list[dict], ref_logp: Cal
         loss = loss - sft_weight * torch.stack(chosen_token_logps).sum() / chosen_tokens
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+    LOSSES.append(float(loss))
     return {name: (g if g is not None else torch.zeros_like(p)) for (name, p), g in zip(named, grads)}
+
+
+LOSSES: list[float] = []
+"""Every loss :func:`reference_gradient` computed, in order (the logged loss is checked against them)."""
 
 
 def relative_error(applied: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
@@ -247,9 +252,6 @@ def run_dpo_trainer(trainer_cls, rows, tokenizer, out_dir: str, *, micro_batch: 
 
     from trl import DPOConfig
 
-    from hf_accum.testing.scenarios import reset_accelerate_state
-
-    reset_accelerate_state()
     model = dpo_model(tokenizer, peft)
     initial = copy.deepcopy(model)
     args = DPOConfig(
@@ -258,7 +260,7 @@ def run_dpo_trainer(trainer_cls, rows, tokenizer, out_dir: str, *, micro_batch: 
         logging_steps=logging_steps, save_strategy="no", num_train_epochs=1, beta=beta, loss_type=list(loss_type),
         loss_weights=loss_weights, label_smoothing=label_smoothing, precompute_ref_log_probs=precompute,
         activation_checkpointing=False, gradient_checkpointing=False, disable_tqdm=True,
-        accelerator_config={"even_batches": even_batches}, ddp_find_unused_parameters=False,
+        accelerator_config={"even_batches": even_batches}, ddp_find_unused_parameters=False, use_cpu=True,
     )
     ref_model = None if precompute or peft else copy.deepcopy(initial)
     audit = PairAudit()
@@ -284,10 +286,13 @@ def run_dpo_trainer(trainer_cls, rows, tokenizer, out_dir: str, *, micro_batch: 
         holder = copy.deepcopy(initial)
     trainer.data_collator = audit.wrap(trainer.data_collator)
     trainer.train()
+    if dist.is_initialized() and dist.get_rank() != 0:  # every rank's windows are on rank 0: it audits
+        return {"errors": [], "logs": [], "metrics": [], "pairs": [], "trainer": trainer}
     weighted = list(zip(loss_type, loss_weights or [1.0] * len(loss_type)))
     types = {t: w for t, w in weighted if t != "sft"}
     sft_weight = sum(w for t, w in weighted if t == "sft")
     ref_logp = reference_logp_fn(initial, peft)
+    LOSSES.clear()
     errors = audit_errors(audit, holder, ref_logp, beta=beta, loss_types=types, sft_weight=sft_weight,
                           label_smoothing=label_smoothing)
     metrics = []
@@ -299,7 +304,8 @@ def run_dpo_trainer(trainer_cls, rows, tokenizer, out_dir: str, *, micro_batch: 
         metrics.append(reference_metrics(holder, window, ref_logp, beta))
     logs = [log for log in trainer.state.log_history if "loss" in log and "train_loss" not in log]
     pairs = [sum(batch["input_ids"].shape[0] // 2 for batch in window) for window in audit.windows]
-    return {"errors": errors, "logs": logs, "metrics": metrics, "pairs": pairs, "trainer": trainer}
+    return {"errors": errors, "logs": logs, "metrics": metrics, "pairs": pairs, "trainer": trainer,
+            "losses": list(LOSSES)}
 
 
 def run_dpo_loop(features: list[dict], loss, *, micro_batch: int = 2, accumulation: int = 3,
@@ -329,11 +335,14 @@ def run_dpo_loop(features: list[dict], loss, *, micro_batch: int = 2, accumulati
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     config = LoopConfig(lr_scheduler_type="constant", disable_tqdm=True, max_grad_norm=0.0)
     result = train(model, optimizer, loader, accelerator, config, loss_sum_fn=loss)
+    if dist.is_initialized() and dist.get_rank() != 0:  # every rank's windows are on rank 0: it audits
+        return {"errors": [], "result": result, "pairs": []}
     types = dict(loss.pair_weights)
+    LOSSES.clear()
     errors = audit_errors(audit, copy.deepcopy(initial), reference_logp_fn(initial, False), beta=loss.beta,
                           loss_types=types, sft_weight=loss.sft_weight, label_smoothing=loss.label_smoothing)
     pairs = [sum(batch["input_ids"].shape[0] // 2 for batch in window) for window in audit.windows]
-    return {"errors": errors, "result": result, "pairs": pairs}
+    return {"errors": errors, "result": result, "pairs": pairs, "losses": list(LOSSES)}
 
 
 @torch.no_grad()

@@ -106,11 +106,15 @@ def test_pair_metrics_are_exact_over_the_update(runs):
     assert run["logs"][-1]["num_tokens"] > run["logs"][0]["num_tokens"] > 0
 
 
-def test_logged_loss_is_the_update_mean(runs):
-    """The logged loss is each term's mean over the update (the pair mean plus the weighted token mean)."""
-    run = runs("sigmoid_live_reference")
-    for logged in run["logs"]:
-        assert logged["loss"] > 0
+@pytest.mark.parametrize("name", ["sigmoid_live_reference", "sigmoid_sft"])
+def test_logged_loss_is_the_update_mean(runs, name):
+    """The logged loss is the big batch's: the pair mean (plus the weighted chosen-token mean) of the update."""
+    run = runs(name)
+    assert len(run["logs"]) == len(run["losses"]) == 3
+    for logged, expected in zip(run["logs"], run["losses"]):
+        assert logged["loss"] == pytest.approx(expected, rel=1e-10)
+    if name == "sigmoid_sft":
+        assert all(0 < log["sft_loss"] < log["loss"] for log in run["logs"])
 
 
 @pytest.mark.parametrize("loss_type", ["aot", "aot_unpaired", "apo_zero"])
@@ -143,3 +147,4 @@ def test_loop_with_dpo_pair_loss_is_exact(name):
     assert run["pairs"] == [6, 6, 1]
     assert max(run["errors"]) < EXACT, run["errors"]
     assert [update.targets for update in run["result"].updates] == run["pairs"]
+    assert [update.loss for update in run["result"].updates] == pytest.approx(run["losses"], rel=1e-10)

@@ -135,6 +135,10 @@ def _micro_batch_loss(model: torch.nn.Module, config: LoopConfig, loss_sum_fn: L
     Under DeepSpeed the engine owns the (ZeRO-3: partitioned) head weight: the logits path there."""
     refuse_custom_loss(config.normalization, "a custom loss_sum_fn" if loss_sum_fn else None,
                        "LoopConfig.normalization", LoopConfigError)
+    unit = getattr(loss_sum_fn, "term_names", ("target",))[0]
+    if config.tokens_per_update and unit != "target":
+        raise LoopConfigError(f"LoopConfig.tokens_per_update={config.tokens_per_update}: a token budget counts target "
+                              f"tokens, but loss_sum_fn counts {unit}s; use fixed windows (tokens_per_update=None)")
     if loss_sum_fn is not None and config.fused_loss:
         logger.info("a custom loss_sum_fn receives the logits: this run takes the logits path, not the fused loss")
     return MicroBatchLoss(
