@@ -203,7 +203,7 @@ def test_the_dpo_section_maps_to_trls_config_and_the_pair_loss():
 def test_objective_dpo_without_a_config_loads_the_embedded_dpo_default():
     config = resolved("objective=dpo")
     assert (config.objective, config.dpo.sft_weight, config.data.num_train_examples, config.global_batch_size) == (
-        "dpo", 1.0, 2000, 16)
+        "dpo", 1.0, 4000, 16)
     assert os.path.samefile(embedded.default_config_path("dpo"), os.path.join(ROOT, "recipes", "configs",
                                                                               "cpu_dpo.yaml"))
     sft = resolved()
