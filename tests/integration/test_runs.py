@@ -230,6 +230,7 @@ def write_checkpoint(out: str, update: int, content: bytes = b"weights") -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_one_rank_verifies_a_checkpoint_and_every_rank_gets_its_verdict(tmp_path):
     """2 gloo processes resume from a directory whose newest checkpoint has a damaged file (same size, other
     bytes: only the sha256 finds it). Rank 0 alone hashes; both ranks choose the same older checkpoint, and
@@ -240,7 +241,7 @@ def test_one_rank_verifies_a_checkpoint_and_every_rank_gets_its_verdict(tmp_path
     good, bad = write_checkpoint(run, 2), write_checkpoint(run, 4)
     with open(os.path.join(bad, "optimizer.pt"), "r+b") as handle:
         handle.write(b"W")  # one byte changed in place: the size still matches the manifest
-    worker = os.path.join(os.path.dirname(__file__), "manifest_verify_worker.py")
+    worker = os.path.join(os.path.dirname(HERE), "distributed", "manifest_verify_worker.py")
     out = tmp_path / "report.json"
     run_torchrun(worker, out, nproc=2, timeout=300, extra_args=[run])
     ranks = [json.load(open(f"{out}.rank{rank}")) for rank in (0, 1)]

@@ -1,6 +1,6 @@
 """Subprocess worker (2 gloo ranks): resuming from a run directory whose newest checkpoint is damaged.
 
-``torchrun --nproc_per_node 2 tests/manifest_verify_worker.py OUT.json RUN_DIR``. Every rank runs the recipe's
+``torchrun --nproc_per_node 2 tests/distributed/manifest_verify_worker.py OUT.json RUN_DIR``. Every rank runs the recipe's
 resume policy (:func:`hf_accum.recipe.resume.resume_checkpoint`) twice: with ``resume_from_checkpoint=true``
 (the damaged newest is skipped, the older good one chosen) and naming the damaged one (refused, exit code from
 the recipe's own ``run_cli``). Every call of ``hf_accum.manifest.file_digest`` (the sha256 of one file) is

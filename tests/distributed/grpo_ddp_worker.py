@@ -1,9 +1,9 @@
 """torchrun worker (2 CPU processes, gloo): AccumGRPOTrainer and stock ``trl.GRPOTrainer`` with generation replaced
-(tests/grpo_reference.py), rank 0's completions up to 7 tokens and rank 1's 1-2 tokens, so the ranks' token counts
+(hf_accum/testing/grpo_reference.py), rank 0's completions up to 7 tokens and rank 1's 1-2 tokens, so the ranks' token counts
 differ several-fold. Every update's applied gradient is compared on rank 0 with the reference over both ranks'
 micro-batches (gathered). Rank 0 writes a JSON report to ``argv[1]``.
 
-Launched by tests/test_grpo_ddp.py; all runs share one launch (process start-up dominates).
+Launched by tests/distributed/test_grpo_ddp.py; all runs share one launch (process start-up dominates).
 """
 
 from __future__ import annotations
@@ -13,14 +13,11 @@ import os
 import sys
 
 import torch.distributed as dist
-
-sys.path.insert(0, os.path.dirname(__file__))
-
-from grpo_reference import build_trainer, update_errors  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 
 from hf_accum import AccumGRPOTrainer  # noqa: E402
 from hf_accum.distributed import leave_process_group  # noqa: E402
+from hf_accum.testing.grpo_reference import build_trainer, update_errors  # noqa: E402
 
 # name: (trainer class, GRPOConfig overrides); 12 prompts x 2 generations over 2 ranks: 6 micro-batches per rank,
 # windows of K=2 micro-batches, a generation every 3 (steps_per_generation != K).

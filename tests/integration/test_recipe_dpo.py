@@ -19,7 +19,7 @@ from hf_accum.recipe.data import DataError
 from hf_accum.recipe.data.preference import labelled, load_preference_data
 from hf_accum.recipe.data.splits import load_splits
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "recipes", "finetune_llama.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 

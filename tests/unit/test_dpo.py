@@ -1,8 +1,8 @@
 """DPO exact over every update: ``AccumDPOTrainer`` (on TRL's own dataset preparation and collator) and
 ``hf_accum.train(loss_sum_fn=DPOPairLoss(...))`` against an independent big-batch reference
-(tests/dpo_reference.py: each sequence forwarded alone, float64 ``log_softmax``, the mean over ALL pairs of the
+(hf_accum/testing/dpo_reference.py: each sequence forwarded alone, float64 ``log_softmax``, the mean over ALL pairs of the
 update, its gradient by autograd); stock ``trl.DPOTrainer`` as the negative control. The 2-process cases are in
-tests/test_dpo_ddp.py.
+tests/distributed/test_dpo_ddp.py.
 
 float64 with dtype-keeping norms, so "exact" means < 1e-10. With 13 pairs, 2 per micro-batch and K = 3, the
 windows hold 6, 6 and 1 pairs (micro-batches of 2, 2, 2 | 2, 2, 2 | 1): a 1-pair micro-batch in a short last
@@ -16,12 +16,12 @@ import torch
 
 pytest.importorskip("trl")
 
-from dpo_reference import pair_features, preference_rows, run_dpo_loop, run_dpo_trainer  # noqa: E402
 from trl import DPOConfig, DPOTrainer  # noqa: E402
 
 from hf_accum import AccumDPOTrainer  # noqa: E402
 from hf_accum.errors import InputError  # noqa: E402
 from hf_accum.preference import DPOPairLoss  # noqa: E402
+from hf_accum.testing.dpo_reference import pair_features, preference_rows, run_dpo_loop, run_dpo_trainer  # noqa: E402
 from hf_accum.testing.sft import sft_tokenizer  # noqa: E402
 
 EXACT = 1e-10

@@ -1,12 +1,12 @@
 """AccumGRPOTrainer against an independent float64 reference, every optimizer update, every TRL 1.16 loss_type.
 
-The harness (tests/grpo_reference.py) builds the trainer exactly like ``trl.GRPOTrainer``, replaces generation at
+The harness (hf_accum/testing/grpo_reference.py) builds the trainer exactly like ``trl.GRPOTrainer``, replaces generation at
 ``_generate_and_score_completions`` by fixed completions of 1..7 tokens, and compares each update's applied gradient
 with the gradient of the loss type's formula over all the update's completions, each forwarded alone in float64.
 Default layout: 12 prompts x 2 generations, 2 completions per micro-batch, ``gradient_accumulation_steps=2`` and
 ``steps_per_generation=3`` (updates span two generation batches). Stock ``trl.GRPOTrainer`` is the control: exact
 for ``grpo`` / ``dr_grpo`` (which validates the reference), off for ``dapo`` and ``bnpo``. The 2-process case is in
-tests/test_grpo_ddp.py.
+tests/distributed/test_grpo_ddp.py.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import pytest
 
 pytest.importorskip("trl")
 
-from grpo_reference import build_trainer, trained_rows, update_errors  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 
 from hf_accum import AccumGRPOTrainer  # noqa: E402
 from hf_accum.grpo import SUPPORTED_LOSS_TYPES  # noqa: E402
+from hf_accum.testing.grpo_reference import build_trainer, trained_rows, update_errors  # noqa: E402
 
 EXACT = 1e-10
 
@@ -96,7 +96,7 @@ def test_stock_trl_fails_the_same_check(tmp_path, loss_type):
     ({"use_adaptive_entropy": True}, "use_adaptive_entropy=True"),
 ])
 def test_settings_without_an_exact_rule_are_refused_before_loading(tmp_path, setting, message):
-    from grpo_reference import grpo_args, prompts_dataset, reward_len
+    from hf_accum.testing.grpo_reference import grpo_args, prompts_dataset, reward_len
 
     with pytest.raises(ValueError, match=message):
         AccumGRPOTrainer(model=str(tmp_path / "no-such-model"), reward_funcs=reward_len,
@@ -116,7 +116,7 @@ def test_unknown_loss_type_names_the_supported_ones():
 def test_two_iterations_per_generation_with_evaluations_between_updates(tmp_path):
     """``num_iterations=2`` (each generation batch trained twice) and an evaluation every 2 updates (it leaves the
     model in eval mode before the next update's micro-batches are prepared)."""
-    from grpo_reference import prompts_dataset
+    from hf_accum.testing.grpo_reference import prompts_dataset
 
     trainer, recorder, _ = build_trainer(AccumGRPOTrainer, str(tmp_path), loss_type="dapo", beta=0.1,
                                          num_iterations=2)

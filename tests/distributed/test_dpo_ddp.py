@@ -1,7 +1,7 @@
 """DPO on 2 real CPU processes (torchrun, gloo) whose ranks hold different numbers of pairs
 (``even_batches=False``): AccumDPOTrainer and the loop with DPOPairLoss exact over both ranks (the pair
 metrics too); stock ``DPOTrainer`` with ``even_batches=True`` (a repeated pair) as the negative control.
-One torchrun launch (tests/dpo_ddp_worker.py)."""
+One torchrun launch (tests/distributed/dpo_ddp_worker.py)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """torchrun worker (2 CPU processes, gloo): DPO on ranks holding different numbers of pairs
 (``even_batches=False``: 11 pairs in micro-batches of 2 give one rank 6 pairs and the other 5), audited against
-the big-batch reference on rank 0 (tests/dpo_reference.py gathers every rank's micro-batches). Runs:
+the big-batch reference on rank 0 (hf_accum/testing/dpo_reference.py gathers every rank's micro-batches). Runs:
 AccumDPOTrainer (sigmoid; sigmoid + sft, live and precomputed reference), the loop with DPOPairLoss (one and two
 terms), and stock ``DPOTrainer`` (sigmoid + sft) with Accelerate's default ``even_batches=True`` (it trains a
 repeated pair; with ``even_batches=False`` its metric gathers fail). Rank 0 writes a JSON report to ``argv[1]``.
 
-Launched by tests/test_dpo_ddp.py.
+Launched by tests/distributed/test_dpo_ddp.py.
 """
 
 from __future__ import annotations
@@ -20,13 +20,10 @@ from accelerate import PartialState
 from datasets import load_from_disk
 from trl import DPOTrainer
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-from dpo_reference import pair_features, preference_rows, run_dpo_loop, run_dpo_trainer  # noqa: E402
-
 from hf_accum import AccumDPOTrainer  # noqa: E402
 from hf_accum.distributed import leave_process_group  # noqa: E402
 from hf_accum.preference import DPOPairLoss  # noqa: E402
+from hf_accum.testing.dpo_reference import pair_features, preference_rows, run_dpo_loop, run_dpo_trainer  # noqa: E402
 from hf_accum.testing.sft import sft_tokenizer  # noqa: E402
 
 TOKENIZER = sft_tokenizer()
