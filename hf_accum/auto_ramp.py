@@ -155,12 +155,13 @@ class BatchController:
     """Decides, from one reading per update, the K of the next update (see the module docstring). Pure and
     deterministic: the same readings give the same decisions on every rank and after a resume."""
 
-    def __init__(self, settings: AutoRampSettings, per_round: int, max_accumulation: int) -> None:
+    def __init__(self, settings: AutoRampSettings, per_round: int, max_accumulation: int,
+                 key: str = "rampup_auto") -> None:
         self.settings = settings
         self.per_round = per_round
         """Sequences one micro-batch on every process adds: micro-batch x processes."""
         self.max_accumulation = max_accumulation
-        self.min_accumulation = settings.start_accumulation(per_round, max_accumulation)
+        self.min_accumulation = settings.start_accumulation(per_round, max_accumulation, key)
         self.accumulation = self.min_accumulation
         self.above = 0
         """Readings above the margin in a row (held between the thresholds)."""
@@ -215,10 +216,20 @@ class BatchController:
         """What the start line and ``hf-accum plan`` say the controller will do."""
         s = self.settings
         return (f"auto batch ramp: {self.min_batch} -> at most {self.max_batch} sequences per update (K "
-                f"{self.min_accumulation}..{self.max_accumulation} x {self.per_round} sequences per round), K x{s.growth} "
-                f"when the smoothed noise scale exceeds {s.margin:g} x the update's targets for {s.patience} updates "
-                f"in a row (count reset below {s.release:g} x), at least {s.min_updates} updates apart; LR rule "
-                f"{s.lr_rule}")
+                f"{self.min_accumulation}..{self.max_accumulation} x {self.per_round} sequences per round), "
+                f"K x{s.growth} when the smoothed noise scale exceeds {s.margin:g} x the update's targets for "
+                f"{s.patience} updates in a row (count reset below {s.release:g} x), at least {s.min_updates} "
+                f"updates apart; LR rule {s.lr_rule}")
+
+    def notes(self) -> list[str]:
+        """What makes this controller unable to do anything (said at the start and by ``hf-accum plan``)."""
+        if self.min_batch == self.max_batch:
+            return [f"note: the start batch is the global batch ({self.max_batch} sequences): nothing to ramp; raise "
+                    "the global batch or lower rampup_auto.min_batch_size"]
+        if self.min_accumulation < 2:
+            return ["note: one micro-batch per process measures no noise scale, so the batch will not grow; use a "
+                    "rampup_auto.min_batch_size of at least 2 micro-batches per process"]
+        return []
 
     def state_dict(self) -> dict[str, Any]:
         return {"accumulation": self.accumulation, "above": self.above, "since_change": self.since_change,
@@ -280,6 +291,22 @@ class RampSchedule:
         self.consumed, self.base_lrs = int(state["consumed"]), list(state["base_lrs"])
         self.controller.load_state_dict(state["controller"])
         self._set_lr()
+
+
+def describe_auto_plan(settings: Any, plan: Any, train_examples: int | None = None, epochs: float = 1.0) -> str:
+    """``hf-accum plan``'s lines for the auto ramp on ``plan`` (a :class:`hf_accum.schedule.BatchPlan`: its K is the
+    ceiling); with ``train_examples``, the LR schedule's horizon in samples."""
+    per_round = plan.micro_batch_size * plan.num_processes
+    key = "accumulation.rampup_auto"
+    controller = BatchController(AutoRampSettings.of(settings, key), per_round, plan.accumulation_steps, key)
+    lines = [controller.describe(), *controller.notes()]
+    if train_examples:
+        micro_batches = math.ceil(train_examples / per_round)  # per process and epoch (even_batches fills the last)
+        horizon = math.ceil(epochs * micro_batches) * per_round
+        lines.append(f"LR schedule over {horizon} samples ({epochs:g} epochs of {micro_batches * per_round}), between "
+                     f"{math.ceil(horizon / controller.max_batch)} and {math.ceil(horizon / controller.min_batch)} "
+                     "updates depending on the measured noise scale")
+    return "\n".join(lines)
 
 
 def schedule_shape(name: str, warmup: int, horizon: int):

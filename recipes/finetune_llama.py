@@ -34,6 +34,7 @@ from hf_accum.control import NonFiniteLossError, TrainingStopped  # noqa: E402
 from hf_accum.distributed import fsdp_unsharded_root, is_fsdp_sharded, is_partitioned  # noqa: E402
 from hf_accum.errors import InputError  # noqa: E402
 from hf_accum.schedule import BatchPlan  # noqa: E402
+from hf_accum.auto_ramp import describe_auto_plan, is_auto  # noqa: E402
 from hf_accum.recipe.accumulation import noise_scale_enabled, normalization  # noqa: E402
 from hf_accum.recipe.config import ConfigError, load_recipe_config  # noqa: E402
 from hf_accum.recipe.accumulation import loop_settings  # noqa: E402
@@ -63,6 +64,9 @@ def train_with_loop(model, tokenizer, data, collator, args, record, resume, laun
     """hf_accum.train on Accelerate: accumulate() with a summed loss and one W/N rescale per update
     (under DeepSpeed: the window counted first, the loss scaled before backward)."""
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
+    if is_auto(record.config.accumulation.rampup_batch_size):  # what the batch controller will do
+        say(describe_auto_plan(record.config.accumulation.rampup_auto, BatchPlan(args.per_device_train_batch_size,
+            args.gradient_accumulation_steps, args.world_size), len(data.train.examples), args.num_train_epochs))
     if launch.backend in ("deepspeed", "fsdp"):  # Accelerate on CPU would drop both: built for them
         accelerator = loop_accelerator(
             launch, args.gradient_accumulation_steps, args.max_grad_norm, precision, args.use_cpu,

@@ -12,9 +12,9 @@ from typing import Any, Iterable
 import torch
 from accelerate import Accelerator
 
+from hf_accum.auto_ramp import is_auto
 from hf_accum.distributed import num_nodes
 from hf_accum.loop.config import LoopConfig, LoopConfigError
-from hf_accum.auto_ramp import is_auto
 from hf_accum.loop.windows import AutoRampPlan, WindowPlan, auto_plan, ramp_plan, token_plan
 from hf_accum.loss import infer_loss_kind
 from hf_accum.schedule import BatchPlan, epochs_needed, planned_updates, warn_repeated_examples
@@ -64,8 +64,8 @@ class RunPlan:
         auto = auto_plan(config.rampup_auto, micro_batches, batch.micro_batch_size, batch.accumulation_steps,
                          batch.num_processes, config.num_train_epochs)
         if accelerator.is_main_process:
-            logger.info("micro-batch %d x %d processes; %d micro-batches/epoch per process; %s",
-                        batch.micro_batch_size, batch.num_processes, micro_batches, auto.describe())
+            logger.info("micro-batch %d x %d processes; %d micro-batches/epoch per process (the auto ramp's line "
+                        "follows)", batch.micro_batch_size, batch.num_processes, micro_batches)
             warn_repeated_examples(logger, getattr(dataloader, "dataset", None), batch,
                                    getattr(accelerator, "even_batches", True))
         return cls(micro_batches, auto.max_updates, batch, None, auto)

@@ -241,7 +241,7 @@ class AutoRampPlan:
         return self.controller.observe(step, noise_scale if applied else None, targets, full_window=full)
 
     def describe(self, schedule: RampSchedule | None = None) -> str:
-        line = self.controller.describe()
+        line = "; ".join([self.controller.describe(), *self.controller.notes()])
         if schedule is not None:
             line += (f"; LR schedule over {schedule.horizon} samples (warmup {schedule.warmup}), "
                      f"at most {self.max_updates} updates")
@@ -252,7 +252,7 @@ def auto_plan(settings: Any, micro_batches: int, micro_batch_size: int, accumula
               num_epochs: float) -> AutoRampPlan:
     """The auto ramp towards the global batch ``micro x processes x accumulation`` (the configured K)."""
     settings = AutoRampSettings.of(settings, "LoopConfig.rampup_auto")
-    controller = BatchController(settings, micro_batch_size * num_processes, accumulation)
+    controller = BatchController(settings, micro_batch_size * num_processes, accumulation, "LoopConfig.rampup_auto")
     whole = int(num_epochs)
     epochs = [micro_batches] * whole
     if num_epochs > whole:

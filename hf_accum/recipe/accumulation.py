@@ -5,6 +5,9 @@ and the :class:`~hf_accum.loop.LoopConfig` / ``AccumTrainer`` settings they beco
   (:mod:`hf_accum.loop.windows`). With a token budget the update's size is the budget: a ``global_batch_size`` or
   ``training.gradient_accumulation_steps`` from a lower layer (built-in or embedded default) yields to it (a
   note says so, and the Accelerator's K becomes 1); one given in the same layer or above is a conflict.
+* ``rampup_batch_size: auto`` (loop engine): the noise-scale controller (:mod:`hf_accum.auto_ramp`), its settings
+  in ``rampup_auto``; checked here against the batch arithmetic, ``training.max_steps`` / ``warmup_steps`` (its
+  schedule runs over samples) and DeepSpeed (no noise-scale measurement there).
 * ``noise_scale: true`` -> ``LoopConfig(noise_scale=True)`` / ``AccumTrainer(noise_scale=True)``: both measure
   the first micro-batch of each window against the update (:mod:`hf_accum.noise_probe`). DeepSpeed keeps the
   micro-batch gradients inside its engine, so the key is refused there; one micro-batch per update measures
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hf_accum.auto_ramp import AutoRampSettings, BatchController, is_auto
 from hf_accum.loop.config import LoopConfig
 from hf_accum.loop.windows import refuse_planned_windows
 from hf_accum.rampup import RampUp
@@ -30,8 +34,10 @@ def check_accumulation_section(section: Any, config: Any) -> None:
     _check_measurement(section, config)  # first: its messages name the accumulation.* key itself
     if config.engine != "loop":
         refuse_planned_windows("accumulation.", section.rampup_batch_size, section.tokens_per_update)
+    if is_auto(section.rampup_batch_size):  # first: its messages name the accumulation.* keys
+        _check_auto_ramp(section, config)
     LoopConfig(**loop_settings(section))  # the loop's own checks (one line naming the LoopConfig field)
-    if section.rampup_batch_size is not None:
+    if section.rampup_batch_size is not None and not is_auto(section.rampup_batch_size):
         _check_ramp(section.rampup_batch_size, config)
     if section.tokens_per_update is not None:
         _yield_batch_keys(config)
@@ -40,17 +46,43 @@ def check_accumulation_section(section: Any, config: Any) -> None:
 def loop_settings(section: Any) -> dict[str, Any]:
     """The ``LoopConfig`` fields the section sets."""
     return {"rampup_batch_size": section.rampup_batch_size, "tokens_per_update": section.tokens_per_update,
-            "noise_scale": section.noise_scale, "normalization": section.normalization}
+            "noise_scale": section.noise_scale, "normalization": section.normalization,
+            "rampup_auto": section.rampup_auto}
 
 
-def _check_ramp(values: list, config: Any) -> None:
+def _check_ramp(values: Any, config: Any) -> None:
     """Against the resolved batch arithmetic (the nearest valid values when it does not fit)."""
+    if not isinstance(values, (list, tuple)):
+        raise ConfigError(f"accumulation.rampup_batch_size={values!r}; allowed: [start, increment, samples], auto, "
+                          "null")
     from hf_accum.recipe.config.validation import world_size_from_env
 
     t = config.training
     micro, steps, world = t.get("per_device_train_batch_size", 8), t.get("gradient_accumulation_steps", 1), \
         world_size_from_env()
     RampUp.from_list(list(values), micro * steps * world, micro, world, key="accumulation.rampup_batch_size")
+
+
+def _check_auto_ramp(section: Any, config: Any) -> None:
+    """``rampup_batch_size: auto``: the start batch on the resolved arithmetic; what its schedule over samples and
+    its measurement exclude."""
+    from hf_accum.recipe.config.validation import world_size_from_env
+
+    t = config.training
+    micro, steps, world = t.get("per_device_train_batch_size", 8), t.get("gradient_accumulation_steps", 1), \
+        world_size_from_env()
+    key = "accumulation.rampup_auto"
+    BatchController(AutoRampSettings.of(section.rampup_auto, key), micro * world, steps, key)
+    where = "accumulation.rampup_batch_size=auto"
+    if t.get("deepspeed"):
+        raise ConfigError(f"{where} is not available with training.deepspeed (the noise scale it steers by cannot "
+                          "be measured inside the engine); allowed: a list, or drop training.deepspeed")
+    if (t.get("max_steps") or -1) > 0:
+        raise ConfigError(f"{where} with training.max_steps={t['max_steps']}: the run's length is its data "
+                          "(training.num_train_epochs); allowed: -1")
+    if (t.get("warmup_steps") or 0) >= 1:
+        raise ConfigError(f"{where} with training.warmup_steps={t['warmup_steps']}: the LR schedule runs over consumed "
+                          "samples; allowed: a fraction below 1 (of the run's samples)")
 
 
 def _rank(source: str) -> int:

@@ -124,8 +124,12 @@ class DataSection:
 class AccumulationSection:
     """How updates are formed beyond a fixed K, built and measured (checked by :mod:`hf_accum.recipe.accumulation`)."""
 
-    rampup_batch_size: list | None = None
-    """``[start, increment, samples]``: Megatron's batch ramp-up towards the global batch (loop engine)."""
+    rampup_batch_size: list | str | None = None
+    """``[start, increment, samples]``: Megatron's batch ramp-up towards the global batch (loop engine); ``auto``: the
+    batch grows from a minimum when the measured noise scale says it pays (:mod:`hf_accum.auto_ramp`)."""
+    rampup_auto: dict | None = None
+    """With ``rampup_batch_size: auto``: the controller's settings (``min_batch_size``, ``margin``, ``release``,
+    ``patience``, ``min_updates``, ``growth``, ``lr_rule``: constant | sqrt | seesaw)."""
     tokens_per_update: int | None = None
     """Close an update once it holds this many targets on all ranks (loop engine); replaces the global batch."""
     noise_scale: bool = False
