@@ -21,7 +21,9 @@ import torch
 from transformers import HfArgumentParser
 from transformers.hf_argparser import HfArg
 
-from benchmarks import loss, memory, noise_scale, overhead, padding, sft, softcap, sweep, token_budget, vocab
+from benchmarks import (
+    loss, memory, noise_scale, overhead, padding, rampup_auto, sft, softcap, sweep, token_budget, vocab,
+)
 from benchmarks.report import BenchError, require_positive
 
 SECTIONS = {
@@ -35,6 +37,7 @@ SECTIONS = {
     "softcap": softcap,
     "sft": sft,
     "token_budget": token_budget,
+    "rampup-auto": rampup_auto,
 }
 
 
