@@ -41,12 +41,12 @@ EAGER_SETTINGS = {"margin": 1.0, "release": 0.5}
 class Options:
     _argument_group_name = "rampup-auto section"
 
-    rampup_auto_examples: int = HfArg(default=1600, help="training rows of the embedded task (one epoch)")
+    rampup_auto_examples: int = HfArg(default=800, help="training rows of the embedded task (one epoch)")
     rampup_auto_seeds: int = HfArg(default=3, help="seeds per variant (weights, LoRA init, data order)")
     rampup_auto_micro_batch: int = HfArg(default=8, help="sequences per micro-batch")
     rampup_auto_max_accumulation: int = HfArg(default=8, help="K of the largest fixed batch and the auto ramp's "
                                                               "ceiling (a multiple of 4: min is K=2, middle K/2)")
-    rampup_auto_eval_every: int = HfArg(default=128, help="samples between held-out evaluations")
+    rampup_auto_eval_every: int = HfArg(default=96, help="samples between held-out evaluations")
     rampup_auto_target_loss: float | None = HfArg(default=None, help="held-out loss to reach (default: the worst "
                                                                      "variant's median final loss)")
 

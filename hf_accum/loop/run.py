@@ -98,7 +98,9 @@ def train(
             )
             if plan.auto is not None:  # the next window's size, decided before checkpoint and report
                 update.batch_change = _observe(plan, update, accelerator)
-            if evaluation_due(config, update.step, plan.total_updates, consumed == plan.micro_batches):
+            # The auto ramp's last update is known when it closes (total_updates is only its upper bound).
+            total = update.step if plan.auto is not None and plan.auto.ends_run(epoch, consumed) else plan.total_updates
+            if evaluation_due(config, update.step, total, consumed == plan.micro_batches):
                 update.eval_loss = evaluate_loss(model, eval_dataloader, accelerator, stepper.loss)
             result.updates.append(update)
             checkpoint = supervisor.after_update(update, step.decision, epoch, consumed)

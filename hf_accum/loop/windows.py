@@ -235,6 +235,10 @@ class AutoRampPlan:
             yield size
             left -= size
 
+    def ends_run(self, epoch: int, consumed: int) -> bool:
+        """The update that closed at ``consumed`` micro-batches of ``epoch`` is the run's last."""
+        return epoch == len(self.epoch_micro_batches) - 1 and consumed >= self.epoch_micro_batches[-1]
+
     def observe(self, step: int, noise_scale: float | None, targets: float, applied: bool) -> BatchChange | None:
         """Feed one update's reading to the controller (a skipped update or a short window gives none)."""
         full = self.last_window == self.controller.accumulation
