@@ -163,7 +163,7 @@ def test_lr_of_each_update_is_the_schedule_at_the_samples_consumed_before_it_tim
     assert [u.learning_rate for u in result.updates] == pytest.approx(expected, rel=1e-12, abs=0)
 
 
-def _auto_run(output_dir, resume=None, max_updates=None):
+def _auto_run(output_dir, resume=None, eval_dataloader=None, **changes):
     accelerator = fresh_accelerator(8)
     torch.manual_seed(0)
     model = tiny_causal_lm()
@@ -172,9 +172,10 @@ def _auto_run(output_dir, resume=None, max_updates=None):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     loop = LoopConfig(num_train_epochs=2, lr_scheduler_type="cosine", warmup_ratio=0.1, disable_tqdm=True,
-                      output_dir=str(output_dir), save_steps=1, rampup_batch_size="auto",
-                      rampup_auto={**EAGER, "lr_rule": "seesaw"})
-    result = train(model, optimizer, loader, accelerator, loop, resume_from_checkpoint=resume)
+                      output_dir=str(output_dir) if output_dir else None, save_steps=1, rampup_batch_size="auto",
+                      rampup_auto={**EAGER, "lr_rule": "seesaw"}, **changes)
+    result = train(model, optimizer, loader, accelerator, loop, resume_from_checkpoint=resume,
+                   eval_dataloader=eval_dataloader)
     weights = torch.cat([p.detach().flatten() for p in accelerator.unwrap_model(model).parameters()])
     return result, weights
 
@@ -191,6 +192,13 @@ def test_resume_mid_ramp_reproduces_the_uninterrupted_run(tmp_path):
     assert [u.loss for u in resumed.updates] == [u.loss for u in full.updates]
     assert [u.learning_rate for u in resumed.updates] == [u.learning_rate for u in full.updates]
     assert torch.equal(resumed_weights, weights)
+
+
+def test_the_run_s_last_update_is_evaluated_though_the_update_count_was_not_known():
+    held_out = DataLoader(random_rows(8, seed=3, prompt_masking=True), batch_size=4, collate_fn=PaddingCollator(PAD))
+    result, _ = _auto_run(None, eval_dataloader=held_out, eval_strategy="steps", eval_steps=1000)
+    evaluated = [u.step for u in result.updates if u.eval_loss is not None]
+    assert evaluated == [len(result.updates)] and len(result.updates) < 32  # 32: the upper bound (all at K=2)
 
 
 @pytest.mark.slow
