@@ -288,6 +288,9 @@ class RampSchedule:
                 "warmup": self.warmup, "controller": self.controller.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "controller" not in state:
+            raise AutoRampError("the checkpoint was written by a run without rampup_batch_size='auto' (its LR "
+                                "scheduler counts updates); resume it with the checkpoint's settings")
         self.consumed, self.base_lrs = int(state["consumed"]), list(state["base_lrs"])
         self.controller.load_state_dict(state["controller"])
         self._set_lr()

@@ -163,7 +163,7 @@ def test_lr_of_each_update_is_the_schedule_at_the_samples_consumed_before_it_tim
     assert [u.learning_rate for u in result.updates] == pytest.approx(expected, rel=1e-12, abs=0)
 
 
-def _auto_run(output_dir, resume=None, eval_dataloader=None, **changes):
+def _auto_run(output_dir, resume=None, eval_dataloader=None, auto=True, **changes):
     accelerator = fresh_accelerator(8)
     torch.manual_seed(0)
     model = tiny_causal_lm()
@@ -171,9 +171,11 @@ def _auto_run(output_dir, resume=None, eval_dataloader=None, **changes):
                         collate_fn=PaddingCollator(PAD))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    loop = LoopConfig(num_train_epochs=2, lr_scheduler_type="cosine", warmup_ratio=0.1, disable_tqdm=True,
-                      output_dir=str(output_dir) if output_dir else None, save_steps=1, rampup_batch_size="auto",
-                      rampup_auto={**EAGER, "lr_rule": "seesaw"}, **changes)
+    settings = dict(num_train_epochs=2, lr_scheduler_type="cosine", warmup_ratio=0.1, disable_tqdm=True,
+                    output_dir=str(output_dir) if output_dir else None, save_steps=1,
+                    rampup_batch_size="auto" if auto else None,
+                    rampup_auto={**EAGER, "lr_rule": "seesaw"} if auto else None)
+    loop = LoopConfig(**{**settings, **changes})
     result = train(model, optimizer, loader, accelerator, loop, resume_from_checkpoint=resume,
                    eval_dataloader=eval_dataloader)
     weights = torch.cat([p.detach().flatten() for p in accelerator.unwrap_model(model).parameters()])
@@ -192,6 +194,17 @@ def test_resume_mid_ramp_reproduces_the_uninterrupted_run(tmp_path):
     assert [u.loss for u in resumed.updates] == [u.loss for u in full.updates]
     assert [u.learning_rate for u in resumed.updates] == [u.learning_rate for u in full.updates]
     assert torch.equal(resumed_weights, weights)
+
+
+def test_resume_across_auto_and_fixed_windows_is_refused(tmp_path):
+    from hf_accum.checkpoint import ResumeMismatchError
+
+    _auto_run(tmp_path / "auto", num_train_epochs=0.25)
+    with pytest.raises(ResumeMismatchError, match="other windows"):
+        _auto_run(tmp_path / "fixed", resume=str(tmp_path / "auto" / "checkpoint-2"), auto=False)
+    _auto_run(tmp_path / "fixed_first", auto=False, max_steps=2)
+    with pytest.raises(ResumeMismatchError, match="other windows"):  # before any state is loaded
+        _auto_run(tmp_path / "auto_again", resume=str(tmp_path / "fixed_first" / "checkpoint-2"))
 
 
 def test_the_run_s_last_update_is_evaluated_though_the_update_count_was_not_known():

@@ -70,6 +70,14 @@ class RunPlan:
                                    getattr(accelerator, "even_batches", True))
         return cls(micro_batches, auto.max_updates, batch, None, auto)
 
+    @property
+    def window_digest(self) -> str | None:
+        """What a checkpoint stores of the windows: the planned windows' fingerprint, ``"auto"`` for the auto ramp
+        (its state is in the scheduler's), None for fixed K; a resume under another one is refused."""
+        if self.windows is not None:
+            return self.windows.digest()
+        return "auto" if self.auto is not None else None
+
     def epochs(self, first: int) -> Iterable[int]:
         """The epochs to run from ``first`` (endless for a stream: ``max_steps`` ends it)."""
         if self.micro_batches is None:
