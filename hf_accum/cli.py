@@ -111,7 +111,11 @@ def _run_plan(args: argparse.Namespace) -> int:
     plan = _recipe_plan(args, processes) if args.config else _explicit_plan(args, processes)
     print(plan.describe())
     ramp = args.rampup_batch_size or (_recipe_ramp(args) if args.config else None)
-    if ramp:
+    if ramp == "auto":  # accumulation.rampup_batch_size: auto (hf_accum.auto_ramp)
+        from hf_accum.auto_ramp import describe_auto_plan
+
+        print(describe_auto_plan(_recipe_ramp(args, "rampup_auto"), plan, args.train_examples, args.epochs))
+    elif ramp:
         print(ramp_stages(ramp, plan, args.train_examples, args.epochs))
     if args.learning_rate is not None:
         base = args.base_batch_size or plan.global_batch_size
@@ -142,11 +146,11 @@ def _recipe_plan(args: argparse.Namespace, processes: int) -> BatchPlan:
     return BatchPlan(micro, config.training.get("gradient_accumulation_steps", 1), processes, args.nodes)
 
 
-def _recipe_ramp(args: argparse.Namespace) -> list[int] | None:
+def _recipe_ramp(args: argparse.Namespace, key: str = "rampup_batch_size"):
     from hf_accum.recipe import config as C
 
     path, overrides = C.parse_overrides(["--config", args.config, *args.overrides])
-    return C.load_config(path, overrides).accumulation.rampup_batch_size
+    return getattr(C.load_config(path, overrides).accumulation, key)
 
 
 def ramp_stages(values: list[int], plan: BatchPlan, train_examples: int | None, epochs: float) -> str:

@@ -41,6 +41,9 @@ class UpdateLog:
     """This update's raw estimate of ``|G|^2`` (None when nothing was measured)."""
     trace_cov: float | None = None
     """This update's raw estimate of ``tr(S)``, the per-target gradient covariance trace."""
+    batch_change: str | None = None
+    """``rampup_batch_size='auto'``: the change this update's reading decided (the next update's batch), with its
+    reason (:meth:`hf_accum.auto_ramp.BatchChange.reason`); None when the batch stays."""
 
     def tracked(self) -> dict[str, float]:
         """The numbers an experiment tracker gets for this update (names as Trainer logs them)."""
@@ -64,6 +67,7 @@ class UpdateLog:
         state += f" | eval_loss {self.eval_loss:.4f}" if self.eval_loss is not None else ""
         state += f" | aux_loss {self.aux_loss:.4f}" if self.aux_loss is not None else ""
         state += f" | noise_scale {self.noise_scale:.0f}" if self.noise_scale is not None else ""
+        state += f" | {self.batch_change}" if self.batch_change else ""
         return (
             f"update {self.step} | epoch {self.epoch:.2f} | loss {self.loss:.4f} | lr {self.learning_rate:.3e} | "
             f"grad_norm {grad} | tokens {self.targets} | seqs {self.sequences} | "

@@ -32,6 +32,8 @@ from hf_accum.distributed import (  # noqa: E402
     fsdp_unsharded_root, is_fsdp_sharded, is_partitioned, leave_process_group,
 )
 from hf_accum.recipe.config import load_recipe_config  # noqa: E402
+from hf_accum.auto_ramp import describe_auto_plan, is_auto  # noqa: E402
+from hf_accum.schedule import BatchPlan  # noqa: E402
 from hf_accum.recipe.data import exact_match, load_tokenizer_and_data  # noqa: E402
 from hf_accum.recipe.launch import (  # noqa: E402
     check_engine, check_launch, check_offload_optimizer, fsdp_training_arguments, launch_line, loop_accelerator,
@@ -59,6 +61,9 @@ def train_with_loop(model, tokenizer, data, collator, args, record, resume, laun
     (under DeepSpeed: the window counted first, the loss scaled before backward). ``loss_sum_fn``: a
     (sum, count) loss other than the token loss (objective dpo: one per pair)."""
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
+    if is_auto(record.config.accumulation.rampup_batch_size):  # what the batch controller will do
+        say(describe_auto_plan(record.config.accumulation.rampup_auto, BatchPlan(args.per_device_train_batch_size,
+            args.gradient_accumulation_steps, args.world_size), len(data.train.examples), args.num_train_epochs))
     if launch.backend in ("deepspeed", "fsdp"):  # Accelerate on CPU would drop both: built for them
         accelerator = loop_accelerator(
             launch, args.gradient_accumulation_steps, args.max_grad_norm, precision, args.use_cpu,

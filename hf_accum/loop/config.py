@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from hf_accum.auto_ramp import AutoRampError, AutoRampSettings, is_auto
 from hf_accum.control import DEFAULT_MAX_CONSECUTIVE_NONFINITE
 from hf_accum.errors import InputError
 from hf_accum.loss import LossKind
@@ -63,11 +64,16 @@ class LoopConfig:
     ``epoch`` (after each epoch's last update) or ``no``. Evaluates the exact per-token held-out loss."""
     eval_steps: float | None = None
     """Updates between evaluations for ``eval_strategy='steps'``."""
-    rampup_batch_size: list[int] | None = None
+    rampup_batch_size: list[int] | str | None = None
     """``[start, increment, samples]`` (Megatron's ``--rampup-batch-size``): the global batch starts at ``start``
     sequences and grows by ``increment`` towards ``micro x processes x K`` (K: the Accelerator's
     ``gradient_accumulation_steps``) over ``samples`` sequences; the window changes, the micro-batch stays
-    (:mod:`hf_accum.loop.windows`)."""
+    (:mod:`hf_accum.loop.windows`). ``"auto"``: the batch grows from a minimum towards that global batch when the
+    measured noise scale says it pays (:mod:`hf_accum.auto_ramp`; turns ``noise_scale`` on; the LR schedule then
+    runs over consumed samples, so ``max_steps`` and ``warmup_steps`` are refused: use ``warmup_ratio``)."""
+    rampup_auto: Any = None
+    """With ``rampup_batch_size="auto"``: :class:`hf_accum.auto_ramp.AutoRampSettings` or a dict of its fields
+    (``min_batch_size``, ``margin``, ``release``, ``patience``, ``min_updates``, ``growth``, ``lr_rule``)."""
     tokens_per_update: int | None = None
     """Close an update once its window holds at least this many targets on all ranks (planned before each
     epoch from the data order). The Accelerator's ``gradient_accumulation_steps`` then sizes no window (the
@@ -123,11 +129,16 @@ fixed ``1 / K`` of ``Accelerator.backward`` is undone at the boundary as always)
             raise LoopConfigError(
                 "LoopConfig.rampup_batch_size and LoopConfig.tokens_per_update both set; allowed: one of them"
             )
-        if ramp is not None:
+        if is_auto(ramp):
+            self._validate_auto()
+        elif self.rampup_auto is not None:
+            raise LoopConfigError("LoopConfig.rampup_auto is set but rampup_batch_size is not 'auto'; allowed: None")
+        elif ramp is not None:
             values = list(ramp) if isinstance(ramp, (list, tuple)) else [ramp]
             if len(values) != 3 or not all(_is_int(v, 1) for v in values):
                 raise LoopConfigError(
-                    f"LoopConfig.rampup_batch_size={ramp!r} must be three integers >= 1 [start, increment, samples]"
+                    f"LoopConfig.rampup_batch_size={ramp!r} must be three integers >= 1 [start, increment, samples] "
+                    "or 'auto'"
                 )
             self.rampup_batch_size = values
         if budget is not None and not _is_int(budget, 1):
@@ -137,6 +148,20 @@ fixed ``1 / K`` of ``Accelerator.backward`` is undone at the boundary as always)
                 f"LoopConfig.tokens_per_update with normalization={self.normalization!r}: a token budget counts "
                 "target tokens; allowed: normalization='token'"
             )
+
+    def _validate_auto(self) -> None:
+        try:
+            self.rampup_auto = AutoRampSettings.of(self.rampup_auto, "LoopConfig.rampup_auto")
+        except AutoRampError as error:
+            raise LoopConfigError(str(error)) from None
+        # The number of updates depends on the controller: a horizon in updates cannot be stated.
+        if _is_int(self.max_steps, 1):
+            raise LoopConfigError(f"LoopConfig.max_steps={self.max_steps} with rampup_batch_size='auto': the run's "
+                                  "length is its data (num_train_epochs); allowed: -1")
+        if self.warmup_steps:
+            raise LoopConfigError(f"LoopConfig.warmup_steps={self.warmup_steps} with rampup_batch_size='auto': the "
+                                  "LR schedule runs over consumed samples; allowed: 0 (use warmup_ratio)")
+        self.noise_scale = True  # the controller's measurement
 
     @property
     def planned_windows(self) -> bool:
@@ -167,7 +192,7 @@ fixed ``1 / K`` of ``Accelerator.backward`` is undone at the boundary as always)
         names = {f.name for f in fields(cls)} - {
             "label_smoothing", "loss_kind", "fp32_grad_accumulation", "warmup_ratio", "fused_loss",
             "max_consecutive_nonfinite", "stop_on_signals", "rampup_batch_size", "tokens_per_update",
-            "noise_scale", "normalization",
+            "noise_scale", "normalization", "rampup_auto",
         }
         return names | {"label_smoothing_factor"}
 

@@ -12,9 +12,10 @@ from typing import Any, Iterable
 import torch
 from accelerate import Accelerator
 
+from hf_accum.auto_ramp import is_auto
 from hf_accum.distributed import num_nodes
 from hf_accum.loop.config import LoopConfig, LoopConfigError
-from hf_accum.loop.windows import WindowPlan, ramp_plan, token_plan
+from hf_accum.loop.windows import AutoRampPlan, WindowPlan, auto_plan, ramp_plan, token_plan
 from hf_accum.loss import infer_loss_kind
 from hf_accum.schedule import BatchPlan, epochs_needed, planned_updates, warn_repeated_examples
 
@@ -29,6 +30,8 @@ class RunPlan:
     batch: BatchPlan
     windows: WindowPlan | None = None
     """Ramp-up or token budget: every update's window, planned (None: fixed K windows)."""
+    auto: AutoRampPlan | None = None
+    """``rampup_batch_size='auto'``: windows decided between updates; ``total_updates`` is then an upper bound."""
 
     @classmethod
     def of(cls, dataloader: Any, accelerator: Accelerator, config: LoopConfig, model: Any = None) -> RunPlan:
@@ -37,6 +40,8 @@ class RunPlan:
         micro_batches = _micro_batches_per_epoch(dataloader, accelerator, config)
         total = planned_updates(micro_batches or 0, accumulation_steps, config.num_train_epochs, config.max_steps)
         batch = BatchPlan(_micro_batch_size(dataloader), accumulation_steps, accelerator.num_processes, num_nodes())
+        if is_auto(config.rampup_batch_size):
+            return cls._auto(micro_batches, accelerator, config, batch, dataloader)
         windows = _window_plan(dataloader, accelerator, config, micro_batches, batch, model)
         plan = cls(micro_batches, windows.total_updates if windows else total, batch, windows)
         if windows is None:
@@ -50,12 +55,37 @@ class RunPlan:
             warn_repeated_examples(logger, dataset, batch, getattr(accelerator, "even_batches", True))
         return plan
 
+    @classmethod
+    def _auto(cls, micro_batches: int | None, accelerator: Accelerator, config: LoopConfig, batch: BatchPlan,
+              dataloader: Any) -> RunPlan:
+        if micro_batches is None:
+            raise LoopConfigError("LoopConfig.rampup_batch_size='auto' needs a dataloader with a length (its LR "
+                                  "schedule runs over the run's samples); allowed with a stream: None")
+        auto = auto_plan(config.rampup_auto, micro_batches, batch.micro_batch_size, batch.accumulation_steps,
+                         batch.num_processes, config.num_train_epochs)
+        if accelerator.is_main_process:
+            logger.info("micro-batch %d x %d processes; %d micro-batches/epoch per process (the auto ramp's line "
+                        "follows)", batch.micro_batch_size, batch.num_processes, micro_batches)
+            warn_repeated_examples(logger, getattr(dataloader, "dataset", None), batch,
+                                   getattr(accelerator, "even_batches", True))
+        return cls(micro_batches, auto.max_updates, batch, None, auto)
+
+    @property
+    def window_digest(self) -> str | None:
+        """What a checkpoint stores of the windows: the planned windows' fingerprint, ``"auto"`` for the auto ramp
+        (its state is in the scheduler's), None for fixed K; a resume under another one is refused."""
+        if self.windows is not None:
+            return self.windows.digest()
+        return "auto" if self.auto is not None else None
+
     def epochs(self, first: int) -> Iterable[int]:
         """The epochs to run from ``first`` (endless for a stream: ``max_steps`` ends it)."""
         if self.micro_batches is None:
             return count(first)
         if self.windows is not None:
             return range(first, len(self.windows.epochs))
+        if self.auto is not None:
+            return range(first, len(self.auto.epoch_micro_batches))
         return range(first, epochs_needed(self.total_updates, self.micro_batches, self.batch.accumulation_steps))
 
 

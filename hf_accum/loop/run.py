@@ -71,7 +71,7 @@ def train(
     config = (config or LoopConfig()).validate()
     check_supported(accelerator, train_dataloader)
     plan = RunPlan.of(train_dataloader, accelerator, config, model)
-    scheduler = (lr_scheduler or _default_scheduler(config))(optimizer, plan.total_updates)
+    scheduler = _scheduler(plan, config, optimizer, lr_scheduler, accelerator)
     control = control or TrainingControl()
     micro_batch_loss = _micro_batch_loss(model, config, loss_sum_fn, accelerator)
     stepper = build_stepper(model, optimizer, scheduler, accelerator, config, micro_batch_loss,
@@ -96,7 +96,11 @@ def train(
                 epoch=epoch + (consumed / plan.micro_batches if plan.micro_batches else 0.0), grad_norm=step.grad_norm,
                 noise=step.noise,
             )
-            if evaluation_due(config, update.step, plan.total_updates, consumed == plan.micro_batches):
+            if plan.auto is not None:  # the next window's size, decided before checkpoint and report
+                update.batch_change = _observe(plan, update, accelerator)
+            # The auto ramp's last update is known when it closes (total_updates is only its upper bound).
+            total = update.step if plan.auto is not None and plan.auto.ends_run(epoch, consumed) else plan.total_updates
+            if evaluation_due(config, update.step, total, consumed == plan.micro_batches):
                 update.eval_loss = evaluate_loss(model, eval_dataloader, accelerator, stepper.loss)
             result.updates.append(update)
             checkpoint = supervisor.after_update(update, step.decision, epoch, consumed)
@@ -115,11 +119,40 @@ def _updates(stepper: Stepper, supervisor: Supervisor, dataloader: Any,
         if hasattr(dataloader, "set_epoch"):
             dataloader.set_epoch(epoch)
         batches, consumed = supervisor.epoch_batches(dataloader, epoch)
-        windows = supervisor.plan.windows
+        windows, auto = supervisor.plan.windows, supervisor.plan.auto
         planned = windows.windows_from(epoch, consumed) if windows else None
         targets = windows.window_targets(epoch, consumed) if windows else None
+        if auto is not None:  # lazy: each size is read when its window opens, after the last update's reading
+            planned = auto.windows(epoch, consumed, stepper.scheduler)
         for step in stepper.epoch(batches, done=len(result.updates), windows=planned, targets=targets):
             yield epoch, consumed + step.consumed, step
+
+
+def _scheduler(plan: RunPlan, config: LoopConfig, optimizer, lr_scheduler, accelerator: Accelerator):
+    """The LR scheduler: over the planned updates, or (auto ramp) over the run's samples with the LR rule."""
+    if plan.auto is None:
+        return (lr_scheduler or _default_scheduler(config))(optimizer, plan.total_updates)
+    if lr_scheduler is not None:
+        raise LoopConfigError("train(lr_scheduler=...) with rampup_batch_size='auto': the LR is the ramp's schedule "
+                              "over consumed samples (lr_scheduler_type, warmup_ratio, rampup_auto.lr_rule); "
+                              "allowed: lr_scheduler=None")
+    scheduler = plan.auto.schedule(optimizer, config.lr_scheduler_type, config.warmup_ratio)
+    if accelerator.is_main_process:
+        logger.info("%s", plan.auto.describe(scheduler))
+    return scheduler
+
+
+def _observe(plan: RunPlan, update: UpdateLog, accelerator: Accelerator) -> str | None:
+    """The controller's reading of ``update`` (reduced values only: every rank decides the same); a change is
+    logged with its reason and returned for the update's record."""
+    change = plan.auto.observe(update.step, update.noise_scale, update.targets, update.applied)
+    if change is None:
+        return None
+    reason = change.reason()
+    if accelerator.is_main_process:
+        logger.info("auto batch ramp: %s; LR rule %s: x%.4f from update %d", reason,
+                    plan.auto.controller.settings.lr_rule, plan.auto.controller.lr_factor(), update.step + 1)
+    return reason
 
 
 def _boundary(accelerator: Accelerator, config: LoopConfig, control: TrainingControl,

@@ -5,13 +5,20 @@ Every rank runs it in lockstep: its inputs are the boundary's decisions, which c
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from typing import Any
 
 from accelerate import Accelerator
 
 from hf_accum.boundary import Decision, UpdateBoundary
-from hf_accum.checkpoint import ResumeMismatchError, check_output_dir_writable, resolve_resume_checkpoint
+from hf_accum.checkpoint import (
+    LOOP_STATE_FILE,
+    ResumeMismatchError,
+    check_output_dir_writable,
+    resolve_resume_checkpoint,
+)
 from hf_accum.loop.config import LoopConfig, LoopConfigError
 from hf_accum.loop.plan import RunPlan
 from hf_accum.loop.steppers import Stepper
@@ -42,6 +49,8 @@ class Supervisor:
 
     def resume(self, checkpoint: str, progress: Any) -> None:
         assert self.checkpointer is not None  # a resume path comes with a checkpointer (build_checkpointer)
+        # Before anything is loaded: another kind of windows has another kind of LR scheduler state.
+        self._check_window_plan(checkpoint, _stored_window_plan(checkpoint))
         state = self.checkpointer.resume(checkpoint, self.plan.micro_batches)
         self.result.updates = [UpdateLog(**update) for update in state.log_history]
         self.stepper.magnitude.value = state.window_magnitude
@@ -49,7 +58,6 @@ class Supervisor:
         if self.boundary.noise is not None and state.noise_scale:
             self.boundary.noise.load_state_dict(state.noise_scale)
         self.first_epoch = state.epoch
-        self._check_window_plan(checkpoint, state.window_plan)
         progress.update(state.update)
         if self.accelerator.is_main_process:
             if state.planned_updates != self.plan.total_updates:
@@ -61,8 +69,7 @@ class Supervisor:
                         checkpoint, state.update, state.epoch, state.micro_batches_in_epoch)
 
     def _check_window_plan(self, checkpoint: str, stored: str | None) -> None:
-        windows = self.plan.windows
-        if (windows.digest() if windows else None) != stored:
+        if self.plan.window_digest != stored:
             raise ResumeMismatchError(
                 f"cannot resume from {checkpoint}: it was planned with other windows (rampup_batch_size / "
                 "tokens_per_update or the data differ); resume with the checkpoint's settings and data"
@@ -86,7 +93,7 @@ class Supervisor:
                 planned_updates=self.plan.total_updates, micro_batches_per_epoch=self.plan.micro_batches,
                 window_magnitude=self.stepper.magnitude.value,
                 consecutive_nonfinite=self.boundary.guard.consecutive, log_history=self.result.as_dicts(),
-                window_plan=self.plan.windows.digest() if self.plan.windows else None,
+                window_plan=self.plan.window_digest,
                 noise_scale=self.boundary.noise.state_dict() if self.boundary.noise is not None else None,
             )
         )
@@ -111,6 +118,13 @@ class Supervisor:
         raise error
 
 
+def _stored_window_plan(checkpoint: str) -> str | None:
+    with open(os.path.join(checkpoint, LOOP_STATE_FILE)) as handle:
+        return json.load(handle).get("window_plan")
+
+
+def build_checkpointer(config: LoopConfig, accelerator: Accelerator, resume_from_checkpoint: Any, model, optimizer,
+                       scheduler, dataloader, plan: RunPlan) -> tuple[LoopCheckpointer | None, str | None]:
 def build_checkpointer(
     config: LoopConfig, accelerator: Accelerator, resume_from_checkpoint: Any, model: Any, optimizer: Any,
     scheduler: Any, dataloader: Any, plan: RunPlan,

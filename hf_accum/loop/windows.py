@@ -5,6 +5,9 @@ yields; only the number of micro-batches per update moves):
 
 * ``LoopConfig(rampup_batch_size=[start, increment, samples])`` -- Megatron's batch ramp-up
   (:mod:`hf_accum.rampup`): the window follows the samples consumed so far;
+* ``LoopConfig(rampup_batch_size="auto")`` -- the window is *decided* between updates by the noise-scale controller
+  (:mod:`hf_accum.auto_ramp`), not planned: :class:`AutoRampPlan` yields each window's size lazily, after the
+  previous update was observed;
 * ``LoopConfig(tokens_per_update=N)`` -- an update closes once its window holds at least ``N`` targets on
   all ranks. The targets of every micro-batch are counted in one pass over each epoch's data before training
   (the epoch's order is drawn from its seed, ``set_epoch``), summed over ranks with one all-reduce of the
@@ -23,10 +26,11 @@ import json
 import math
 from dataclasses import dataclass
 from itertools import count
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
+from hf_accum.auto_ramp import AutoRampSettings, BatchChange, BatchController, RampSchedule
 from hf_accum.checkpoint import ResumeMismatchError
 from hf_accum.loop_checkpoint import capture_random_states, data_generators, restore_random_states
 from hf_accum.loss import count_targets
@@ -178,3 +182,67 @@ def check_window_targets(planned: int | None, counted: int, step: int) -> None:
             "use_seedable_sampler=True))) or shuffle=False"
         )
 
+
+
+@dataclass
+class AutoRampPlan:
+    """The auto ramp in a loop run: the controller, the run's micro-batches per epoch (its horizon in samples,
+    known before training) and the window each update takes, decided when its window opens."""
+
+    controller: BatchController
+    epoch_micro_batches: tuple[int, ...]
+    """Micro-batches per process of every epoch to run (a fractional last epoch: its share, rounded up)."""
+    last_window: int = 0
+
+    @property
+    def horizon_samples(self) -> int:
+        return sum(self.epoch_micro_batches) * self.controller.per_round
+
+    @property
+    def max_updates(self) -> int:
+        """An upper bound on the run's updates: every window at the start batch."""
+        return sum(math.ceil(m / self.controller.min_accumulation) for m in self.epoch_micro_batches)
+
+    def schedule(self, optimizer: Any, name: str, warmup_ratio: float) -> RampSchedule:
+        horizon = self.horizon_samples
+        return RampSchedule(optimizer, self.controller, horizon, name, math.ceil(warmup_ratio * horizon))
+
+    def windows(self, epoch: int, consumed: int, schedule: RampSchedule) -> Iterator[int]:
+        """The sizes of ``epoch``'s windows after its first ``consumed`` micro-batches, each read when its window
+        opens: the steppers pull the next size only after the previous update was yielded, recorded and
+        observed (:meth:`observe`), so it is the size the controller decided from that update."""
+        left = self.epoch_micro_batches[epoch] - consumed
+        while left > 0:
+            size = min(self.controller.accumulation, left)  # the epoch's last window keeps what is left
+            schedule.open_window(size)
+            self.last_window = size
+            yield size
+            left -= size
+
+    def ends_run(self, epoch: int, consumed: int) -> bool:
+        """The update that closed at ``consumed`` micro-batches of ``epoch`` is the run's last."""
+        return epoch == len(self.epoch_micro_batches) - 1 and consumed >= self.epoch_micro_batches[-1]
+
+    def observe(self, step: int, noise_scale: float | None, targets: float, applied: bool) -> BatchChange | None:
+        """Feed one update's reading to the controller (a skipped update or a short window gives none)."""
+        full = self.last_window == self.controller.accumulation
+        return self.controller.observe(step, noise_scale if applied else None, targets, full_window=full)
+
+    def describe(self, schedule: RampSchedule | None = None) -> str:
+        line = "; ".join([self.controller.describe(), *self.controller.notes()])
+        if schedule is not None:
+            line += (f"; LR schedule over {schedule.horizon} samples (warmup {schedule.warmup}), "
+                     f"at most {self.max_updates} updates")
+        return line
+
+
+def auto_plan(settings: Any, micro_batches: int, micro_batch_size: int, accumulation: int, num_processes: int,
+              num_epochs: float) -> AutoRampPlan:
+    """The auto ramp towards the global batch ``micro x processes x accumulation`` (the configured K)."""
+    settings = AutoRampSettings.of(settings, "LoopConfig.rampup_auto")
+    controller = BatchController(settings, micro_batch_size * num_processes, accumulation, "LoopConfig.rampup_auto")
+    whole = int(num_epochs)
+    epochs = [micro_batches] * whole
+    if num_epochs > whole:
+        epochs.append(math.ceil((num_epochs - whole) * micro_batches))
+    return AutoRampPlan(controller, tuple(epochs))

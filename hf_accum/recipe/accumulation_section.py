@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from hf_accum.auto_ramp import AutoRampSettings, BatchController, is_auto
 from hf_accum.errors import InputError
 from hf_accum.planned_windows import refuse_planned_windows
 from hf_accum.rampup import RampUp
@@ -43,12 +44,35 @@ def check_accumulation_section(section: Any, config: Any) -> None:
                             "updates spanning several micro-batches are measured")
     if config.engine != "loop":
         refuse_planned_windows("accumulation.", section.rampup_batch_size, section.tokens_per_update)
-    if section.rampup_batch_size is not None:  # the nearest valid values when it does not fit the batch
-        micro, world = t.per_device_train_batch_size, int(os.environ.get("WORLD_SIZE", "1"))
+    micro, world = t.per_device_train_batch_size, int(os.environ.get("WORLD_SIZE", "1"))
+    if is_auto(section.rampup_batch_size):
+        _check_auto_ramp(section, config, micro, world)
+    elif section.rampup_batch_size is not None:  # the nearest valid values when it does not fit the batch
+        if not isinstance(section.rampup_batch_size, (list, tuple)):
+            raise AccumulationError(f"accumulation.rampup_batch_size={section.rampup_batch_size!r}; allowed: "
+                                    "[start, increment, samples], auto, null")
         RampUp.from_list(list(section.rampup_batch_size), micro * t.gradient_accumulation_steps * world, micro, world,
                          key="accumulation.rampup_batch_size")
     if section.tokens_per_update is not None:
         _yield_batch_keys(config)
+
+
+def _check_auto_ramp(section: Any, config: Any, micro: int, world: int) -> None:
+    """``rampup_batch_size: auto``: the start batch on the resolved arithmetic; what its schedule over samples and
+    its measurement exclude."""
+    t = config.training
+    key = "accumulation.rampup_auto"
+    BatchController(AutoRampSettings.of(section.rampup_auto, key), micro * world, t.gradient_accumulation_steps, key)
+    where = "accumulation.rampup_batch_size=auto"
+    if t.get("deepspeed"):
+        raise AccumulationError(f"{where} is not available with training.deepspeed (the noise scale it steers by "
+                                "cannot be measured inside the engine); allowed: a list, or drop training.deepspeed")
+    if (t.get("max_steps") or -1) > 0:
+        raise AccumulationError(f"{where} with training.max_steps={t['max_steps']}: the run's length is its data "
+                                "(training.num_train_epochs); allowed: -1")
+    if (t.get("warmup_steps") or 0) >= 1:
+        raise AccumulationError(f"{where} with training.warmup_steps={t['warmup_steps']}: the LR schedule runs over "
+                                "consumed samples; allowed: a fraction below 1 (of the run's samples)")
 
 
 def _yield_batch_keys(config: Any) -> None:

@@ -154,10 +154,11 @@ class RunRecord:
         self.updates.append(asdict(update))
 
     def record_update(self, update: Any) -> None:  # an hf_accum.UpdateLog
-        """``on_update``: keep every update, and print one line every ``logging_steps``."""
+        """``on_update``: keep every update, and print one line every ``logging_steps`` (and at every change of the
+        auto batch ramp, with its reason)."""
         self.keep_update(update)
         every = max(1, int(self.config.training.get("logging_steps", 10) or 1))
-        if update.step == 1 or update.step % every == 0:
+        if update.step == 1 or update.step % every == 0 or getattr(update, "batch_change", None):  # auto ramp
             from tqdm.auto import tqdm
 
             if is_main_process():
@@ -258,6 +259,13 @@ def _plot_batch_panel(ax: Any, updates: list[dict[str, Any]], steps: list[int]) 
         ax.set_yscale("log")
     ax.set_ylabel("tokens")
     ax.legend(loc="upper right", fontsize=8)
+    changes = [u["step"] for u in updates if u.get("batch_change")]
+    if changes:  # accumulation.rampup_batch_size=auto: the batch in sequences, and where the controller grew it
+        for step in changes:
+            ax.axvline(step + 0.5, color="tab:gray", lw=0.8, ls=":")
+        sequences = ax.twinx()
+        sequences.step(steps, [u.get("sequences", math.nan) for u in updates], where="mid", lw=1, color="tab:blue")
+        sequences.set_ylabel("sequences per update (batch)", color="tab:blue", fontsize=8)
 
 
 def describe_trainable(summary: dict[str, Any]) -> str:

@@ -84,8 +84,12 @@ class DataSection:
 class AccumulationSection:
     """How updates are formed beyond a fixed K (checked by :mod:`hf_accum.recipe.config.validation`)."""
 
-    rampup_batch_size: list | None = None
-    """``[start, increment, samples]``: Megatron's batch ramp-up towards the global batch (loop engine)."""
+    rampup_batch_size: list | str | None = None
+    """``[start, increment, samples]``: Megatron's batch ramp-up towards the global batch (loop engine); ``auto``: the
+    batch grows from a minimum when the measured noise scale says it pays (:mod:`hf_accum.auto_ramp`)."""
+    rampup_auto: dict | None = None
+    """With ``rampup_batch_size: auto``: the controller's settings (``min_batch_size``, ``margin``, ``release``,
+    ``patience``, ``min_updates``, ``growth``, ``lr_rule``: constant | sqrt | seesaw)."""
     tokens_per_update: int | None = None
     """Close an update once it holds this many targets on all ranks (loop engine); replaces the global batch."""
     noise_scale: bool = False
@@ -98,7 +102,7 @@ class AccumulationSection:
     def loop_settings(self) -> dict[str, Any]:
         """The :class:`~hf_accum.loop.LoopConfig` fields this section sets (``AccumTrainer`` takes the last two)."""
         return {"rampup_batch_size": self.rampup_batch_size, "tokens_per_update": self.tokens_per_update,
-                "noise_scale": self.noise_scale, "normalization": self.normalization}
+                "noise_scale": self.noise_scale, "normalization": self.normalization, "rampup_auto": self.rampup_auto}
 
 
 class TrainingSection(dict):
