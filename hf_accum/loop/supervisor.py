@@ -123,8 +123,6 @@ def _stored_window_plan(checkpoint: str) -> str | None:
         return json.load(handle).get("window_plan")
 
 
-def build_checkpointer(config: LoopConfig, accelerator: Accelerator, resume_from_checkpoint: Any, model, optimizer,
-                       scheduler, dataloader, plan: RunPlan) -> tuple[LoopCheckpointer | None, str | None]:
 def build_checkpointer(
     config: LoopConfig, accelerator: Accelerator, resume_from_checkpoint: Any, model: Any, optimizer: Any,
     scheduler: Any, dataloader: Any, plan: RunPlan,
