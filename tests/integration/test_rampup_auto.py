@@ -259,7 +259,7 @@ def test_rampup_auto_without_auto_is_refused_and_auto_turns_noise_scale_on():
 
 def test_accum_trainer_refuses_and_names_the_loop_engine():
     from hf_accum import AccumTrainer
-    from hf_accum.loop.windows import WindowsNeedLoopError
+    from hf_accum.planned_windows import WindowsNeedLoopError
 
     with pytest.raises(WindowsNeedLoopError, match=r"rampup_batch_size='auto' needs the loop engine"):
         AccumTrainer(rampup_batch_size="auto")
