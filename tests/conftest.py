@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import zlib
 
 import pytest
 
@@ -71,9 +72,15 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
         return None
     from xdist.scheduler import LoadFileScheduling
 
+    # HF_ACCUM_TEST_DISTRIBUTED_UNITS=N splits tests/distributed/ into N units (by file), 0 gives each file its own
+    # unit (plain loadfile): more parallel 2-process jobs, more contention. The default 1 is the one-at-a-time rule.
+    units = int(os.environ.get("HF_ACCUM_TEST_DISTRIBUTED_UNITS", "1"))
+
     class DistributedAsOneUnit(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            return MULTIPROCESS_GROUP if path.startswith(MULTIPROCESS_PREFIX) else path
+            if not path.startswith(MULTIPROCESS_PREFIX) or units == 0:
+                return path
+            return MULTIPROCESS_GROUP if units == 1 else f"{MULTIPROCESS_GROUP} {zlib.crc32(path.encode()) % units}"
 
     return DistributedAsOneUnit(config, log)
