@@ -10,15 +10,15 @@ Layout (each folder's kind is what a test starts, see docs/testing.md):
 
 Helpers two test files share live in :mod:`hf_accum.testing` (:mod:`hf_accum.testing.cases` for the cases a
 worker and its test share) or :mod:`hf_accum.recipe.testing` (the recipe script's runners); a test file
-never imports another one (``tests/unit/test_test_layout.py``).
+never imports another one (``tests/unit/test_suite_layout.py``).
 
-Under ``pytest -n 2 --dist loadgroup`` (pytest-xdist):
+Under ``pytest -n 2 --dist loadfile`` (pytest-xdist, as ``.ci/run`` runs it):
 
-* every slow test of ``distributed/`` (a 2-process job, or a test reading its report), and every test elsewhere
-  marked ``multiprocess`` (a 2-process launch of the recipe script), is in one xdist group, ``multiprocess``: one
-  worker runs them one after the other, so no more than one 2-process job competes with the other worker's single-process test for the 2
-  cores; every other test is grouped with its module, so a module-scoped fixture (a model, a run) is built
-  once, on one worker;
+* every test of ``distributed/`` is in one unit of work: one worker runs them one after the other, so no more
+  than one 2-process job competes with the other worker's single-process test for the 2 cores (a 2-process
+  run of the recipe in integration/test_recipe.py or test_runs.py may still overlap one); every other
+  file is a unit of its own, so a module-scoped fixture (a model, a run) is built once, on one worker
+  (:func:`pytest_xdist_make_scheduler`);
 * each worker has its own temporary directory (``TMPDIR``, inherited by its subprocesses), so a test that
   checks it left no ``hf_accum*`` directory behind does not see the other worker's, and torch uses one
   thread per worker.
@@ -29,16 +29,17 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import zlib
 
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
-# Where the tests that start more than one process live; under xdist they run on one worker, one at a time.
-MULTIPROCESS_DIR = os.path.join(TESTS, "distributed")
-MULTIPROCESS_GROUP = "multiprocess"
+# Where the tests that start more than one process live (test ids relative to the repository root); under xdist
+# they run on one worker, one at a time.
+MULTIPROCESS_PREFIX = "tests/distributed/"
+MULTIPROCESS_GROUP = "tests/distributed (2-process jobs, one at a time)"
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ... inside an xdist worker, else None
 
 if XDIST_WORKER:
@@ -61,18 +62,25 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(_PRIVATE_TMP, ignore_errors=True)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the test ids
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        if any(item.iter_markers("xdist_group")):
-            continue
-        path = str(item.path)
-        in_multiprocess_dir = os.path.commonpath([path, MULTIPROCESS_DIR]) == MULTIPROCESS_DIR
-        # In distributed/, the slow tests are the ones that launch (or read the report of) a 2-process job; the
-        # others run in-process and may go to either worker.
-        slow = any(item.iter_markers("slow"))
-        multiprocess = (in_multiprocess_dir and slow) or any(item.iter_markers("multiprocess"))
-        group = MULTIPROCESS_GROUP if multiprocess else os.path.relpath(path, TESTS)
-        item.add_marker(pytest.mark.xdist_group(group))
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: without xdist installed, pytest never calls it
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """``--dist loadfile``, with every file of tests/distributed/ in ONE unit of work: those tests run on one
+    worker, one after the other, so two 2-process jobs never compete for the 2 cores; every other file is its
+    own unit, so its module-scoped fixtures (a model, a run) are built once. (Not ``--dist loadgroup`` with
+    ``xdist_group`` marks: pytest-xdist 3.8 puts the group into ``item._nodeid``, which pytest 9 no longer reads.)"""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    # HF_ACCUM_TEST_DISTRIBUTED_UNITS=N splits tests/distributed/ into N units (by file), 0 gives each file its own
+    # unit (plain loadfile): more parallel 2-process jobs, more contention. The default 1 is the one-at-a-time rule.
+    units = int(os.environ.get("HF_ACCUM_TEST_DISTRIBUTED_UNITS", "1"))
+
+    class DistributedAsOneUnit(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            if not path.startswith(MULTIPROCESS_PREFIX) or units == 0:
+                return path
+            return MULTIPROCESS_GROUP if units == 1 else f"{MULTIPROCESS_GROUP} {zlib.crc32(path.encode()) % units}"
+
+    return DistributedAsOneUnit(config, log)

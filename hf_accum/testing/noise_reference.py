@@ -6,6 +6,8 @@ must equal them (1e-10)."""
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -16,11 +18,11 @@ from hf_accum.noise_scale import SmallBatch, update_estimates
 class RecordingCollator:
     """Wraps a collator; keeps every micro-batch this rank's dataloader produced."""
 
-    def __init__(self, collator) -> None:
+    def __init__(self, collator: Callable[[list[dict]], dict]) -> None:
         self.collator = collator
         self.batches: list[dict] = []
 
-    def __call__(self, examples):
+    def __call__(self, examples: list[dict]) -> dict:
         batch = self.collator(examples)
         self.batches.append({key: value.clone() for key, value in batch.items()})
         return batch
@@ -100,7 +102,7 @@ def learnable_rows(rows: int, seed: int) -> list[dict]:
 
 
 def scenario(rows: int = 32, lr: float = 0.0, max_grad_norm: float = 1e6, seed: int = 11, accumulation: int = 4,
-             epochs: float = 1):
+             epochs: float = 1) -> Any:
     """Float64 tiny Llama, padded rows with masked prompts; lr 0 keeps the weights of the reference."""
     from hf_accum.batching import PaddingCollator
     from hf_accum.testing import PAD, Scenario, tiny_causal_lm
@@ -110,7 +112,7 @@ def scenario(rows: int = 32, lr: float = 0.0, max_grad_norm: float = 1e6, seed: 
                     max_grad_norm=max_grad_norm, epochs=epochs, loop_kwargs={"noise_scale": True})
 
 
-def run_engine(engine: str, case, output_dir: str) -> tuple[list[dict], torch.nn.Module, str | None]:
+def run_engine(engine: str, case: Any, output_dir: str) -> tuple[list[dict], torch.nn.Module, str | None]:
     """Train ``case`` in ``engine`` ('loop' or 'trainer'): (updates as dicts, the plain model, advice line)."""
     from dataclasses import asdict
 

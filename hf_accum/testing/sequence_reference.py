@@ -5,6 +5,8 @@ Nothing from hf_accum's loss, boundary or sequence_norm is used."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -63,7 +65,7 @@ def relative_errors(model: torch.nn.Module, batches: list[dict], accumulation: i
     return errors
 
 
-def run(engine: str, collator, examples: list, normalization: str, output_dir: str, micro_batch: int = 2,
+def run(engine: str, collator: Any, examples: list, normalization: str, output_dir: str, micro_batch: int = 2,
         accumulation: int = 4) -> tuple[list[float], list]:
     """Train (lr 0: the weights stay) in ``engine``; the relative errors of every applied gradient and the logs."""
     from torch.utils.data import DataLoader

@@ -125,7 +125,6 @@ def test_packing_must_be_a_bool(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.multiprocess
 @pytest.mark.parametrize("engine", ["loop", "trainer"])
 def test_two_cpu_processes_end_to_end(engine, tmp_path):
     out = tmp_path / f"{engine}2"
@@ -158,7 +157,6 @@ def test_qlora_runs_on_cpu_with_the_tiny_model(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.multiprocess
 @pytest.mark.parametrize("engine", ["loop", "trainer"])
 def test_qlora_on_two_cpu_processes_trains_one_run_not_two(engine, tmp_path):
     """A quantized load (device_map) used to set up Accelerate's shared state first, as ONE process on a
@@ -178,7 +176,6 @@ def test_qlora_on_two_cpu_processes_trains_one_run_not_two(engine, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.multiprocess
 def test_two_processes_without_use_cpu_on_a_cpu_machine_stop_before_loading(tmp_path):
     from hf_accum.recipe.launch import gpu_like_device_available
 

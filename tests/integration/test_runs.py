@@ -460,7 +460,6 @@ def test_a_full_disk_ends_in_one_line_with_exit_3(where, small_disk):
 
 
 @pytest.mark.slow
-@pytest.mark.multiprocess
 def test_sigterm_to_torchrun_checkpoints_every_rank_and_torchrun_exits_1(tmp_path):
     """What docs/runs.md promises: torchrun forwards SIGTERM to its workers, which finish the update, write one
     checkpoint and exit 75; torchrun itself then exits 1 (its agent re-raises the signal). The same command with

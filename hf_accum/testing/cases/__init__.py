@@ -1,7 +1,7 @@
 """Test cases that more than one file of the test suite uses: a torchrun worker and the test that re-derives
 its expectations, two workers sharing their data, or a worker script that tests also call in-process.
 
-A test file never imports another test file (``tests/unit/test_test_layout.py``); what two of them share lives
+A test file never imports another test file (``tests/unit/test_suite_layout.py``); what two of them share lives
 here. The ``*_worker.py`` modules are scripts as well (``python PATH`` or ``torchrun ... PATH``, see
 :func:`script`); every other module is named ``*_case.py`` so that a script run from this folder (whose folder
 comes first on ``sys.path``) cannot shadow an installed package.

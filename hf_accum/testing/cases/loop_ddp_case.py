@@ -3,8 +3,6 @@ fused_ddp_worker.py and loop_windows_ddp_worker.py share them): ranks with very 
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
@@ -25,7 +23,9 @@ class AllReduceCounter:
     def attach(self, ddp_model: DistributedDataParallel) -> None:
         ddp_model.register_comm_hook(None, self.hook)
 
-    def hook(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    # No annotations: DDP's register_comm_hook compares the annotation of ``bucket`` with dist.GradBucket, and
+    # under ``from __future__ import annotations`` it would see a string and refuse the hook.
+    def hook(self, state, bucket):  # type: ignore[no-untyped-def]
         if bucket.is_last():
             self.rounds += 1
         return default_hooks.allreduce_hook(None, bucket)

@@ -12,8 +12,10 @@ boundary) and 6. Two processes: 28 rows = 7 micro-batches per rank, K=3: windows
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
@@ -41,7 +43,8 @@ def layout(world_size: int) -> tuple[int, int]:
     return (22, 4) if world_size == 1 else (28, 3)
 
 
-def run(args, micro_batch: int = MICRO_BATCH, accumulation: int | None = None, world_size: int | None = None):
+def run(args: argparse.Namespace, micro_batch: int = MICRO_BATCH, accumulation: int | None = None,
+        world_size: int | None = None) -> Any:
     """Train (or resume) the story's run; returns the TrainResult. ``micro_batch``/``accumulation`` let a
     test ask for another batch plan than the checkpoints were written with."""
     world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
@@ -61,7 +64,7 @@ def run(args, micro_batch: int = MICRO_BATCH, accumulation: int | None = None, w
         output_dir=run_dir(args.out), save_steps=2, save_total_limit=2,
     )
 
-    def on_update(update):
+    def on_update(update: Any) -> None:
         recorder.update(update.step, update.learning_rate, update.loss, update.applied)
         maybe_sigterm(args, update.step, accelerator.process_index)
 

@@ -10,9 +10,11 @@ epoch, two processes 3, 3 and a short 1; 6 updates over 2 epochs.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
+from typing import Any
 
 import torch
 from transformers import TrainerCallback
@@ -37,19 +39,19 @@ from hf_accum.testing.interruptions import (
 class _Record(TrainerCallback):
     """Per update: the logged exact loss and LR (logging_steps=1), and the SIGTERM injection."""
 
-    def __init__(self, recorder: Recorder, args) -> None:
+    def __init__(self, recorder: Recorder, args: argparse.Namespace) -> None:
         self.recorder = recorder
         self.args = args
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         maybe_sigterm(self.args, state.global_step, args.process_index)
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
         if logs and "loss" in logs and "train_runtime" not in logs:
             self.recorder.update(state.global_step, logs["learning_rate"], logs["loss"], True)
 
 
-def build(args, micro_batch: int = MICRO_BATCH, accumulation: int | None = None) -> AccumTrainer:
+def build(args: argparse.Namespace, micro_batch: int = MICRO_BATCH, accumulation: int | None = None) -> AccumTrainer:
     """The story's trainer; ``micro_batch``/``accumulation`` let a test ask for another batch plan."""
     logging.getLogger("transformers.trainer").setLevel(logging.WARNING)
     rows, default_accumulation = layout(int(os.environ.get("WORLD_SIZE", "1")))
@@ -74,7 +76,7 @@ def build(args, micro_batch: int = MICRO_BATCH, accumulation: int | None = None)
     return trainer
 
 
-def run(args, **plan) -> AccumTrainer:
+def run(args: argparse.Namespace, **plan: Any) -> AccumTrainer:
     trainer = build(args, **plan)
     kill_during_checkpoint_write(args.kill_in_save)
     trainer.train(resume_from_checkpoint=resume_argument(args.out))
