@@ -9,11 +9,11 @@ import json
 import sys
 
 import torch.distributed as dist
-from loop_ddp_worker import AllReduceCounter
 
 from hf_accum.batching import PaddingCollator
 from hf_accum.distributed import leave_process_group
 from hf_accum.testing import PAD, Scenario, random_rows, run_exact, tiny_causal_lm
+from hf_accum.testing.cases.loop_ddp_case import AllReduceCounter
 
 # 64 rows, micro-batch 2 -> 16 micro-batches per rank and epoch; K up to 8: global batch 32, start 2 x 2 x 2 = 8.
 # Accelerate hands micro-batch j to rank j % 2: long rows (pairs 4m, 4m+1) on rank 0, short ones on rank 1.

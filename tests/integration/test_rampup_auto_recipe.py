@@ -7,10 +7,10 @@ from __future__ import annotations
 import os
 
 import pytest
-from test_recipe import ACCELERATE, fails_cleanly, read_metrics, run_script
 
 from hf_accum.cli import main as cli_main
 from hf_accum.recipe import outputs as run_outputs
+from hf_accum.recipe.testing import ACCELERATE, fails_cleanly, read_metrics, run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT = os.path.join(ROOT, "recipes", "configs", "cpu_default.yaml")
