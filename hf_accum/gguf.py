@@ -76,6 +76,11 @@ PACKAGED_MODELS: dict[str, Callable[[], GgufSource]] = {
 """Models shipped as PyPI packages, by the name a config gives as ``model.name_or_path``."""
 
 
+def names_gguf(name_or_path: str, gguf_file: str | None = None) -> bool:
+    """Whether ``name_or_path`` (+ ``gguf_file``) is meant as a GGUF model (by its form: nothing is read)."""
+    return gguf_file is not None or name_or_path.startswith("pypi:") or name_or_path.lower().endswith(".gguf")
+
+
 def gguf_source(name_or_path: str, gguf_file: str | None = None) -> GgufSource | None:
     """The GGUF file ``name_or_path`` (+ ``gguf_file``) names, or None when it names no GGUF model.
 

@@ -49,6 +49,7 @@ from hf_accum.recipe.outputs import (  # noqa: E402
     say,
 )
 from hf_accum.distributed import leave_process_group  # noqa: E402
+from hf_accum.peak_memory import describe as describe_peak_memory, largest_over_ranks, peak_memory  # noqa: E402
 from hf_accum.run_lock import run_lock  # noqa: E402
 
 
@@ -250,10 +251,11 @@ def run(config):
         world_size=plan.num_processes, batch_plan=plan.describe(), micro_batch_size=plan.micro_batch_size,
         accumulation_steps=plan.accumulation_steps, global_batch_size=plan.global_batch_size,
         eval_before=before, eval_after=after, train_seconds=train_seconds, data=data_facts(data),
+        peak_memory=largest_over_ranks(peak_memory(args.device)),  # every rank: a collective
     )
     out = save_outputs(record, model, tokenizer)
     say(f"{len(record.updates)} updates in {train_seconds:.0f}s; wall time {record.wall_seconds:.0f}s "
-        f"(from process start)")
+        f"(from process start); {describe_peak_memory(record.facts['peak_memory'])}")
     say(f"held-out exact match: before {percent(before)} -> after {percent(after)}  (outputs in {out})")
     if record.noise_scale_advice:
         say(record.noise_scale_advice)  # accumulation.noise_scale: the measured critical batch vs this run's

@@ -57,7 +57,7 @@ def load_trained(run_dir: str):
     base = modeling.load_model(
         m.name_or_path, tokenizer, m.dtype, config.bnb_config(), seed=int(config.training.get("seed", 42)),
         config_overrides=m.config_overrides, attn_implementation=m.attn_implementation,
-        trust_remote_code=m.trust_remote_code,
+        trust_remote_code=m.trust_remote_code, gguf_file=m.gguf_file,
     )
     return PeftModel.from_pretrained(base, weights).eval(), tokenizer, config
 

