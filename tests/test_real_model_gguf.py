@@ -73,7 +73,8 @@ def test_peak_memory_reading_and_its_words():
     with open("/proc/self/statm") as statm:  # resident pages now: the peak read after is at least that
         resident = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     reading = peak_memory("cpu")
-    assert reading["peak_rss_bytes"] >= resident and "peak_allocated_bytes" not in reading
+    # Linux batches RSS counter updates per thread (up to 64 pages each): allow a few MiB of lag.
+    assert reading["peak_rss_bytes"] >= resident - 4 * 2**20 and "peak_allocated_bytes" not in reading
     assert largest_over_ranks(reading) == reading  # one process: the reading itself
     assert describe({"peak_rss_bytes": 3 * 2**30 // 2}) == "peak memory 1.50 GiB RSS"
     assert describe({"peak_rss_bytes": 2**30, "peak_allocated_bytes": 2**29, "device": "cuda:0"}) == (
