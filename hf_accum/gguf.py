@@ -152,9 +152,12 @@ def default_cache_root() -> str:
     return os.environ.get("HF_ACCUM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hf_accum")
 
 
-def converted_dir(source: GgufSource, cache_root: str | None = None, dtype: torch.dtype = torch.float32) -> str:
+def converted_dir(
+    source: GgufSource, cache_root: str | None = None, dtype: torch.dtype = torch.float32, loaded=None
+) -> str:
     """A normal model directory (``config.json``, ``model.safetensors``, tokenizer files) holding the GGUF
     model dequantized to ``dtype``; written once per file content (keyed by its sha256) and reused.
+    ``loaded``: ``(model, tokenizer)`` already loaded from ``source`` in ``dtype`` (saves loading it again).
 
     Written into a temporary sibling and renamed when complete, so a concurrent or interrupted
     conversion never leaves a half-written directory under the final name."""
@@ -165,10 +168,10 @@ def converted_dir(source: GgufSource, cache_root: str | None = None, dtype: torc
         return target
     os.makedirs(root, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".converting-", dir=root)
-    model = load_gguf_model(source, dtype)
+    model, tokenizer = loaded if loaded is not None else (load_gguf_model(source, dtype), None)
     model.save_pretrained(staging)
     del model
-    load_gguf_tokenizer(source).save_pretrained(staging)
+    (tokenizer or load_gguf_tokenizer(source)).save_pretrained(staging)
     try:
         os.rename(staging, target)
     except OSError:  # another process finished first: keep its copy

@@ -45,11 +45,13 @@ def smollm2(smollm2_source):
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir(smollm2_source, request):
-    """The plain model directory, converted once per GGUF content into pytest's cache."""
+def smollm2_dir(smollm2_source, smollm2, request):
+    """The plain model directory, converted once per GGUF content into pytest's cache (from the model the
+    session already loaded)."""
     from hf_accum.gguf import converted_dir
 
-    return converted_dir(smollm2_source, cache_root=str(request.config.cache.mkdir("hf_accum_real_models")))
+    cache = str(request.config.cache.mkdir("hf_accum_real_models"))
+    return converted_dir(smollm2_source, cache_root=cache, loaded=smollm2)
 
 
 def test_gguf_model_is_plain_and_saves(smollm2, tmp_path):
