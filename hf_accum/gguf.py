@@ -23,7 +23,7 @@ import importlib.util
 import os
 import tempfile
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -105,7 +105,7 @@ def gguf_source(name_or_path: str, gguf_file: str | None = None) -> GgufSource |
     return source
 
 
-def load_gguf_tokenizer(source: GgufSource):
+def load_gguf_tokenizer(source: GgufSource) -> Any:
     """The tokenizer stored in the GGUF file (vocabulary, special tokens and, when the file has one, the chat
     template)."""
     from transformers import AutoTokenizer
@@ -113,7 +113,7 @@ def load_gguf_tokenizer(source: GgufSource):
     return AutoTokenizer.from_pretrained(source.directory, gguf_file=source.filename)
 
 
-def gguf_config(source: GgufSource):
+def gguf_config(source: GgufSource) -> Any:
     """The model's ``PretrainedConfig``, read from the file's metadata (no weights)."""
     from transformers import AutoConfig
 
@@ -122,7 +122,7 @@ def gguf_config(source: GgufSource):
 
 def load_gguf_model(
     source: GgufSource, dtype: torch.dtype | str = torch.float32, attn_implementation: str | None = None
-):
+) -> Any:
     """The causal LM in ``source``, every weight dequantized to ``dtype``: a plain transformers model that saves
     with ``save_pretrained`` and trains like any other (see :func:`hf_accum.compat.forget_gguf_quantization`)."""
     from transformers import AutoModelForCausalLM, GgufConfig
@@ -153,7 +153,10 @@ def default_cache_root() -> str:
 
 
 def converted_dir(
-    source: GgufSource, cache_root: str | None = None, dtype: torch.dtype = torch.float32, loaded=None
+    source: GgufSource,
+    cache_root: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    loaded: tuple[Any, Any] | None = None,
 ) -> str:
     """A normal model directory (``config.json``, ``model.safetensors``, tokenizer files) holding the GGUF
     model dequantized to ``dtype``; written once per file content (keyed by its sha256) and reused.

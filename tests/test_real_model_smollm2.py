@@ -127,7 +127,7 @@ def test_recipe_fine_tunes_smollm2_and_the_loss_falls(engine, smollm2_dir, tmp_p
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, SCRIPT, "--config", CONFIG, *overrides], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     metrics = json.loads((out / "metrics.json").read_text())
     losses = [update["loss"] for update in metrics["updates"]]

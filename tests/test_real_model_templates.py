@@ -158,3 +158,9 @@ def test_gemma_end_of_turn_is_not_eos_and_is_stopped_at():
     examples = [Example(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}])] * 3
     result = exact_match(model, gemma, examples, max_new_tokens=12)
     assert result["exact_match"] == 1.0, result["samples"]
+
+
+def test_without_a_chat_template_only_the_eos_stops():
+    tokenizer = template_tokenizer("chatml")
+    tokenizer.chat_template = None
+    assert end_of_turn_id(tokenizer) is None and stop_token_ids(tokenizer) == [tokenizer.eos_token_id]

@@ -46,6 +46,8 @@ def end_of_turn_id(tokenizer) -> int | None:
     Found by rendering a one-turn conversation as text and tokenizing what follows the answer: its first
     special (added) token. None when the template ends a turn with plain text only (the tokenizer's EOS
     is then the only stop)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
     messages = [{"role": "user", "content": "probe"}, {"role": "assistant", "content": _PROBE_ANSWER}]
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     at = text.rfind(_PROBE_ANSWER)
@@ -74,8 +76,8 @@ def stop_token_ids(tokenizer, model: Any = None) -> list[int]:
 
 def cut_at_stop(ids: Sequence[int], stops: Iterable[int]) -> list[int]:
     """``ids`` up to (not including) the first stop id: the answer a generation gave."""
-    stops = set(stops)
-    return list(next((ids[:i] for i, token in enumerate(ids) if token in stops), ids))
+    stop_set = set(stops)
+    return list(next((ids[:i] for i, token in enumerate(ids) if token in stop_set), ids))
 
 
 def _trained_end(ids: Sequence[int], start: int, end: int, turn_end: int | None) -> int:
@@ -160,7 +162,7 @@ def encode_examples(tokenizer, examples: Iterable[Example], max_length: int) -> 
     """Encode, cut at ``max_length`` and count. An example whose answer was cut away entirely is
     dropped (counted): it would add no target, only compute."""
     split = EncodedSplit()
-    turn_end = end_of_turn_id(tokenizer) if getattr(tokenizer, "chat_template", None) else None
+    turn_end = end_of_turn_id(tokenizer)
     for example in examples:
         if example.text is not None:
             ids, labels = encode_text(tokenizer, example.text)
