@@ -264,3 +264,31 @@ def trl_grpo_divisor(trainer: Any, inputs: dict, mask: torch.Tensor) -> float | 
     raise ValueError(f"no TRL 1.16 divisor known for loss_type={loss_type!r}")
 
 
+def forget_gguf_quantization(model: torch.nn.Module) -> None:
+    """Make a model loaded from a GGUF file, dequantized, a plain model again (transformers 5.23).
+
+    ``from_pretrained(..., gguf_file=...)`` attaches a ``GgufHfQuantizer``. For an architecture its newer GGUF
+    path does not cover (Llama, Gemma 3: ``GgufHfQuantizer.supported`` is False) the legacy loader dequantizes
+    every weight to a plain tensor, yet the quantizer stays attached: ``model.hf_quantizer``,
+    ``model.is_quantized``, ``model.quantization_method``, ``config.quantization_config`` and each
+    sub-model's ``config._is_quantized``. Then ``save_pretrained`` refuses ("quantized with gguf and is not
+    serializable": ``GgufHfQuantizer.is_serializable()`` is False) and ``Trainer`` refuses full fine-tuning of
+    a "quantized" model (``trainer_utils.validate_quantization_for_training``). The quantizer's own
+    ``remove_quantization_config`` -- what transformers itself runs after a ``GgufConfig(dequantize=True)``
+    load on its newer path -- clears the first four; ``_is_quantized`` is set per sub-model by
+    ``quantizers.base._assign_is_quantized``. Refuses a model whose weights are still packed in GGUF blocks
+    (``GgufLinear`` modules): those are really quantized."""
+    packed = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.startswith("Gguf")})
+    if packed:
+        raise RuntimeError(f"the GGUF model still holds packed weights ({', '.join(packed)}): load it with "
+                           "quantization_config=GgufConfig(dequantize=True)")
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        method = getattr(quantizer.quantization_config, "quant_method", None)
+        if str(getattr(method, "value", method)) != "gguf":
+            raise RuntimeError(f"the model is quantized with {method}, not loaded from a GGUF file: it stays quantized")
+        quantizer.remove_quantization_config(model)
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_is_quantized"):
+            del config._is_quantized

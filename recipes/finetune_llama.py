@@ -46,6 +46,7 @@ from hf_accum.recipe.outputs import (  # noqa: E402
     probe_writable, quiet_third_party_warnings, run_cli, save_outputs, say,
 )
 from hf_accum.recipe.resume import check_resume_fits, resume_checkpoint  # noqa: E402
+from hf_accum.peak_memory import describe as describe_peak_memory, largest_over_ranks, peak_memory  # noqa: E402
 from hf_accum.run_lock import run_lock  # noqa: E402
 
 
@@ -235,10 +236,12 @@ def run(config):
     after = objective.evaluate(model, tokenizer, data, config, args)
 
     # 5. Outputs: adapter (or model) + tokenizer, loss/LR plot, metrics.json (written last: finished).
-    record.add_result(plan, eval_before=before, eval_after=after, train_seconds=train_seconds, data=data_facts(data))
+    peak = largest_over_ranks(peak_memory(args.device))  # every rank: a collective
+    record.add_result(plan, eval_before=before, eval_after=after, train_seconds=train_seconds, data=data_facts(data),
+                      peak_memory=peak)
     out = save_outputs(record, model, tokenizer)
     say(f"{len(record.updates)} updates in {train_seconds:.0f}s; wall time {record.wall_seconds:.0f}s "
-        f"(from process start)")
+        f"(from process start); {describe_peak_memory(peak)}")
     say(f"held-out {objective.metric}: before {objective.score(before)} -> after {objective.score(after)}  "
         f"(outputs in {out})")
     if record.noise_scale_advice:

@@ -5,7 +5,8 @@ quantization and config overrides, the seed), and ``adapter/`` (LoRA/QLoRA; ``mo
 with the tokenizer and its chat template. The base model is loaded again the way the recipe loaded it --
 the embedded ``hf_accum:tiny-llama`` is rebuilt in-process from the same seed, so its adapter (which names
 no ``base_model_name_or_path`` on disk) fits it exactly -- the adapter goes on top, and the prompt is
-rendered as a one-turn user conversation through the chat template and decoded greedily.
+rendered as a one-turn user conversation through the chat template and decoded greedily, up to the end of
+the assistant's turn (the held-out metric's stop tokens: :func:`hf_accum.recipe.data.stop_token_ids`).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def load_trained(run_dir: str):
     base = modeling.load_model(
         m.name_or_path, tokenizer, m.dtype, config.bnb_config(), seed=int(config.training.get("seed", 42)),
         config_overrides=m.config_overrides, attn_implementation=m.attn_implementation,
-        trust_remote_code=m.trust_remote_code,
+        trust_remote_code=m.trust_remote_code, gguf_file=m.gguf_file,
     )
     return PeftModel.from_pretrained(base, weights).eval(), tokenizer, config
 
@@ -65,11 +66,12 @@ def complete(model, tokenizer, prompt: str, max_new_tokens: int, system: str | N
     """The greedy completion of ``prompt`` as a one-turn user conversation (through the chat template)."""
     import torch
 
-    from hf_accum.recipe.data import prompt_ids
+    from hf_accum.recipe.data.encoding import cut_at_stop, prompt_ids, stop_token_ids
 
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     ids = torch.tensor([prompt_ids(tokenizer, messages)])
+    stops = stop_token_ids(tokenizer, model)
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+                             do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=stops)
+    return tokenizer.decode(cut_at_stop(out[0, ids.shape[1]:].tolist(), stops), skip_special_tokens=True)

