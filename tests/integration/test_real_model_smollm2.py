@@ -19,7 +19,7 @@ import torch
 
 from hf_accum.loss import IGNORE_INDEX
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "recipes", "finetune_llama.py")
 CONFIG = os.path.join(ROOT, "recipes", "configs", "smollm2_135m_cpu.yaml")
 

@@ -11,7 +11,7 @@ from hf_accum.errors import InputError
 from hf_accum.gguf import GgufSource, gguf_source, names_gguf
 from hf_accum.peak_memory import describe, largest_over_ranks, peak_memory
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_what_names_a_gguf_model(tmp_path):
