@@ -57,3 +57,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave_process_group()  # gloo may abort at exit otherwise (a no-op when main already left it)

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 
 from hf_accum import LoopConfig, train
 from hf_accum.batching import PaddingCollator
+from hf_accum.distributed import leave_process_group
 from hf_accum.testing import PAD, fresh_accelerator, random_rows, tiny_causal_lm
 
 EAGER = {"margin": 0.5, "release": 0.25, "patience": 2, "min_updates": 2, "lr_rule": "seesaw"}
@@ -48,3 +49,4 @@ def main(out: str, flags: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2:])
+    leave_process_group()  # one process, no group: a no-op (every worker script ends so, tests/distributed)
