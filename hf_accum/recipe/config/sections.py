@@ -137,7 +137,7 @@ class TrainingSection(dict):
 def training_defaults() -> dict[str, Any]:
     from transformers import TrainingArguments
 
-    return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]
             for f in dataclasses.fields(TrainingArguments)
             if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
 
