@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, Callable
 
 from hf_accum.errors import InputError
 
@@ -312,7 +312,7 @@ def describe_auto_plan(settings: Any, plan: Any, train_examples: int | None = No
     return "\n".join(lines)
 
 
-def schedule_shape(name: str, warmup: int, horizon: int):
+def schedule_shape(name: str, warmup: int, horizon: int) -> Callable[[int], float]:
     """transformers' LR multiplier ``shape(samples)`` for ``name`` with ``warmup`` and ``horizon`` in samples."""
     import torch
     from transformers import get_scheduler

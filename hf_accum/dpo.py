@@ -100,7 +100,7 @@ class PairLabels:
     def __init__(self, collator: Callable) -> None:
         self.collator = collator
 
-    def __call__(self, examples):
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         return with_labels(self.collator(examples), examples)
 
 
@@ -115,7 +115,7 @@ def with_labels(batch: dict[str, Any], examples: list[dict] | None = None) -> di
     return batch
 
 
-class AccumDPOTrainer(AccumTrainer, DPOTrainer):
+class AccumDPOTrainer(AccumTrainer, DPOTrainer):  # type: ignore[misc]  # TRL types loss_is_scaled_for_ga as None
     """``trl.DPOTrainer`` whose every update applies the exact big-batch gradient of the mean pair loss.
 
     Same constructor as ``DPOTrainer`` (model, ``ref_model``, ``DPOConfig``, datasets in TRL's preference formats,
@@ -133,7 +133,7 @@ class AccumDPOTrainer(AccumTrainer, DPOTrainer):
         device = self.args.device
         self._pair_metrics = {"train": _PairMetrics(device), "eval": _PairMetrics(device)}
 
-    def _build_micro_batch_loss(self, loss_kind, fused_loss: bool, normalization: str = "token") -> MicroBatchLoss:
+    def _build_micro_batch_loss(self, loss_kind: Any, fused_loss: bool, normalization: str = "token") -> MicroBatchLoss:
         """Called by AccumTrainer's constructor: the pair loss of TRL's settings, on the logits path (full
         precision; TRL's fused head would compute the log-probs in float32)."""
         if normalization != "token":
@@ -142,7 +142,7 @@ class AccumDPOTrainer(AccumTrainer, DPOTrainer):
         return MicroBatchLoss("causal_lm", loss_sum_fn=self.dpo_loss, fused=False)
 
     # -- the reference log-probs (live or precomputed), in the model's dtype -----------------------------
-    def compute_ref_log_probs(self, model, inputs):
+    def compute_ref_log_probs(self, model: Any, inputs: dict[str, Any]) -> tuple[torch.Tensor, ...]:
         """The reference's summed completion log-probs ``(chosen[P], rejected[P])`` of one batch (TRL's or
         :class:`PairLabels`' layout), from the logits in the model's dtype. TRL's precompute pass calls it too."""
         labels = inputs.get("labels")
@@ -155,7 +155,7 @@ class AccumDPOTrainer(AccumTrainer, DPOTrainer):
         logps, _ = completion_logps(logits, labels)
         return logps.chunk(2, dim=0)
 
-    def _precompute_ref_logps(self, dataset, name: str, batch_size: int):
+    def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
         """TRL's precompute pass, with even batches across ranks: its all-gather needs them (``even_batches=False``
         would crash it); it drops the repeated rows, so every example gets its own reference log-probs."""
         with evened_batches(self.accelerator):
@@ -169,7 +169,8 @@ class AccumDPOTrainer(AccumTrainer, DPOTrainer):
         return {**inputs, REFERENCE_KEYS[0]: chosen, REFERENCE_KEYS[1]: rejected}
 
     # -- the loss and TRL's metrics -------------------------------------------------------------------------
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
         """AccumTrainer's loss (the pair terms, scaled once per window); the pair metrics recorded on the side."""
         inputs = self._with_reference(with_labels(dict(inputs)))
         result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
@@ -180,12 +181,12 @@ class AccumDPOTrainer(AccumTrainer, DPOTrainer):
             self._pair_metrics[mode].add(**stats, tokens=tokens)
         return result
 
-    def get_train_dataloader(self):
+    def get_train_dataloader(self) -> Any:
         # Every (re)try of the training loop starts without half-counted metrics (AccumTrainer resets its tallies).
         self._pair_metrics["train"].reset()
         return super().get_train_dataloader()
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
+    def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
         loss = super().training_step(model, inputs, num_items_in_batch)
         # The window's last micro-batch (as in AccumTrainer): one all-reduce for the metrics.
         if num_items_in_batch is not None and self.accelerator.sync_gradients:
@@ -193,8 +194,8 @@ class AccumDPOTrainer(AccumTrainer, DPOTrainer):
             add_trl_train_tokens(self, int(window["tokens"]))
         return loss
 
-    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
-                        metric_key_prefix="eval"):
+    def evaluation_loop(self, dataloader: Any, description: str, prediction_loss_only: bool | None = None,
+                        ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> Any:
         self._pair_metrics["eval"].reset()
         output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
         self._pair_metrics["eval"].reduce(self.accelerator)  # every rank runs the evaluation loop

@@ -46,7 +46,7 @@ core of :mod:`hf_accum.accumulation` (stream ``dpo``) lands, the terms should be
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -158,7 +158,7 @@ class AccumGRPOTrainer(GRPOTrainer):
         self._kl_stats = DeviceSums(("kl_sum", "tokens"), self.args.device)
 
     # -- the update's micro-batches, prepared and counted before its first backward -----------------------
-    def get_batch_samples(self, epoch_iterator, num_batches, device):
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list[Any], Any]:
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
         if not batch_samples:
             return batch_samples, num_items_in_batch
@@ -180,7 +180,7 @@ class AccumGRPOTrainer(GRPOTrainer):
             set_grpo_step(self, start)  # GRPOTrainer.training_step advances it, micro-batch by micro-batch
         return prepared
 
-    def _count_window(self, micro_batches: list[dict[str, Any]]) -> WindowCounts:
+    def _count_window(self, micro_batches: Sequence[dict[str, Any]]) -> WindowCounts:
         counts = DeviceSums(("sequences", "tokens"), self.accelerator.device)
         for inputs in micro_batches:
             mask = loss_mask(inputs)
@@ -189,13 +189,14 @@ class AccumGRPOTrainer(GRPOTrainer):
         return WindowCounts(totals["sequences"], totals["tokens"], self.accelerator.num_processes,
                             int(self.max_completion_length or 0))
 
-    def _prepare_inputs(self, generation_batch):
+    def _prepare_inputs(self, generation_batch: Any) -> Any:
         if isinstance(generation_batch, PreparedMicroBatch):
             return generation_batch
         return super()._prepare_inputs(generation_batch)
 
     # -- the loss ------------------------------------------------------------------------------------------
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
         """Training: TRL's policy loss rescaled from TRL's divisor to the update's count, plus the KL and entropy
         terms, each ``W * sum / N`` with its own ``N``. Evaluation: TRL's own loss."""
         if not (self.model.training and isinstance(inputs, PreparedMicroBatch) and self._window is not None):
@@ -226,7 +227,8 @@ class AccumGRPOTrainer(GRPOTrainer):
             loss = loss - self.entropy_coef * entropy_sum * window.factor(TOKENS)
         return loss
 
-    def _kl_term(self, inputs, per_token_logps, mask, window: WindowCounts) -> torch.Tensor:
+    def _kl_term(self, inputs: dict[str, Any], per_token_logps: torch.Tensor, mask: torch.Tensor,
+                 window: WindowCounts) -> torch.Tensor:
         """``W * sum(kl) / N`` in the loss type's unit; TRL's ``k3`` estimator and its optional IS correction."""
         ref = inputs["ref_per_token_logps"]
         per_token_kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1
@@ -235,7 +237,8 @@ class AccumGRPOTrainer(GRPOTrainer):
         self._kl_stats.add(kl_sum=(per_token_kl * mask).sum().detach(), tokens=mask.sum())
         return unit_sum(per_token_kl, mask, self._unit) * window.factor(self._unit)
 
-    def _importance_weights(self, inputs, per_token_logps, mask) -> torch.Tensor:
+    def _importance_weights(self, inputs: dict[str, Any], per_token_logps: torch.Tensor,
+                            mask: torch.Tensor) -> torch.Tensor:
         """TRL's ``coef_1``: ``exp(log pi - log pi_old)`` per token, or the masked mean per sequence."""
         old = inputs.get("old_per_token_logps")
         log_ratio = per_token_logps - (per_token_logps.detach() if old is None else old)
@@ -243,8 +246,10 @@ class AccumGRPOTrainer(GRPOTrainer):
             log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
         return torch.exp(log_ratio)
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
-                                           compute_entropy=False, compute_aux_loss=False, **model_kwargs):
+    def _get_per_token_logps_and_entropies(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                                           logits_to_keep: int, batch_size: int | None = None,
+                                           compute_entropy: bool = False, compute_aux_loss: bool = False,
+                                           **model_kwargs: Any) -> Any:
         if _full_precision_applies(self.accelerator.unwrap_model(model), compute_aux_loss, model_kwargs):
             result = self._full_precision_logps(model, input_ids, attention_mask, logits_to_keep, batch_size,
                                                 compute_entropy)
@@ -257,7 +262,9 @@ class AccumGRPOTrainer(GRPOTrainer):
             captured.append(result)
         return result
 
-    def _full_precision_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy):
+    def _full_precision_logps(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                              logits_to_keep: int, batch_size: int | None,
+                              compute_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None, None]:
         """TRL's per-token log-probs and entropies of the completion tokens, from the full logits in the model's own
         dtype (TRL's fused head accumulates in float32, a 1e-7 floor under a float64 model)."""
         batch_size = batch_size or input_ids.size(0)
@@ -280,7 +287,7 @@ class AccumGRPOTrainer(GRPOTrainer):
         return torch.cat(all_logps), entropies, None
 
     # -- the window's end: metrics ----------------------------------------------------------------------------
-    def training_step(self, model, inputs, num_items_in_batch=None):
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
         loss = super().training_step(model, inputs, num_items_in_batch)
         if self.accelerator.sync_gradients and self._window is not None:
             self._window = None

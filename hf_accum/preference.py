@@ -161,18 +161,19 @@ class DPOPairLoss:
         chosen_targets = labels[:pairs, 1:].ne(IGNORE_INDEX).sum().to(torch.float64)
         return torch.stack([torch.tensor(float(pairs), dtype=torch.float64, device=labels.device), chosen_targets])
 
-    def __call__(self, outputs: Any, labels: torch.Tensor, inputs: Mapping[str, Any]):
+    def __call__(self, outputs: Any, labels: torch.Tensor,
+                 inputs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         pairs = _pair_count(labels)
         logp_sum, n_targets = completion_logps(outputs.logits, labels)
         return self.from_logps(logp_sum, n_targets, inputs["ref_chosen_logps"], inputs["ref_rejected_logps"], pairs)
 
     def from_logps(self, logp_sum: torch.Tensor, n_targets: torch.Tensor, ref_chosen: torch.Tensor,
-                   ref_rejected: torch.Tensor, pairs: int):
+                   ref_rejected: torch.Tensor, pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The terms from each row's summed completion log-prob and target count (chosen rows first)."""
         chosen, rejected = logp_sum[:pairs], logp_sum[pairs:]
         ref_chosen = torch.as_tensor(ref_chosen, device=chosen.device).to(chosen.dtype)
         ref_rejected = torch.as_tensor(ref_rejected, device=chosen.device).to(chosen.dtype)
-        losses = sum(
+        losses: torch.Tensor = sum(  # type: ignore[assignment]  # never empty: pair_weights has a loss
             weight * pair_losses(chosen, rejected, ref_chosen, ref_rejected, beta=self.beta, loss_type=name,
                                  label_smoothing=self.label_smoothing, chosen_lengths=n_targets[:pairs],
                                  rejected_lengths=n_targets[pairs:])

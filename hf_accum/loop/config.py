@@ -134,7 +134,7 @@ fixed ``1 / K`` of ``Accelerator.backward`` is undone at the boundary as always)
         elif self.rampup_auto is not None:
             raise LoopConfigError("LoopConfig.rampup_auto is set but rampup_batch_size is not 'auto'; allowed: None")
         elif ramp is not None:
-            values = list(ramp) if isinstance(ramp, (list, tuple)) else [ramp]
+            values: list[Any] = list(ramp) if isinstance(ramp, (list, tuple)) else [ramp]
             if len(values) != 3 or not all(_is_int(v, 1) for v in values):
                 raise LoopConfigError(
                     f"LoopConfig.rampup_batch_size={ramp!r} must be three integers >= 1 [start, increment, samples] "

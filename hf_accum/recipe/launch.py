@@ -373,8 +373,9 @@ def fsdp_request(training: Mapping[str, Any]) -> dict[str, Any]:
         if option not in _FSDP_OPTIONS:
             raise LaunchError(f"training.fsdp={fsdp!r}: unknown option {option!r}; allowed: true, or "
                               f"{', '.join(_FSDP_OPTIONS)}")
-        if _FSDP_OPTIONS[option] is not None:
-            fsdp_config.setdefault(*_FSDP_OPTIONS[option])
+        default = _FSDP_OPTIONS[option]
+        if default is not None:
+            fsdp_config.setdefault(*default)
     return {"fsdp": True, "fsdp_config": fsdp_config}
 
 

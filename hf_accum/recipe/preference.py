@@ -68,7 +68,7 @@ def trl_settings(dpo: DPOSection) -> dict[str, Any]:
     return {"beta": dpo.beta, "loss_type": types, "loss_weights": weights, "label_smoothing": dpo.label_smoothing}
 
 
-def dpo_config(config: Any, args: Any):
+def dpo_config(config: Any, args: Any) -> Any:
     """TRL's ``DPOConfig``: every ``TrainingArguments`` value the recipe resolved (``args``: DPOConfig's own
     defaults, e.g. bf16 and learning_rate 1e-6, never apply), the ``dpo`` section and ``data.max_length``.
 
@@ -90,7 +90,8 @@ def dpo_config(config: Any, args: Any):
 # ----------------------------------------------------------------------------------------------
 
 
-def train_dpo_with_trainer(model, tokenizer, data, collator, args, record, resume, launch):
+def train_dpo_with_trainer(model: Any, tokenizer: Any, data: Any, collator: Any, args: Any, record: Any, resume: Any,
+                           launch: Any) -> tuple[Any, Any]:
     """:class:`hf_accum.AccumDPOTrainer` on the kept pairs in TRL's conversational form (TRL tokenizes them with
     the chat template exactly as :mod:`hf_accum.recipe.data.preference` does: the tests compare the two)."""
     from datasets import Dataset
@@ -116,7 +117,8 @@ def train_dpo_with_trainer(model, tokenizer, data, collator, args, record, resum
     return trainer.model, trainer.batch_plan
 
 
-def train_dpo_with_loop(train_with_loop, model, tokenizer, data, collator, args, record, resume, launch):
+def train_dpo_with_loop(train_with_loop: Callable[..., Any], model: Any, tokenizer: Any, data: Any, collator: Any,
+                        args: Any, record: Any, resume: Any, launch: Any) -> Any:
     """The recipe's loop engine (``train_with_loop``) on pairs carrying their reference log-probs, with
     ``DPOPairLoss`` as its ``loss_sum_fn``."""
     from hf_accum.preference import DPOPairLoss
@@ -140,13 +142,13 @@ def train_dpo_with_loop(train_with_loop, model, tokenizer, data, collator, args,
 # ----------------------------------------------------------------------------------------------
 
 
-def pair_collator(config: Any, tokenizer):
+def pair_collator(config: Any, tokenizer: Any) -> Callable[..., Any]:
     from hf_accum.preference import collate_pairs
 
     return partial(collate_pairs, pad_token_id=tokenizer.pad_token_id)
 
 
-def evaluate_pairs(model, tokenizer, data, config, args) -> dict[str, Any] | None:
+def evaluate_pairs(model: Any, tokenizer: Any, data: Any, config: Any, args: Any) -> dict[str, Any] | None:
     """The held-out pairwise accuracy, on the main process (None elsewhere, and without held-out pairs)."""
     from hf_accum.recipe.reference import pairwise_accuracy
 

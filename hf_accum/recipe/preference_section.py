@@ -4,12 +4,17 @@ itself is :mod:`hf_accum.recipe.preference`."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hf_accum.errors import InputError
 from hf_accum.preference import PAIR_LOSS_TYPES
-from hf_accum.recipe.config.sections import OBJECTIVES, DPOSection
 from hf_accum.recipe.data.formats import FORMATS, PREFERENCE_FORMATS
+
+if TYPE_CHECKING:  # the section's class lives in the config package, which imports this module (its validator)
+    from hf_accum.recipe.config.sections import DPOSection
+
+OBJECTIVES = ("sft", "dpo")
+"""What the recipe trains: ``sft`` (the default) or ``dpo`` (preference pairs)."""
 
 
 class PreferenceConfigError(InputError):
@@ -45,7 +50,7 @@ def check_dpo_section(dpo: DPOSection, config: Any) -> None:
 def _check_sft(dpo: DPOSection, config: Any) -> None:
     if config.data.format in PREFERENCE_FORMATS:
         raise PreferenceConfigError(f"data.format={config.data.format} is preference data: it needs objective=dpo")
-    if dpo != DPOSection():
+    if dpo != type(dpo)():  # any dpo key set
         config.notes.append("the dpo section is not used with objective=sft (set objective=dpo to train DPO)")
 
 

@@ -47,10 +47,10 @@ MESSAGE_NAMES = {"adam_beta1": "beta parameter at index 0", "adam_beta2": "beta 
 
 def build_run_objects(config: RecipeConfig) -> None:
     """Build the run's objects from ``config`` on toy inputs; ConfigError (one line, keys named) on a refusal."""
-    def training(**changes):
+    def training(**changes: Any) -> Any:
         return config.training_arguments(**{**TRAINING_ARGUMENT_CHANGES, **fsdp_request(config.training), **changes})
 
-    def run_schedule(args):  # the optimizer and its scheduler over a short horizon
+    def run_schedule(args: Any) -> None:  # the optimizer and its scheduler over a short horizon
         optimizer = _optimizer(config.engine, args)
         return _step(optimizer, _scheduler(args, optimizer), config.engine)
 
@@ -65,10 +65,11 @@ def build_run_objects(config: RecipeConfig) -> None:
     _built(config, "the data loader or seeds", lambda: _loaders_and_seeds(args), "training",
            rebuild=lambda: _loaders_and_seeds(training()))
     _built(config, "report_to", lambda: _integrations(args), "training")
-    if config.lora is not None:
+    lora = config.lora  # the section's dict itself (_blamed edits it in place)
+    if lora is not None:
         config.lora_config()  # LoraConfig's own checks (e.g. bias, init options), "lora: <its message>"
-        _built(config, "PEFT", lambda: _one_layer_lora(config.lora), "lora",
-               rebuild=lambda: _one_layer_lora(config.lora))
+        _built(config, "PEFT", lambda: _one_layer_lora(lora), "lora",
+               rebuild=lambda: _one_layer_lora(lora))
     for dotted, (accepted, allowed) in QUIET_VALUES.items():
         section, _, key = dotted.partition(".")
         values = getattr(config, section)
@@ -79,7 +80,7 @@ def build_run_objects(config: RecipeConfig) -> None:
            lambda: _step(optimizer, scheduler, config.engine), "training", rebuild=lambda: run_schedule(training()))
 
 
-def _loop_config(config: RecipeConfig, args):
+def _loop_config(config: RecipeConfig, args: Any) -> Any:
     from hf_accum.loop import LoopConfig, LoopConfigError
 
     try:
@@ -89,11 +90,11 @@ def _loop_config(config: RecipeConfig, args):
         for key in config.accumulation.loop_settings():
             message = message.replace(f"LoopConfig.{key}", f"accumulation.{key}")
         message = message.replace("LoopConfig.", "training.")
-        key = re.search(r"(accumulation|training)\.\w+", message)
-        raise ConfigError(f"{message} ({config.source(key.group(0))})" if key else message) from None
+        found = re.search(r"(accumulation|training)\.\w+", message)
+        raise ConfigError(f"{message} ({config.source(found.group(0))})" if found else message) from None
 
 
-def _optimizer(engine: str, args):
+def _optimizer(engine: str, args: Any) -> torch.optim.Optimizer:
     """The engine's optimizer over one parameter: the loop's AdamW as the recipe builds it, or the one Trainer
     picks from ``training.optim``."""
     parameter = torch.nn.Parameter(torch.zeros(1))
@@ -106,14 +107,14 @@ def _optimizer(engine: str, args):
     return optimizer_class([parameter], **kwargs)
 
 
-def _scheduler(args, optimizer):
+def _scheduler(args: Any, optimizer: torch.optim.Optimizer) -> Any:
     from transformers import get_scheduler
 
     return get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=1, num_training_steps=10,
                          scheduler_specific_kwargs=args.lr_scheduler_kwargs or None)
 
 
-def _step(optimizer, scheduler, engine: str) -> None:
+def _step(optimizer: torch.optim.Optimizer, scheduler: Any, engine: str) -> None:
     """Ten updates (the first with a zero gradient, as LoRA's A matrices get at step 1): parameter and rates finite.
     Only torch's own optimizers (others may need a device or a model); the scheduler stepped as the engine steps it
     (the loop: once per update, without a metric; Trainer steps a plateau scheduler on its evaluations)."""
@@ -131,18 +132,19 @@ def _step(optimizer, scheduler, engine: str) -> None:
                 raise ValueError(f"the learning rate after update {step + 1} is {scheduler.get_last_lr()}")
 
 
-def _loaders_and_seeds(args) -> None:
+def _loaders_and_seeds(args: Any) -> None:
     import random
 
     import numpy
 
     for size in (args.per_device_train_batch_size, args.per_device_eval_batch_size):
-        torch.utils.data.DataLoader(range(2), batch_size=size, num_workers=args.dataloader_num_workers)
+        torch.utils.data.DataLoader(range(2), batch_size=size,  # type: ignore[arg-type]  # any sized sequence
+                                    num_workers=args.dataloader_num_workers)
     for seed in {args.seed, args.data_seed} - {None}:
         random.Random(seed), numpy.random.RandomState(seed), torch.Generator().manual_seed(seed)
 
 
-def _integrations(args) -> None:
+def _integrations(args: Any) -> None:
     from transformers.integrations import get_reporting_integration_callbacks
 
     get_reporting_integration_callbacks(args.report_to)
@@ -150,10 +152,12 @@ def _integrations(args) -> None:
 
 # LoraConfig keys that describe the model's structure (which modules, which layers, special initialisations that
 # need data or quantized weights): the one-layer probe neutralises them; the model skeleton checks the names.
-_STRUCTURE = {"target_modules": ["proj"], "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
-              "exclude_modules": None, "rank_pattern": {}, "alpha_pattern": {}, "target_parameters": None,
-              "trainable_token_indices": None, "layer_replication": None, "megatron_config": None,
-              "use_qalora": False, "loftq_config": {}, "eva_config": None, "corda_config": None, "task_type": None}
+_STRUCTURE: dict[str, Any] = {
+    "target_modules": ["proj"], "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
+    "exclude_modules": None, "rank_pattern": {}, "alpha_pattern": {}, "target_parameters": None,
+    "trainable_token_indices": None, "layer_replication": None, "megatron_config": None,
+    "use_qalora": False, "loftq_config": {}, "eva_config": None, "corda_config": None, "task_type": None,
+}
 
 
 def _one_layer_lora(lora: dict[str, Any]) -> None:
@@ -166,11 +170,11 @@ def _one_layer_lora(lora: dict[str, Any]) -> None:
         values["init_lora_weights"] = True  # pissa, olora, eva, loftq...: need real weights or data
 
     class OneLayer(torch.nn.Module):
-        def __init__(self):
+        def __init__(self) -> None:
             super().__init__()
             self.proj = torch.nn.Linear(4, 4)
 
-        def forward(self, x):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.proj(x)
 
     model = peft.get_peft_model(OneLayer(), peft.LoraConfig(**values))
@@ -178,7 +182,8 @@ def _one_layer_lora(lora: dict[str, Any]) -> None:
     model(torch.ones(2, 4)).sum().backward()
 
 
-def _built(config: RecipeConfig, what: str, build, section: str, rebuild=None):
+def _built(config: RecipeConfig, what: str, build: Callable[[], Any], section: str,
+           rebuild: Callable[[], Any] | None = None) -> Any:
     """``build()``; its refusal (TypeError/ValueError, a ConfigError of ``Section.build``) as one line naming the
     keys it concerns and their sources. ``rebuild`` (from the config, without one key) finds the keys otherwise."""
     try:
@@ -206,7 +211,7 @@ def _mentioned(config: RecipeConfig, section: str, detail: str) -> list[str]:
     return [key for key, value in getattr(config, section).items() if mentions(key, value)]
 
 
-def _blamed(config: RecipeConfig, section: str, rebuild) -> list[str]:
+def _blamed(config: RecipeConfig, section: str, rebuild: Callable[[], Any] | None) -> list[str]:
     """The keys whose removal (back to the class default) lets ``rebuild`` pass."""
     if rebuild is None:
         return []

@@ -19,7 +19,7 @@ import contextlib
 import hashlib
 import json
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -38,7 +38,7 @@ def pair_features(pair: dict[str, Any]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def reference_mode(model: torch.nn.Module):
+def reference_mode(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """The reference policy: a PEFT model with its adapters (and ``modules_to_save`` copies) disabled; any other
     model as it is (called before its first update, it is its own reference). Eval mode (no dropout)."""
     was_training = model.training
@@ -99,7 +99,7 @@ def pairs_digest(splits: dict[str, Sequence[dict[str, Any]]]) -> str:
 
 def reference_logps(model: torch.nn.Module, splits: dict[str, Sequence[dict[str, Any]]], pad_token_id: int,
                     cache_dir: str | None, batch_size: int = 16, is_main: bool = True,
-                    report=print) -> dict[str, list[dict[str, Any]]]:
+                    report: Callable[[str], Any] = print) -> dict[str, list[dict[str, Any]]]:
     """Each split's pairs with ``ref_chosen_logps`` / ``ref_rejected_logps`` added: from the cache in
     ``cache_dir`` when its key matches, else computed once with :func:`reference_mode` (and cached by the main
     process). Every process computes the same values (one forward pass each), so no collective is needed."""
@@ -122,7 +122,8 @@ def reference_logps(model: torch.nn.Module, splits: dict[str, Sequence[dict[str,
     }
 
 
-def _read_cache(path: str | None, key: dict[str, str], report) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
+def _read_cache(path: str | None, key: dict[str, str],
+                report: Callable[[str], Any]) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
     if not path or not os.path.isfile(path):
         return None
     try:
@@ -147,7 +148,7 @@ def _write_cache(path: str, key: dict[str, str], values: dict[str, tuple[torch.T
 
 
 @torch.no_grad()
-def pairwise_accuracy(model: torch.nn.Module, split, pad_token_id: int, batch_size: int = 16) -> dict[str, Any]:
+def pairwise_accuracy(model: torch.nn.Module, split: Any, pad_token_id: int, batch_size: int = 16) -> dict[str, Any]:
     """Share of ``split``'s pairs (a :class:`~hf_accum.recipe.data.preference.PreferenceSplit`) whose chosen
     answer has the higher summed log-prob under ``model``; overall and per ``task``, with the mean margin."""
     was_training = model.training

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -28,11 +28,12 @@ from hf_accum.testing.sft import WORDS
 IGNORE = -100
 
 
-def preference_rows(n: int, seed: int = 0, prompt_words=(1, 10), answer_words=(1, 7)) -> Dataset:
+def preference_rows(n: int, seed: int = 0, prompt_words: tuple[int, int] = (1, 10),
+                    answer_words: tuple[int, int] = (1, 7)) -> Dataset:
     """``n`` rows of TRL's standard preference format (plain text), prompt and answers of uneven lengths."""
     rng = random.Random(seed)
 
-    def words(bounds):
+    def words(bounds: tuple[int, int]) -> str:
         return " ".join(rng.choice(WORDS) for _ in range(rng.randint(*bounds)))
 
     return Dataset.from_list([
@@ -41,7 +42,8 @@ def preference_rows(n: int, seed: int = 0, prompt_words=(1, 10), answer_words=(1
     ])
 
 
-def pair_features(n: int, seed: int = 0, vocab: int = 40, prompt=(1, 8), answer=(1, 6)) -> list[dict]:
+def pair_features(n: int, seed: int = 0, vocab: int = 40, prompt: tuple[int, int] = (1, 8),
+                  answer: tuple[int, int] = (1, 6)) -> list[dict]:
     """``n`` pairs as token ids for :func:`hf_accum.preference.collate_pairs` (labels -100 on the prompt)."""
     rng = random.Random(seed)
     features = []
@@ -67,7 +69,7 @@ class PairAudit:
         self.weights: list[dict[str, torch.Tensor]] = []
 
     def wrap(self, collator: Callable) -> Callable:
-        def collate(examples):
+        def collate(examples: Any) -> Any:
             batch = collator(examples)
             self._pending.append({k: v.clone() for k, v in batch.items() if torch.is_tensor(v)})
             return batch
@@ -75,7 +77,7 @@ class PairAudit:
         return collate
 
     def attach(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        def count(mod, args, kwargs):
+        def count(mod: torch.nn.Module, args: Any, kwargs: Any) -> None:
             if mod.training and torch.is_grad_enabled():
                 self._forwards += 1
 
@@ -83,7 +85,7 @@ class PairAudit:
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         optimizer.register_step_pre_hook(lambda opt, args, kwargs: self._capture(named))
 
-    def _capture(self, named) -> None:
+    def _capture(self, named: list[tuple[str, torch.nn.Parameter]]) -> None:
         window = [self._pending.popleft() for _ in range(self._forwards)]
         self._forwards = 0
         gathered: list = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
@@ -116,7 +118,9 @@ def sequence_logp(model: torch.nn.Module, ids: torch.Tensor, completion: torch.T
     return token[is_target].sum(), int(is_target.sum())
 
 
-def pair_loss(loss_type: str, chosen, rejected, ref_chosen, ref_rejected, n_chosen, n_rejected, beta, smoothing):
+def pair_loss(loss_type: str, chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor,
+              ref_rejected: torch.Tensor, n_chosen: Any, n_rejected: Any, beta: float,
+              smoothing: float) -> torch.Tensor:
     """TRL 1.16 ``DPOTrainer._compute_loss``'s per-pair formulas (reverse KL), written out independently."""
     chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
     margin = beta * (chosen_ratio - rejected_ratio)
@@ -173,7 +177,7 @@ def relative_error(applied: dict[str, torch.Tensor], reference: dict[str, torch.
     return (diff / norm) ** 0.5
 
 
-def audit_errors(audit: PairAudit, model: torch.nn.Module, ref_logp: Callable, **loss) -> list[float]:
+def audit_errors(audit: PairAudit, model: torch.nn.Module, ref_logp: Callable, **loss: Any) -> list[float]:
     """Every recorded update's relative error against :func:`reference_gradient` (``model`` is a float64 copy
     of the trained architecture; its weights are overwritten by each update's)."""
     errors = []
@@ -211,7 +215,7 @@ def reference_metrics(model: torch.nn.Module, window: list[dict], ref_logp: Call
 
 # -- runs ---------------------------------------------------------------------------------------------------
 
-def lora_config(existing: bool):
+def lora_config(existing: bool) -> Any:
     from peft import LoraConfig
 
     # An existing adapter starts away from the identity, so its reference (TRL: a frozen copy named "ref") differs
@@ -219,7 +223,7 @@ def lora_config(existing: bool):
     return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=not existing)
 
 
-def dpo_model(tokenizer, peft: str | bool = False) -> torch.nn.Module:
+def dpo_model(tokenizer: Any, peft: str | bool = False) -> torch.nn.Module:
     """The float64 tiny Llama (dtype-keeping norms) over ``tokenizer``'s vocabulary; ``peft="existing"``: with a
     LoRA adapter already on it; ``peft="new"`` builds the bare model (TRL adds the adapter from ``peft_config``)."""
     from hf_accum.testing.sft import sft_model_factory
@@ -236,14 +240,15 @@ def reference_logp_fn(initial: torch.nn.Module, peft: str | bool = False) -> Cal
     """The reference model of a run, applied to one sequence: the initial weights -- for a new adapter the base
     model (adapter disabled); for an existing one, the adapter as it was (TRL's "ref" copy)."""
 
-    def ref_logp(ids, completion):
+    def ref_logp(ids: torch.Tensor, completion: torch.Tensor) -> torch.Tensor:
         return sequence_logp(initial, ids, completion)[0]
 
     return ref_logp
 
 
-def run_dpo_trainer(trainer_cls, rows, tokenizer, out_dir: str, *, micro_batch: int = 2, accumulation: int = 3,
-                    loss_type=("sigmoid",), loss_weights=None, beta: float = 0.5, label_smoothing: float = 0.0,
+def run_dpo_trainer(trainer_cls: Any, rows: Any, tokenizer: Any, out_dir: str, *, micro_batch: int = 2,
+                    accumulation: int = 3, loss_type: tuple[str, ...] | list[str] = ("sigmoid",),
+                    loss_weights: list[float] | None = None, beta: float = 0.5, label_smoothing: float = 0.0,
                     precompute: bool = False, peft: str | bool = False, even_batches: bool = True,
                     logging_steps: int = 1) -> dict:
     """Train ``rows`` once with ``trainer_cls`` (``AccumDPOTrainer`` or TRL's ``DPOTrainer``) under a
@@ -268,7 +273,8 @@ def run_dpo_trainer(trainer_cls, rows, tokenizer, out_dir: str, *, micro_batch: 
         from transformers import TrainerCallback
 
         class Attach(TrainerCallback):
-            def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+            def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                               **kwargs: Any) -> None:
                 audit.attach(trainer.model, getattr(optimizer, "optimizer", optimizer))
 
         args.optim = "sgd"
@@ -308,7 +314,7 @@ def run_dpo_trainer(trainer_cls, rows, tokenizer, out_dir: str, *, micro_batch: 
             "losses": list(LOSSES)}
 
 
-def run_dpo_loop(features: list[dict], loss, *, micro_batch: int = 2, accumulation: int = 3,
+def run_dpo_loop(features: list[dict], loss: Any, *, micro_batch: int = 2, accumulation: int = 3,
                  even_batches: bool = True, pad_token_id: int = 0, vocab: int = 40) -> dict:
     """``hf_accum.train`` with ``loss_sum_fn=loss`` (a :class:`hf_accum.preference.DPOPairLoss`) on
     :func:`hf_accum.preference.collate_pairs` micro-batches, under a :class:`PairAudit`. The features carry

@@ -20,6 +20,7 @@ from __future__ import annotations
 import types
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 from datasets import Dataset
@@ -34,7 +35,7 @@ MAX_COMPLETION = 7
 FIRST_WORD = 10  # completion / prompt token ids are drawn from [FIRST_WORD, vocab): no special token
 
 
-def reward_len(completions, **kwargs):
+def reward_len(completions: list[Any], **kwargs: Any) -> list[float]:
     """A reward function TRL's constructor accepts; never called (generation and scoring are replaced)."""
     return [float(len(c)) for c in completions]
 
@@ -43,7 +44,7 @@ def prompts_dataset(n: int) -> Dataset:
     return Dataset.from_list([{"prompt": f"w{i % 40}", "row": i} for i in range(n)])
 
 
-def grpo_args(output_dir: str, **overrides) -> GRPOConfig:
+def grpo_args(output_dir: str, **overrides: Any) -> GRPOConfig:
     values = dict(
         output_dir=output_dir, per_device_train_batch_size=2, num_generations=2, gradient_accumulation_steps=2,
         steps_per_generation=3, max_completion_length=MAX_COMPLETION, learning_rate=1e-2, max_grad_norm=0.0,
@@ -54,7 +55,8 @@ def grpo_args(output_dir: str, **overrides) -> GRPOConfig:
     return GRPOConfig(**values)
 
 
-def completion_logps(model, prompt: torch.Tensor, completion: torch.Tensor, temperature: float = 1.0):
+def completion_logps(model: Any, prompt: torch.Tensor, completion: torch.Tensor,
+                     temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """One completion forwarded alone (no padding): float64 ``log p`` of each completion token and each position's
     entropy, with gradient."""
     ids = torch.cat([prompt, completion]).unsqueeze(0)
@@ -69,7 +71,7 @@ def completion_logps(model, prompt: torch.Tensor, completion: torch.Tensor, temp
 class FakeGeneration:
     """``_generate_and_score_completions`` replaced: fixed completions of uneven lengths (see the module docstring)."""
 
-    def __init__(self, trainer, beta: float) -> None:
+    def __init__(self, trainer: Any, beta: float) -> None:
         self.trainer, self.beta, self.calls = trainer, beta, 0
         self.rows_generated: Counter = Counter()
 
@@ -129,24 +131,26 @@ class UpdateRecorder(TrainerCallback):
     def __init__(self) -> None:
         self.updates: list[Update] = []
 
-    def on_step_begin(self, args, state, control, model=None, **kwargs):
+    def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         self.updates.append(Update({n: p.detach().clone() for n, p in model.named_parameters()}))
 
     def micro_batch(self, inputs: dict) -> None:
         self.updates[-1].micro_batches.append(
             {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()})
 
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         self.updates[-1].grad = {n: p.grad.detach().clone() for n, p in model.named_parameters()
                                  if p.grad is not None}
 
 
-def build_trainer(trainer_cls, output_dir: str, rows: int = 12, beta: float = 0.0, **overrides):
+def build_trainer(trainer_cls: Any, output_dir: str, rows: int = 12, beta: float = 0.0,
+                  **overrides: Any) -> tuple[Any, UpdateRecorder, FakeGeneration]:
     """``trainer_cls`` built like ``trl.GRPOTrainer``, its generation replaced, its updates recorded."""
     recorder = UpdateRecorder()
 
     class Recording(trainer_cls):
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False,
+                         num_items_in_batch: Any = None) -> Any:
             if self.model.training:
                 recorder.micro_batch(inputs)
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
@@ -169,8 +173,9 @@ def build_trainer(trainer_cls, output_dir: str, rows: int = 12, beta: float = 0.
     return trainer, recorder, fake
 
 
-def full_precision_logps(trainer, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
-                         compute_entropy=False, compute_aux_loss=False, **model_kwargs):
+def full_precision_logps(trainer: Any, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         logits_to_keep: int, batch_size: int | None = None, compute_entropy: bool = False,
+                         compute_aux_loss: bool = False, **model_kwargs: Any) -> tuple[Any, Any, None]:
     """For stock ``GRPOTrainer`` runs: its fused log-prob head accumulates in float32 (a ~1e-7 floor, also under
     ``float64_arithmetic``, which does not reach into its autograd Function); this computes the same per-token
     log-probs and entropies from float64 logits, so that a stock run's error is its normalization alone."""
@@ -183,7 +188,7 @@ def full_precision_logps(trainer, model, input_ids, attention_mask, logits_to_ke
     return torch.where(is_target, logps, zero), torch.where(is_target, entropy, zero) if compute_entropy else None, None
 
 
-def importance_ratio(args, logps, old):
+def importance_ratio(args: Any, logps: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """``pi / pi_old`` per token, or ``exp`` of the mean log-ratio per sequence (GSPO)."""
     log_ratio = logps - old
     if args.importance_sampling_level == "sequence":
@@ -191,7 +196,8 @@ def importance_ratio(args, logps, old):
     return torch.exp(log_ratio)
 
 
-def per_token_loss(args, loss_type: str, logps, old, advantage):
+def per_token_loss(args: Any, loss_type: str, logps: torch.Tensor, old: torch.Tensor,
+                   advantage: Any) -> torch.Tensor:
     """TRL's documented per-token (or per-sequence) policy loss of one completion, written independently."""
     ratio = importance_ratio(args, logps, old)
     eps_low, eps_high = args.epsilon, args.epsilon_high if args.epsilon_high is not None else args.epsilon
@@ -209,7 +215,7 @@ def per_token_loss(args, loss_type: str, logps, old, advantage):
     return -torch.min(ratio * advantage, clipped * advantage)
 
 
-def reference_loss(args, loss_type: str, rows: list[dict], model) -> torch.Tensor:
+def reference_loss(args: Any, loss_type: str, rows: list[dict], model: Any) -> torch.Tensor:
     """The loss type's formula over all ``rows`` of one update (each a dict of one completion's tensors)."""
     per_row, entropy_sum, tokens = [], 0.0, 0
     for row in rows:
@@ -258,7 +264,7 @@ def completion_rows(micro_batches: list[dict]) -> list[dict]:
     return rows
 
 
-def reference_gradient(args, loss_type: str, update: Update, micro_batches: list[dict]) -> dict[str, torch.Tensor]:
+def reference_gradient(args: Any, loss_type: str, update: Update, micro_batches: list[dict]) -> dict[str, torch.Tensor]:
     model = MODEL_FACTORY()
     model.load_state_dict(update.params, strict=False)
     model.train()
@@ -275,7 +281,8 @@ def relative_error(applied: dict[str, torch.Tensor], reference: dict[str, torch.
     return float((got - ref).norm() / ref.norm())
 
 
-def update_errors(trainer, recorder: UpdateRecorder, all_micro_batches: list[list[dict]] | None = None) -> list[float]:
+def update_errors(trainer: Any, recorder: UpdateRecorder,
+                  all_micro_batches: list[list[dict]] | None = None) -> list[float]:
     """Each update's relative gradient error against the reference over its micro-batches (all ranks' when given)."""
     errors = []
     for index, update in enumerate(recorder.updates):
@@ -289,5 +296,5 @@ def trained_rows(recorder: UpdateRecorder) -> Counter:
     return Counter(int(r) for u in recorder.updates for mb in u.micro_batches for r in mb["row_id"])
 
 
-def attach(trainer, name: str, fn) -> None:
+def attach(trainer: Any, name: str, fn: Callable[..., Any]) -> None:
     setattr(trainer, name, types.MethodType(fn, trainer))

@@ -180,7 +180,7 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 def _saved(value: Any) -> Any:
     if dataclasses.is_dataclass(value):
-        return dataclasses.asdict(value)  # type: ignore[arg-type]
+        return dataclasses.asdict(value)
     return dict(copy.deepcopy(value)) if isinstance(value, dict) else copy.deepcopy(value)
 
 

@@ -137,13 +137,12 @@ class TrainingSection(dict):
 def training_defaults() -> dict[str, Any]:
     from transformers import TrainingArguments
 
-    return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]
             for f in dataclasses.fields(TrainingArguments)
             if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
 
 
 # --- objective: dpo (issue 25 item 4): the DPOSection; its RecipeConfig fields are `objective` and `dpo` ---------
-OBJECTIVES = ("sft", "dpo")
 
 
 @dataclass

@@ -13,7 +13,6 @@ from hf_accum.errors import InputError
 from hf_accum.recipe.config.layers import load_config, parse_overrides
 from hf_accum.recipe.config.schema import SECTIONS, ConfigError, RecipeConfig, unknown_key
 from hf_accum.recipe.config.sections import TrainingSection
-from hf_accum.recipe.preflight import build_run_objects
 
 
 def resolve(config: RecipeConfig, engines: Sequence[str], world_size: int | None = None,
@@ -38,6 +37,11 @@ def resolve(config: RecipeConfig, engines: Sequence[str], world_size: int | None
         except InputError as exc:
             raise ConfigError(str(exc)) from exc
     _check_step_intervals(config)
+    # Imported here: preflight builds on the schema (hf_accum.recipe.config.schema), and importing any module of
+    # this package runs its __init__, which imports this module; at the top, `import hf_accum.recipe.preflight`
+    # alone would meet a half-initialised preflight.
+    from hf_accum.recipe.preflight import build_run_objects
+
     build_run_objects(config)
     return config
 

@@ -34,7 +34,8 @@ from hf_accum.recipe.embedded import EMBEDDED_DATASET, TINY_MODEL
 SIDES = ("chosen", "rejected")
 
 
-def encode_answer(tokenizer, prompt: Sequence[dict[str, str]], answer: dict[str, str], where: str = "") -> list[int]:
+def encode_answer(tokenizer: Any, prompt: Sequence[dict[str, str]], answer: dict[str, str],
+                  where: str = "") -> list[int]:
     """The ids of ``answer`` as the assistant turn after ``prompt``: from after the assistant header to the end
     of the turn (end-of-turn token included). The template must render the prompt as a prefix of the whole
     conversation (else the answer's tokens cannot be located)."""
@@ -48,7 +49,7 @@ def encode_answer(tokenizer, prompt: Sequence[dict[str, str]], answer: dict[str,
     return full[len(start):]
 
 
-def encode_pair(tokenizer, example: Example) -> dict[str, list[int]]:
+def encode_pair(tokenizer: Any, example: Example) -> dict[str, list[int]]:
     """``{"prompt_ids", "chosen_ids", "rejected_ids"}`` of a preference :class:`Example` (uncut)."""
     prompt = example.messages[:-1]
     return {
@@ -103,7 +104,7 @@ class PreferenceSplit:
                 for example in self.sources]
 
 
-def encode_pairs(tokenizer, examples: Iterable[Example], max_length: int) -> PreferenceSplit:
+def encode_pairs(tokenizer: Any, examples: Iterable[Example], max_length: int) -> PreferenceSplit:
     """Encode, cut at ``max_length`` and count every preference example."""
     split = PreferenceSplit()
     for example in examples:
@@ -139,7 +140,7 @@ class PreferenceData:
         return self.held_out.sources if self.held_out else []
 
 
-def load_preference_data(model, data) -> tuple[Any, PreferenceData]:
+def load_preference_data(model: Any, data: Any) -> tuple[Any, PreferenceData]:
     """The tokenizer and the encoded preference pairs of a DPO run, from its ``model`` and ``data`` sections.
 
     Problems raise :class:`DataError` (one line) before any model is loaded. With ``hf_accum:tiny-llama``

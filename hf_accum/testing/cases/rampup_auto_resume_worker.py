@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 from hf_accum import LoopConfig, train
 from hf_accum.batching import PaddingCollator
 from hf_accum.distributed import leave_process_group
+from hf_accum.records import UpdateLog
 from hf_accum.testing import PAD, fresh_accelerator, random_rows, tiny_causal_lm
 
 EAGER = {"margin": 0.5, "release": 0.25, "patience": 2, "min_updates": 2, "lr_rule": "seesaw"}
@@ -33,7 +34,7 @@ def main(out: str, flags: list[str]) -> None:
                       output_dir=out, save_steps=1, rampup_batch_size="auto", rampup_auto=EAGER)
     changed = []
 
-    def on_update(update):
+    def on_update(update: UpdateLog) -> None:
         if "--kill-after-first-change" in flags and changed and update.step == changed[0] + 1:
             os.kill(os.getpid(), signal.SIGKILL)  # its checkpoint is written: the resume starts after it
         if update.batch_change:
