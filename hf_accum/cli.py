@@ -80,7 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--model", default="tiny", help="'tiny' (built-in) or a local model directory")
     check.add_argument("--micro-batch-size", type=int, default=2)
     check.add_argument("--accumulation-steps", type=int, default=4)
-    check.add_argument("--examples", type=int, default=22, help="synthetic rows of uneven length")
+    check.add_argument("--examples", type=int, default=12, help="synthetic rows of uneven length (default 12: "
+                       "two updates, the second a short window)")
     check.add_argument("--tolerance", type=float, default=1e-8, help="max relative gradient error to pass")
     check.add_argument("--layers", type=int, help="check the model cut to its first N decoder layers (default 2: "
                        "its real weights, vocabulary and tokenizer at a cost independent of depth)")

@@ -95,7 +95,7 @@ class _CheckedModel:
 
 
 DEFAULT_LAYERS = 2
-MAX_ROW_LENGTH = 48
+MAX_ROW_LENGTH = 32
 
 
 def check_model(
@@ -117,6 +117,7 @@ def check_model(
         f"check:{model}", checked.factory, examples, PaddingCollator(checked.pad_token_id), micro_batch=micro_batch,
         accumulation=accumulation, pad_token_id=checked.pad_token_id,
         router_loss="per_micro_batch" if checked.router_loss else "none",
+        optimizer="sgd",  # no optimizer state (2 x the parameters at real sizes); the gradients are what is audited
     )
     try:
         with float64_arithmetic():
@@ -248,7 +249,7 @@ class CheckCost:
 
 
 # Calibrated on SmolLM2-135M cut to 2 layers on one CPU thread (see docs/check.md); an order of magnitude, no more.
-_BYTES_PER_PARAMETER = 48  # model, gradients, AdamW's two states, the reference copy and its gradients (8 B each)
+_BYTES_PER_PARAMETER = 32  # model, gradients, the reference copy and its gradients (8 B each; SGD keeps no state)
 _FLOPS_PER_SECOND = 2e9
 
 
