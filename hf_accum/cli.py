@@ -191,11 +191,10 @@ def _run_check(args: argparse.Namespace) -> int:
     """PASS 0, FAIL 1, a --model that is not a readable model directory 2, a model it cannot run 4."""
     from hf_accum.errors import EXIT_CANNOT_RUN, EXIT_FAILED, EXIT_OK
     from hf_accum.testing.check import (  # heavy imports only for this command
+        DEFAULT_LAYERS,
         ModelCannotRun,
         check_model,
     )
-
-    from hf_accum.testing.check import DEFAULT_LAYERS
 
     if args.full and args.layers is not None:
         raise ValueError(f"--layers {args.layers} and --full: give one (--full checks every layer)")
