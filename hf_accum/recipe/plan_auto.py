@@ -88,6 +88,9 @@ def _per_process_batch(args: argparse.Namespace, config, processes: int) -> int:
     return global_batch // processes
 
 
+_OUT_OF_MEMORY = ("OutOfMemory", "out of memory", "MemoryError", "can't allocate memory", "Cannot allocate memory")
+
+
 class ProbeWatch:
     """Runs probes in child processes; with a ``budget`` (CPU), stops a child before this process and it together
     cross ``_SAFETY`` x budget. ``peak``: the largest sum of both resident sizes seen."""
@@ -97,9 +100,11 @@ class ProbeWatch:
         self.peak = 0
 
     def measure(self, spec: dict) -> int:
+        me = psutil.Process()
         child = subprocess.Popen([sys.executable, "-m", "hf_accum.recipe.plan_probe", json.dumps(spec)],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        me, watched = psutil.Process(), psutil.Process(child.pid)
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 preexec_fn=self._data_limit(me.memory_info().rss))
+        watched = psutil.Process(), psutil.Process(child.pid)
         while child.poll() is None:
             try:
                 total = me.memory_info().rss + watched.memory_info().rss
@@ -114,9 +119,24 @@ class ProbeWatch:
         out, err = child.communicate()
         if child.returncode != 0:
             last = (err.strip().splitlines() or ["(no output)"])[-1]
-            if "OutOfMemory" in err or "out of memory" in err:  # a device OOM: this size does not fit
+            if any(sign in err for sign in _OUT_OF_MEMORY):  # this size does not fit (device OOM or the limit)
                 return 2**62
             raise RuntimeError(f"plan --auto probe at micro-batch {spec['micro_batch']} failed: {last}")
         result = json.loads(out.strip().splitlines()[-1])
         rss = result["rss_peak"] if spec["device"] == "cpu" else 0
         return max(result["tensor_peak"], rss)
+
+    def _data_limit(self, parent_rss: int):
+        """A hard backstop for when this process is not scheduled in time to stop the child (a loaded machine):
+        the child's private writable memory (RLIMIT_DATA, what tensors and the Python heap use) is capped at
+        what the budget leaves after this process; an allocation beyond it fails and the size counts as over."""
+        if self.budget is None:
+            return None
+        limit = max(int(_SAFETY * self.budget) - parent_rss, 1)
+
+        def apply() -> None:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+        return apply
