@@ -104,7 +104,7 @@ class ProbeWatch:
         child = subprocess.Popen([sys.executable, "-m", "hf_accum.recipe.plan_probe", json.dumps(spec)],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                  preexec_fn=self._data_limit(me.memory_info().rss))
-        watched = psutil.Process(), psutil.Process(child.pid)
+        watched = psutil.Process(child.pid)
         while child.poll() is None:
             try:
                 total = me.memory_info().rss + watched.memory_info().rss
