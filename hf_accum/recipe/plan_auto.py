@@ -119,8 +119,8 @@ class ProbeWatch:
         out, err = child.communicate()
         if child.returncode != 0:
             last = (err.strip().splitlines() or ["(no output)"])[-1]
-            # A child the data limit stops before Python can even report (empty stderr) is over budget too.
-            if any(sign in err for sign in _OUT_OF_MEMORY) or (self.budget is not None and not err.strip()):  # this size does not fit (device OOM or the limit)
+            # A child the data limit stops before Python can even report (empty stderr) is over budget too. Device OOM: over.
+            if any(sign in err for sign in _OUT_OF_MEMORY) or (self.budget is not None and not err.strip()):
                 return 2**62
             raise RuntimeError(f"plan --auto probe at micro-batch {spec['micro_batch']} failed: {last}")
         result = json.loads(out.strip().splitlines()[-1])
