@@ -119,7 +119,7 @@ class ProbeWatch:
         out, err = child.communicate()
         if child.returncode != 0:
             last = (err.strip().splitlines() or ["(no output)"])[-1]
-            # A child the data limit stops before Python can even report (empty stderr) is over budget too. Device OOM: over.
+            # Stopped by the data limit before it could report (empty stderr), or a device OOM: over budget.
             if any(sign in err for sign in _OUT_OF_MEMORY) or (self.budget is not None and not err.strip()):
                 return 2**62
             raise RuntimeError(f"plan --auto probe at micro-batch {spec['micro_batch']} failed: {last}")
