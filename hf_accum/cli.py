@@ -6,7 +6,8 @@
 * ``hf-accum check`` -- run a few accumulated updates of a model (the built-in tiny Llama, or a
   local model directory) under :class:`hf_accum.verify.BigBatchAuditor` and report, per update,
   how far the applied gradient is from the big-batch gradient -- for hf_accum's loop and for the
-  naive ``loss / K`` loop side by side. Exit codes: PASS 0, FAIL 1, a ``--model`` that is not a readable
+  naive ``loss / K`` loop side by side; by default on the model cut to 2 layers (``--layers N``, ``--full``),
+  with the estimated cost printed first. Exit codes: PASS 0, FAIL 1, a ``--model`` that is not a readable
   model directory 2, a model the check cannot run 4 (the message says which and why).
 * ``hf-accum generate --run <output_dir> "prompt"`` -- the completion of a trained recipe run (its base
   model loaded or rebuilt as it was trained, its adapter on top, the chat template applied).
@@ -79,8 +80,13 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--model", default="tiny", help="'tiny' (built-in) or a local model directory")
     check.add_argument("--micro-batch-size", type=int, default=2)
     check.add_argument("--accumulation-steps", type=int, default=4)
-    check.add_argument("--examples", type=int, default=22, help="synthetic rows of uneven length")
+    check.add_argument("--examples", type=int, default=12, help="synthetic rows of uneven length (default 12: "
+                       "two updates, the second a short window)")
     check.add_argument("--tolerance", type=float, default=1e-8, help="max relative gradient error to pass")
+    check.add_argument("--layers", type=int, help="check the model cut to its first N decoder layers (default 2: "
+                       "its real weights, vocabulary and tokenizer at a cost independent of depth)")
+    check.add_argument("--full", action="store_true", help="check the whole model (slow and memory-hungry at "
+                       "real sizes: every parameter in float64, several copies)")
     check.set_defaults(run=_run_check)
 
     generate = commands.add_parser("generate", help="complete a prompt with a trained recipe run's model")
@@ -189,13 +195,18 @@ def _run_check(args: argparse.Namespace) -> int:
     """PASS 0, FAIL 1, a --model that is not a readable model directory 2, a model it cannot run 4."""
     from hf_accum.errors import EXIT_CANNOT_RUN, EXIT_FAILED, EXIT_OK
     from hf_accum.testing.check import (  # heavy imports only for this command
+        DEFAULT_LAYERS,
         ModelCannotRun,
         check_model,
     )
 
+    if args.full and args.layers is not None:
+        raise ValueError(f"--layers {args.layers} and --full: give one (--full checks every layer)")
+    layers = None if args.full else (DEFAULT_LAYERS if args.layers is None else args.layers)
     try:
         report = check_model(
-            args.model, args.micro_batch_size, args.accumulation_steps, args.examples, tolerance=args.tolerance
+            args.model, args.micro_batch_size, args.accumulation_steps, args.examples, tolerance=args.tolerance,
+            layers=layers, announce=lambda line: print(line, flush=True),
         )
     except ModelCannotRun as error:
         print(f"hf-accum check: cannot run {error}", file=sys.stderr)

@@ -15,6 +15,14 @@ eager experts (the grouped-mm kernel refuses float64), and when they return a ro
 includes it as every hf_accum front-end defines it (``coef`` x the token-weighted mean of the update's
 micro-batch router losses; ``output_router_logits`` is turned on where ``router_aux_loss_coef`` is set).
 
+**Bounded cost** (the default): a real model is checked on its first ``layers`` decoder layers (2): the same
+config with ``num_hidden_layers`` (and every per-layer list, e.g. ``layer_types``) cut, the checkpoint's own
+weights for those layers, embeddings and head (safetensors are read lazily, so the rest is never loaded), the
+real vocabulary (random rows draw from all of it) and the real tokenizer's pad token. What accumulation can get
+wrong is in the loss normalisation across micro-batches and the vocabulary-sized logits, not in the depth, so
+the cut checks the same arithmetic at a cost independent of depth; ``layers=None`` (``--full``) runs the whole
+model. :func:`estimate_cost` states the time and memory before anything is loaded.
+
 Outcomes: :class:`CheckReport` (PASS / FAIL), :class:`hf_accum.errors.InputError` for a ``--model``
 that is not a readable model directory, :class:`ModelCannotRun` for one the check cannot train (not
 a causal LM transformers can build, a loss term hf_accum does not know, a kernel that refuses float64).
@@ -22,6 +30,9 @@ a causal LM transformers can build, a loss term hf_accum does not know, a kernel
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import logging
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -77,41 +88,58 @@ class _CheckedModel:
     pad_token_id: int
     router_loss: bool
     name: str
+    config: object = None
+    """The (cut) config the check builds, None for the built-in tiny model."""
+    layers: str = "all"
+    """What was kept, e.g. '2 of 30 layers'."""
+
+
+DEFAULT_LAYERS = 2
+MAX_ROW_LENGTH = 32
 
 
 def check_model(
-    model: str, micro_batch: int, accumulation: int, n_examples: int, tolerance: float = 1e-8, seed: int = 0
+    model: str, micro_batch: int, accumulation: int, n_examples: int, tolerance: float = 1e-8, seed: int = 0,
+    layers: int | None = DEFAULT_LAYERS, announce: Callable[[str], None] | None = None,
 ) -> CheckReport:
-    """Audit a few updates of ``model`` ('tiny' or a local directory) in float64."""
-    checked = _checked_model(model)
+    """Audit a few updates of ``model`` ('tiny', a local directory or a GGUF model) in float64, on its first
+    ``layers`` layers (None: all). ``announce`` receives the estimated cost before the model loads."""
+    if layers is not None and layers < 1:
+        raise InputError(f"--layers {layers}: must be >= 1 (or use --full for the whole model)")
+    checked = _checked_model(model, layers)
+    if announce is not None:
+        announce(estimate_cost(checked, micro_batch, accumulation, n_examples).describe(checked))
     examples = random_rows(
-        n_examples, seed=seed, min_len=3, max_len=48, prompt_masking=True, vocab_size=checked.vocab_size,
+        n_examples, seed=seed, min_len=3, max_len=MAX_ROW_LENGTH, prompt_masking=True, vocab_size=checked.vocab_size,
         pad_token_id=checked.pad_token_id, lowest_id=0,
     )
     scenario = Scenario(
         f"check:{model}", checked.factory, examples, PaddingCollator(checked.pad_token_id), micro_batch=micro_batch,
         accumulation=accumulation, pad_token_id=checked.pad_token_id,
         router_loss="per_micro_batch" if checked.router_loss else "none",
+        optimizer="sgd",  # no optimizer state (2 x the parameters at real sizes); the gradients are what is audited
     )
     try:
         with float64_arithmetic():
             result, exact = run_exact(scenario)
-            naive = run_naive(scenario)
+            exact_errors, targets = [r.relative_error for r in exact.records], [u.targets for u in result.updates]
+            del result, exact  # the first run's model, optimizer state and reference copy: freed before the second
+            gc.collect()
+            naive_errors = [r.relative_error for r in run_naive(scenario).records]
+    except ModelCannotRun:
+        raise
     except Exception as error:  # whatever stops the model is reported as exit 4
         raise ModelCannotRun(f"{checked.name}: {type(error).__name__}: {_first_line(error)}") from error
     return CheckReport(
-        model=model,
-        exact_errors=[r.relative_error for r in exact.records],
-        naive_errors=[r.relative_error for r in naive.records],
-        targets=[u.targets for u in result.updates],
-        tolerance=tolerance,
-        router_loss=checked.router_loss,
+        model=f"{model} ({checked.layers})", exact_errors=exact_errors, naive_errors=naive_errors, targets=targets,
+        tolerance=tolerance, router_loss=checked.router_loss,
     )
 
 
-def _checked_model(model: str) -> _CheckedModel:
-    if model == "tiny":
+def _checked_model(model: str, layers: int | None = None) -> _CheckedModel:
+    if model == "tiny":  # already 2 layers: --layers does not apply
         return _CheckedModel(tiny_causal_lm, VOCAB, PAD, False, "the built-in tiny Llama")
+    model = _gguf_as_directory(model)
     if not os.path.isdir(model):
         raise InputError(
             f"--model {model!r}: not 'tiny' and not a directory (nothing is downloaded; pass a local model)"
@@ -129,13 +157,15 @@ def _checked_model(model: str) -> _CheckedModel:
         )
 
     _without_dropout(config)
+    kept = cut_layers(config, layers, name) if layers is not None else "all layers"
 
     def load() -> torch.nn.Module:
         try:
             # Eager experts: MoE models' grouped-mm kernel refuses float64 (ignored by dense models).
-            loaded = AutoModelForCausalLM.from_pretrained(
-                model, config=config, dtype=torch.float64, local_files_only=True, experts_implementation="eager"
-            )
+            with _quiet_unused_weights():  # the cut layers' weights, left in the file on purpose
+                loaded = AutoModelForCausalLM.from_pretrained(
+                    model, config=config, dtype=torch.float64, local_files_only=True, experts_implementation="eager"
+                )
         except ValueError as error:
             raise ModelCannotRun(f"{name}: not a causal LM transformers can build ({_first_line(error)})") from None
         for module in loaded.modules():
@@ -148,11 +178,99 @@ def _checked_model(model: str) -> _CheckedModel:
     router_loss = hasattr(config, "output_router_logits") and coef != 0.0
     if router_loss:
         config.output_router_logits = True
-    pad = config.pad_token_id if getattr(config, "pad_token_id", None) is not None else 0
     vocab_size = getattr(config, "vocab_size", None)
     if not vocab_size:
         raise ModelCannotRun(f"{name}: its config names no vocab_size (the check trains a text causal LM)")
-    return _CheckedModel(load, int(vocab_size), int(pad), router_loss, name)
+    pad = _pad_token_id(model, config, int(vocab_size))
+    return _CheckedModel(load, int(vocab_size), int(pad), router_loss, name, config, kept)
+
+
+def cut_layers(config, layers: int, name: str = "the model") -> str:
+    """Keep the first ``layers`` decoder layers of ``config`` (in place): ``num_hidden_layers`` and every
+    per-layer list (``layer_types`` and the like: a list as long as the layer count). More layers than the
+    model has: the whole model. Returns what was kept, e.g. '2 of 30 layers'."""
+    total = getattr(config, "num_hidden_layers", None)
+    if not isinstance(total, int) or total < 1:
+        raise ModelCannotRun(f"{name}: its config names no num_hidden_layers to cut; run the whole model with --full")
+    kept = min(layers, total)
+    if kept < total:
+        for key, value in list(config.to_dict().items()):
+            if isinstance(value, list) and len(value) == total and hasattr(config, key):
+                setattr(config, key, value[:kept])
+        config.num_hidden_layers = kept
+    return f"{kept} of {total} layers"
+
+
+def _gguf_as_directory(model: str) -> str:
+    """A GGUF model (``.gguf`` file, ``pypi:`` package) -> its converted plain directory (cached, by sha256)."""
+    from hf_accum.gguf import converted_dir, gguf_source, names_gguf
+
+    if not names_gguf(model):
+        return model
+    return converted_dir(gguf_source(model))
+
+
+def _pad_token_id(model: str, config, vocab_size: int) -> int:
+    """The real tokenizer's pad token (else its eos), when the directory has a tokenizer; else the config's."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    except (OSError, ValueError, TypeError):
+        tokenizer = None
+    for candidate in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None),
+                      getattr(config, "pad_token_id", None)):
+        if isinstance(candidate, int) and 0 <= candidate < vocab_size:
+            return candidate
+    return 0
+
+
+@contextlib.contextmanager
+def _quiet_unused_weights():
+    logger = logging.getLogger("transformers.modeling_utils")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+@dataclass(frozen=True)
+class CheckCost:
+    parameters: int
+    peak_bytes: int
+    seconds: float
+
+    def describe(self, checked: _CheckedModel) -> str:
+        return (f"checking {checked.name}, {checked.layers}, {self.parameters / 1e6:.1f}M parameters in float64: "
+                f"estimated peak ~{self.peak_bytes / 2**30:.1f} GiB, ~{self.seconds:.0f} s of CPU "
+                "(the whole model: --full)")
+
+
+# Calibrated on SmolLM2-135M cut to 2 layers on one CPU thread (see docs/check.md); an order of magnitude, no more.
+# Measured there: peak RSS 2.32 GiB, 44 s of CPU (docs/check.md).
+_BYTES_PER_PARAMETER = 40  # model, gradients, the reference copy and its gradients (8 B each; SGD keeps no state),
+# plus the transient gradient of a tied embedding summed from its two uses
+_BASELINE_BYTES = 500 * 2**20  # Python, torch, transformers, accelerate
+_FLOPS_PER_SECOND = 4e9
+
+
+def estimate_cost(checked: _CheckedModel, micro_batch: int, accumulation: int, n_examples: int) -> CheckCost:
+    """Rough time and memory of a check, from the parameter count (counted on the meta device) and the size of
+    one update's logits: float64 state per parameter, three vocabulary-wide tensors per token of the big batch."""
+    if checked.config is None:
+        parameters = sum(p.numel() for p in checked.factory().parameters())
+    else:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(checked.config).parameters())
+    update_tokens = micro_batch * accumulation * MAX_ROW_LENGTH
+    peak = parameters * _BYTES_PER_PARAMETER + 3 * update_tokens * checked.vocab_size * 8 + _BASELINE_BYTES
+    # Two runs (exact, naive), each: forward + backward (6 flops per parameter per token), the reference 6 more.
+    seconds = 2 * 12 * parameters * n_examples * MAX_ROW_LENGTH / 2 / _FLOPS_PER_SECOND
+    return CheckCost(parameters, peak, seconds)
 
 
 def _without_dropout(config) -> None:

@@ -48,6 +48,9 @@ class Scenario:
     """Loop runs only: extra ``LoopConfig`` fields."""
     args: dict = field(default_factory=dict)
     """Trainer runs only: extra ``TrainingArguments`` fields."""
+    optimizer: str = "adamw"
+    """Loop runs only: ``"adamw"``, or ``"sgd"`` (no optimizer state: what ``hf-accum check`` uses at real
+    sizes; the audit compares gradients, which the optimizer does not change)."""
     router_loss: str = "none"
     """MoE models: how the audit's reference adds the router loss (:class:`hf_accum.verify.BigBatchAuditor`)."""
 
@@ -180,7 +183,8 @@ def _prepare(scenario: Scenario, accelerator: Accelerator, on_model=None):
         scenario.examples, batch_size=scenario.micro_batch, shuffle=False,
         collate_fn=auditor.wrap_collator(scenario.collator),
     )
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=scenario.lr)
+    optimizer_class = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[scenario.optimizer]
+    optimizer = optimizer_class([p for p in model.parameters() if p.requires_grad], lr=scenario.lr)
     auditor.attach(model, optimizer)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     if on_model is not None:
