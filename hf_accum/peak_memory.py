@@ -22,7 +22,17 @@ import torch
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size (``ru_maxrss`` is KiB on Linux, bytes on macOS)."""
+    """This process's peak resident set size: Linux's ``VmHWM`` (the high-water mark of this program's own memory
+    since it started), else ``ru_maxrss`` (KiB on Linux, bytes on macOS). Not ``ru_maxrss`` on Linux: it carries
+    the peak of the process that forked this one across ``exec``, so a run started from a large parent (a test
+    runner, a notebook) would report the parent's peak."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
