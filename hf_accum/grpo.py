@@ -50,7 +50,7 @@ from typing import Any, Sequence
 
 import torch
 
-from hf_accum.accumulation import DeviceSums
+from hf_accum.accumulation import DeviceSums, exact_mean_factor
 from hf_accum.compat import (
     grpo_entropy_bonus_switch,
     grpo_step,
@@ -120,8 +120,8 @@ class WindowCounts:
         return max(value, 1.0)
 
     def factor(self, unit: Unit) -> float:
-        """``W / N``: turns this rank's sum into its share of the update's mean (DDP averages over W ranks)."""
-        return self.world_size / self.count(unit)
+        """``W / N``: turns this rank's sum into its share of the update's mean (the one normalization owner)."""
+        return exact_mean_factor(self.count(unit), self.world_size)
 
 
 def loss_mask(inputs: dict[str, Any]) -> torch.Tensor:
