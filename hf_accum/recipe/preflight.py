@@ -17,13 +17,19 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from hf_accum.errors import InputError
-from hf_accum.recipe.config.schema import ConfigError, RecipeConfig
 from hf_accum.recipe.launch import fsdp_request
+
+if TYPE_CHECKING:  # the config package runs this module (validation.resolve); it never imports the package back
+    from hf_accum.recipe.config.schema import RecipeConfig
+
+class PreflightError(InputError):
+    """A value a run object refuses (or accepts and would train wrongly with); resolve raises it as a ConfigError."""
+
 
 # What the recipe changes when it builds TrainingArguments (see recipes/finetune_llama.py); DeepSpeed's config is
 # checked by the launch policy, and building it here would switch ZeRO-3 on for this process.
@@ -46,7 +52,7 @@ MESSAGE_NAMES = {"adam_beta1": "beta parameter at index 0", "adam_beta2": "beta 
 
 
 def build_run_objects(config: RecipeConfig) -> None:
-    """Build the run's objects from ``config`` on toy inputs; ConfigError (one line, keys named) on a refusal."""
+    """Build the run's objects from ``config`` on toy inputs; PreflightError (one line, keys named) on a refusal."""
     def training(**changes: Any) -> Any:
         return config.training_arguments(**{**TRAINING_ARGUMENT_CHANGES, **fsdp_request(config.training), **changes})
 
@@ -74,7 +80,7 @@ def build_run_objects(config: RecipeConfig) -> None:
         section, _, key = dotted.partition(".")
         values = getattr(config, section)
         if values is not None and key in values and not accepted(values[key]):
-            raise ConfigError(f"{dotted}={values[key]!r} ({config.source(dotted)}): allowed: {allowed}")
+            raise PreflightError(f"{dotted}={values[key]!r} ({config.source(dotted)}): allowed: {allowed}")
     # Last, what no rule above names: the optimizer's steps must stay finite, the learning rates finite and >= 0.
     _built(config, f"the optimizer with the {scheduler_name} scheduler",
            lambda: _step(optimizer, scheduler, config.engine), "training", rebuild=lambda: run_schedule(training()))
@@ -91,7 +97,7 @@ def _loop_config(config: RecipeConfig, args: Any) -> Any:
             message = message.replace(f"LoopConfig.{key}", f"accumulation.{key}")
         message = message.replace("LoopConfig.", "training.")
         found = re.search(r"(accumulation|training)\.\w+", message)
-        raise ConfigError(f"{message} ({config.source(found.group(0))})" if found else message) from None
+        raise PreflightError(f"{message} ({config.source(found.group(0))})" if found else message) from None
 
 
 def _optimizer(engine: str, args: Any) -> torch.optim.Optimizer:
@@ -198,7 +204,7 @@ def _built(config: RecipeConfig, what: str, build: Callable[[], Any], section: s
         named = named or _blamed(config, section, rebuild)
         keys = "; ".join(f"{section}.{key}={getattr(config, section)[key]!r} ({config.source(f'{section}.{key}')})"
                          for key in named) or f"a value of the {section} section"
-        raise ConfigError(f"{what} refuses the {section} section: {detail} [{keys}]") from exc
+        raise PreflightError(f"{what} refuses the {section} section: {detail} [{keys}]") from exc
 
 
 def _mentioned(config: RecipeConfig, section: str, detail: str) -> list[str]:

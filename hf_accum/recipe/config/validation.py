@@ -13,6 +13,9 @@ from hf_accum.errors import InputError
 from hf_accum.recipe.config.layers import load_config, parse_overrides
 from hf_accum.recipe.config.schema import SECTIONS, ConfigError, RecipeConfig, unknown_key
 from hf_accum.recipe.config.sections import TrainingSection
+from hf_accum.recipe.embedded import default_config_path
+from hf_accum.recipe.preflight import build_run_objects
+from hf_accum.schedule import plan_global_batch
 
 
 def resolve(config: RecipeConfig, engines: Sequence[str], world_size: int | None = None,
@@ -28,37 +31,31 @@ def resolve(config: RecipeConfig, engines: Sequence[str], world_size: int | None
     _check_precision(config)
     if config.quantization is not None and config.lora is None:
         raise ConfigError("quantization needs lora (QLoRA): quantized base weights cannot be fine-tuned directly")
-    for name, section in SECTIONS.items():  # each section's meaning, checked by the module that owns it
-        try:
+    try:  # each section's meaning, checked by the module that owns it; then the run's objects, built
+        for name, section in SECTIONS.items():
             if section.validator is not None:
                 section.validator(getattr(config, name), config)
-        except ConfigError:
-            raise
-        except InputError as exc:
-            raise ConfigError(str(exc)) from exc
-    _check_step_intervals(config)
-    # Imported here: preflight builds on the schema (hf_accum.recipe.config.schema), and importing any module of
-    # this package runs its __init__, which imports this module; at the top, `import hf_accum.recipe.preflight`
-    # alone would meet a half-initialised preflight.
-    from hf_accum.recipe.preflight import build_run_objects
-
-    build_run_objects(config)
+        _check_step_intervals(config)
+        build_run_objects(config)
+    except ConfigError:
+        raise
+    except InputError as exc:
+        raise ConfigError(str(exc)) from exc
     return config
 
 
 def load_recipe_config(argv: Sequence[str], engines: Sequence[str]) -> RecipeConfig:
     """The recipe's config from its command line: layers merged, typed and validated (nothing loaded, nothing
-    written). The default output dir is ``outputs/<config file name>``."""
+    written). The default output dir is ``outputs/<config file name>`` (the embedded default's, without one)."""
     path, overrides = parse_overrides(argv)
-    name = os.path.splitext(os.path.basename(path))[0] if path else "cpu_default"
+    yaml_path = path or default_config_path(str(overrides.get("objective", "sft")))
+    name = os.path.splitext(os.path.basename(yaml_path))[0]
     return resolve(load_config(path, overrides), engines, default_output_dir=os.path.join("outputs", name))
 
 
 def _resolve_batch(config: RecipeConfig, world_size: int) -> None:
     """``training.gradient_accumulation_steps`` from ``global_batch_size``: the higher layer wins when both are set
     (noted); set in one layer they must agree. Errors name each value's layer."""
-    from hf_accum.schedule import plan_global_batch
-
     t, steps_key = config.training, "training.gradient_accumulation_steps"
     for key in ("per_device_train_batch_size", "gradient_accumulation_steps"):
         if getattr(t, key) < 1:
@@ -105,7 +102,7 @@ def bf16_supported(use_cpu: bool) -> bool:
 
     if use_cpu or not torch.cuda.is_available():
         return use_cpu  # CPU autocast runs bf16, but TrainingArguments only allows it when use_cpu is explicit
-    return torch.cuda.is_bf16_supported()
+    return bool(torch.cuda.is_bf16_supported())
 
 
 def _check_precision(config: RecipeConfig) -> None:
