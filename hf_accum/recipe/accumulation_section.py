@@ -1,5 +1,8 @@
-"""The recipe's ``accumulation:`` section, checked before anything loads (its ``Section.validator``).
+"""The size of the recipe's updates, resolved and checked before anything loads: the batch keys and the
+``accumulation:`` section (its ``Section.validator``).
 
+* :func:`resolve_batch`: ``training.gradient_accumulation_steps`` from ``global_batch_size`` (the higher layer wins
+  when both are set, said in a note; set in one layer they must agree).
 * ``rampup_batch_size`` and ``tokens_per_update`` (loop engine only): the window changes from update to update
   (:mod:`hf_accum.loop.windows`). With a token budget the update's size is the budget: a ``global_batch_size`` or
   ``training.gradient_accumulation_steps`` from a lower layer yields to it (a note says so, and the Accelerator's K
@@ -21,6 +24,7 @@ from hf_accum.auto_ramp import AutoRampSettings, BatchController, is_auto
 from hf_accum.errors import InputError
 from hf_accum.planned_windows import refuse_planned_windows
 from hf_accum.rampup import RampUp
+from hf_accum.schedule import plan_global_batch
 from hf_accum.sequence_norm import NORMALIZATIONS
 
 _BUDGET = "accumulation.tokens_per_update"
@@ -28,6 +32,35 @@ _BUDGET = "accumulation.tokens_per_update"
 
 class AccumulationError(InputError):
     """A value of the ``accumulation`` section the engines cannot honour."""
+
+
+def resolve_batch(config: Any, world_size: int) -> None:
+    """``training.gradient_accumulation_steps`` from ``global_batch_size``; errors and notes name each value's layer."""
+    t, steps_key = config.training, "training.gradient_accumulation_steps"
+    for key in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+        if (value := getattr(t, key)) < 1:
+            raise AccumulationError(f"training.{key}={value} ({config.source('training.' + key)}) must be >= 1")
+    if config.global_batch_size is None:
+        return
+    given, micro, batch = t.get("gradient_accumulation_steps"), t.per_device_train_batch_size, config.global_batch_size
+    batch_source, steps_source = config.source("global_batch_size"), config.source(steps_key)
+    if given is not None and config.layer_rank(steps_key) > config.layer_rank("global_batch_size"):
+        config.notes.append(f"{steps_key}={given} ({steps_source}) replaces global_batch_size={batch} "
+                            f"({batch_source}): effective batch {micro * given * world_size}")
+        config.global_batch_size = None
+        return
+    try:
+        steps = plan_global_batch(batch, micro, world_size).accumulation_steps
+    except ValueError as exc:
+        raise AccumulationError(f"{exc} [global_batch_size from {batch_source}]") from exc
+    if given is not None and given != steps:
+        if config.layer_rank(steps_key) == config.layer_rank("global_batch_size"):
+            raise AccumulationError(f"global_batch_size={batch} with {micro} per device x {world_size} processes needs "
+                                    f"gradient_accumulation_steps={steps}, but {steps_key}={given}; both set in "
+                                    f"{batch_source}: set only one of them")
+        config.notes.append(f"global_batch_size={batch} ({batch_source}) replaces {steps_key}={given} "
+                            f"({steps_source}): {steps} accumulation steps")
+    t["gradient_accumulation_steps"] = steps
 
 
 def check_accumulation_section(section: Any, config: Any) -> None:

@@ -212,9 +212,9 @@ def field_types(cls: type) -> dict[str, Any]:
         hints = typing.get_type_hints(cls)
     except Exception:  # unresolvable forward references: check keys, not types
         hints = {}
-    params = inspect.signature(cls.__init__).parameters.values()
+    params = inspect.signature(cls).parameters.values()
     return {p.name: hints.get(p.name, type(p.default) if isinstance(p.default, (bool, int, float, str)) else Any)
-            for p in params if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+            for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
 
 
 def coerce(value: Any, annotation: Any, key: str) -> Any:

@@ -151,5 +151,5 @@ class TrainingSection(dict[str, Any]):
 def training_defaults() -> dict[str, Any]:
     from transformers import TrainingArguments
 
-    return {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+    return {f.name: f.default_factory() if callable(f.default_factory) else f.default
             for f in dataclasses.fields(TrainingArguments)}
