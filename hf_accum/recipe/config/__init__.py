@@ -15,11 +15,11 @@ from hf_accum.recipe.config.schema import (
     differences,
 )
 from hf_accum.recipe.config.sections import AccumulationSection, DataSection, DPOSection, ModelSection, TrainingSection
-from hf_accum.recipe.config.validation import bf16_supported, load_recipe_config, resolve
+from hf_accum.recipe.config.validation import load_recipe_config, resolve
 
 __all__ = [
     "BUILTIN", "BUILTIN_DEFAULTS", "COMMAND_LINE", "RESOLVED_CONFIG_NAME", "SECTIONS", "AccumulationSection",
     "ConfigError", "DataSection", "DPOSection", "ModelSection", "RecipeConfig", "Section", "TrainingSection",
-    "bf16_supported", "build_config", "differences", "load_config", "load_recipe_config", "load_yaml",
+    "build_config", "differences", "load_config", "load_recipe_config", "load_yaml",
     "parse_overrides", "resolve",
 ]

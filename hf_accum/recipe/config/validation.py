@@ -54,15 +54,11 @@ def load_recipe_config(argv: Sequence[str], engines: Sequence[str]) -> RecipeCon
     return resolve(load_config(path, overrides), engines, default_output_dir=os.path.join("outputs", name))
 
 
-def bf16_supported(use_cpu: bool) -> bool:
-    if use_cpu or not torch.cuda.is_available():
-        return use_cpu  # CPU autocast runs bf16, but TrainingArguments only allows it when use_cpu is explicit
-    return bool(torch.cuda.is_bf16_supported())
-
-
 def _check_precision(config: RecipeConfig) -> None:
     t = config.training
-    if (t.bf16 or config.model.dtype == "bfloat16") and not bf16_supported(bool(t.use_cpu)):
+    # CPU autocast runs bf16, but TrainingArguments only allows it when use_cpu is explicit.
+    capable = bool(t.use_cpu) or (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    if (t.bf16 or config.model.dtype == "bfloat16") and not capable:
         raise ConfigError(
             "bf16 requested (training.bf16 / model.dtype: bfloat16) but this machine has no bf16-capable GPU. "
             "Set training.bf16: false and model.dtype: float32, or training.use_cpu: true for CPU bf16 autocast."
