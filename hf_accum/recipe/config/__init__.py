@@ -2,16 +2,16 @@
 section registry, pydantic coercion, the saved copy), ``layers`` (defaults < YAML < command line, sources kept),
 ``validation`` (:func:`resolve`, one pass before anything loads)."""
 
-from hf_accum.recipe.config.layers import build_config, load_config, load_yaml, parse_overrides
+from hf_accum.recipe.config.layers import BUILTIN_DEFAULTS, load_config, load_yaml, parse_overrides
 from hf_accum.recipe.config.schema import (
     BUILTIN,
-    BUILTIN_DEFAULTS,
     COMMAND_LINE,
     RESOLVED_CONFIG_NAME,
     SECTIONS,
     ConfigError,
     RecipeConfig,
     Section,
+    build_config,
     differences,
 )
 from hf_accum.recipe.config.sections import AccumulationSection, DataSection, DPOSection, ModelSection, TrainingSection
@@ -20,6 +20,5 @@ from hf_accum.recipe.config.validation import load_recipe_config, resolve
 __all__ = [
     "BUILTIN", "BUILTIN_DEFAULTS", "COMMAND_LINE", "RESOLVED_CONFIG_NAME", "SECTIONS", "AccumulationSection",
     "ConfigError", "DataSection", "DPOSection", "ModelSection", "RecipeConfig", "Section", "TrainingSection",
-    "build_config", "differences", "load_config", "load_recipe_config", "load_yaml",
-    "parse_overrides", "resolve",
+    "build_config", "differences", "load_config", "load_recipe_config", "load_yaml", "parse_overrides", "resolve",
 ]

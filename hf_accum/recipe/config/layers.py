@@ -17,16 +17,21 @@ import yaml
 
 from hf_accum.recipe.config.schema import (
     BUILTIN,
-    BUILTIN_DEFAULTS,
     COMMAND_LINE,
     SECTIONS,
     ConfigError,
     RecipeConfig,
-    checked,
-    top_level_types,
+    build_config,
     unknown_key,
 )
 from hf_accum.recipe.embedded import default_config_path
+
+# The built-in layer: recipe-level defaults that differ from the HF classes' own defaults.
+BUILTIN_DEFAULTS: dict[str, Any] = {
+    "engine": "loop",
+    "lora": {"r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "target_modules": "all-linear"},
+    "training": {"report_to": "none", "logging_steps": 10},
+}
 
 
 def parse_overrides(argv: Sequence[str]) -> tuple[str | None, dict[str, Any]]:
@@ -129,12 +134,6 @@ def _drop_tied(name: str, section: dict[str, Any], values: dict[str, Any], sourc
     return [f"{name}.{identity}={values[identity]!r} ({source}) replaces {previous!r} ("
             f"{sources.get(f'{name}.{identity}', BUILTIN)}): dropped {named}, which described the previous one (set "
             f"again to keep); the other {name} keys are kept"]
-
-
-def build_config(tree: dict[str, Any], sources: dict[str, str] | None = None,
-                 notes: Sequence[str] = ()) -> RecipeConfig:
-    """Check keys and types of a raw mapping and return the typed config (no cross-field checks)."""
-    return RecipeConfig(**checked("", tree, top_level_types()), sources=dict(sources or {}), notes=list(notes))
 
 
 def load_config(path: str | None, overrides: dict[str, Any] | None = None) -> RecipeConfig:

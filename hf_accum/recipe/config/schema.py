@@ -30,12 +30,6 @@ from hf_accum.recipe.preference_section import check_dpo_section
 
 RESOLVED_CONFIG_NAME = "resolved_config.yaml"
 BUILTIN, COMMAND_LINE = "built-in default", "command line"
-# Recipe-level defaults that differ from the HF classes' own defaults.
-BUILTIN_DEFAULTS: dict[str, Any] = {
-    "engine": "loop",
-    "lora": {"r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "target_modules": "all-linear"},
-    "training": {"report_to": "none", "logging_steps": 10},
-}
 # Keys that say how to run, not what the run is: a resumed run may set them differently.
 NOT_PART_OF_THE_RUN = ("overwrite_output_dir", "training.resume_from_checkpoint")
 
@@ -179,8 +173,14 @@ SECTIONS: dict[str, Section] = {
 TOP_LEVEL = [f.name for f in dataclasses.fields(RecipeConfig) if not f.metadata.get("derived")]
 
 
+def build_config(tree: dict[str, Any], sources: dict[str, str] | None = None,
+                 notes: Sequence[str] = ()) -> RecipeConfig:
+    """Check keys and types of a raw mapping and return the typed config (no cross-field checks)."""
+    return RecipeConfig(**checked("", tree, _top_level_types()), sources=dict(sources or {}), notes=list(notes))
+
+
 @functools.cache
-def top_level_types() -> dict[str, Any]:
+def _top_level_types() -> dict[str, Any]:
     """The top-level keys' types; a section's "type" is its :class:`Section`."""
     hints = typing.get_type_hints(RecipeConfig)
     return {name: SECTIONS.get(name, hints[name]) for name in TOP_LEVEL}
