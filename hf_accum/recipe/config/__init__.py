@@ -2,6 +2,7 @@
 section registry, pydantic coercion, the saved copy), ``layers`` (defaults < YAML < command line, sources kept),
 ``validation`` (:func:`resolve`, one pass before anything loads)."""
 
+from hf_accum.recipe.accumulation_section import AccumulationSection
 from hf_accum.recipe.config.layers import BUILTIN_DEFAULTS, load_config, load_yaml, parse_overrides
 from hf_accum.recipe.config.schema import (
     BUILTIN,
@@ -14,8 +15,9 @@ from hf_accum.recipe.config.schema import (
     build_config,
     differences,
 )
-from hf_accum.recipe.config.sections import AccumulationSection, DataSection, DPOSection, ModelSection, TrainingSection
+from hf_accum.recipe.config.sections import DataSection, ModelSection, TrainingSection
 from hf_accum.recipe.config.validation import load_recipe_config, resolve
+from hf_accum.recipe.preference_section import DPOSection
 
 __all__ = [
     "BUILTIN", "BUILTIN_DEFAULTS", "COMMAND_LINE", "RESOLVED_CONFIG_NAME", "SECTIONS", "AccumulationSection",

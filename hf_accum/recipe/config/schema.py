@@ -22,11 +22,11 @@ import yaml
 from pydantic import PydanticSchemaGenerationError, TypeAdapter, ValidationError
 
 from hf_accum.errors import InputError
-from hf_accum.recipe.accumulation_section import check_accumulation_section
-from hf_accum.recipe.config.sections import AccumulationSection, DataSection, DPOSection, ModelSection, TrainingSection
+from hf_accum.recipe.accumulation_section import AccumulationSection, check_accumulation_section
+from hf_accum.recipe.config.sections import DataSection, ModelSection, TrainingSection
 from hf_accum.recipe.data import check_data_section
 from hf_accum.recipe.modeling import check_model_section, check_quantization_section
-from hf_accum.recipe.preference_section import check_dpo_section
+from hf_accum.recipe.preference_section import DPOSection, check_dpo_section
 
 RESOLVED_CONFIG_NAME = "resolved_config.yaml"
 BUILTIN, COMMAND_LINE = "built-in default", "command line"
