@@ -28,6 +28,7 @@ from hf_accum.recipe.launch import fsdp_request
 if TYPE_CHECKING:  # the config package runs this module (validation.resolve); it never imports the package back
     from hf_accum.recipe.config.schema import RecipeConfig
 
+
 class PreflightError(InputError):
     """A value a run object refuses (or accepts and would train wrongly with); resolve raises it as a ConfigError."""
 
