@@ -1,5 +1,9 @@
-"""The recipe's ``accumulation:`` section, checked before anything loads (its ``Section.validator``).
+"""The size of the recipe's updates: the ``accumulation:`` section (:class:`AccumulationSection`, its keys) and,
+before anything loads, the batch keys resolved and the section checked (:func:`check_accumulation_section`, its
+``Section.validator``).
 
+* :func:`resolve_batch`: ``training.gradient_accumulation_steps`` from ``global_batch_size`` (the higher layer wins
+  when both are set, said in a note; set in one layer they must agree).
 * ``rampup_batch_size`` and ``tokens_per_update`` (loop engine only): the window changes from update to update
   (:mod:`hf_accum.loop.windows`). With a token budget the update's size is the budget: a ``global_batch_size`` or
   ``training.gradient_accumulation_steps`` from a lower layer yields to it (a note says so, and the Accelerator's K
@@ -8,29 +12,85 @@
   update measures nothing (said, not refused).
 * ``normalization: token | sequence`` (:mod:`hf_accum.sequence_norm`), both engines.
 
-The engines take the section as :meth:`~hf_accum.recipe.config.AccumulationSection.loop_settings`; the loop's
+The engines take the section as :meth:`AccumulationSection.loop_settings`; the loop's
 :class:`~hf_accum.loop.LoopConfig` is built once, by :mod:`hf_accum.recipe.preflight`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from hf_accum.auto_ramp import AutoRampSettings, BatchController, is_auto
 from hf_accum.errors import InputError
 from hf_accum.planned_windows import refuse_planned_windows
 from hf_accum.rampup import RampUp
+from hf_accum.schedule import plan_global_batch
 from hf_accum.sequence_norm import NORMALIZATIONS
 
 _BUDGET = "accumulation.tokens_per_update"
+
+
+@dataclass
+class AccumulationSection:
+    """How updates are formed beyond a fixed K (checked by :func:`check_accumulation_section`)."""
+
+    rampup_batch_size: list[Any] | str | None = None
+    """``[start, increment, samples]``: Megatron's batch ramp-up towards the global batch (loop engine); ``auto``: the
+    batch grows from a minimum when the measured noise scale says it pays (:mod:`hf_accum.auto_ramp`)."""
+    rampup_auto: dict[str, Any] | None = None
+    """With ``rampup_batch_size: auto``: the controller's settings (``min_batch_size``, ``margin``, ``release``,
+    ``patience``, ``min_updates``, ``growth``, ``lr_rule``: constant | sqrt | seesaw)."""
+    tokens_per_update: int | None = None
+    """Close an update once it holds this many targets on all ranks (loop engine); replaces the global batch."""
+    noise_scale: bool = False
+    """Track the gradient noise scale (metrics.json ``noise_scale``, ``grad_sq``, ``trace_cov``; the plot; an
+    end-of-run line on the batch size). Needs >= 2 micro-batches per update; not under DeepSpeed."""
+    normalization: str = "token"
+    """token: the update's loss is the mean over its target tokens; sequence: the mean over its sequences of each
+    sequence's mean token loss (long answers do not dominate; packed rows count each sequence)."""
+
+    def loop_settings(self) -> dict[str, Any]:
+        """The :class:`~hf_accum.loop.LoopConfig` fields this section sets: all of them."""
+        return dataclasses.asdict(self)
 
 
 class AccumulationError(InputError):
     """A value of the ``accumulation`` section the engines cannot honour."""
 
 
-def check_accumulation_section(section: Any, config: Any) -> None:
+def resolve_batch(config: Any, world_size: int) -> None:
+    """``training.gradient_accumulation_steps`` from ``global_batch_size``; errors and notes name each value's layer."""
+    t, steps_key = config.training, "training.gradient_accumulation_steps"
+    for key in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+        if (value := getattr(t, key)) < 1:
+            raise AccumulationError(f"training.{key}={value} ({config.source('training.' + key)}) must be >= 1")
+    if config.global_batch_size is None:
+        return
+    given, micro, batch = t.get("gradient_accumulation_steps"), t.per_device_train_batch_size, config.global_batch_size
+    batch_source, steps_source = config.source("global_batch_size"), config.source(steps_key)
+    if given is not None and config.layer_rank(steps_key) > config.layer_rank("global_batch_size"):
+        config.notes.append(f"{steps_key}={given} ({steps_source}) replaces global_batch_size={batch} "
+                            f"({batch_source}): effective batch {micro * given * world_size}")
+        config.global_batch_size = None
+        return
+    try:
+        steps = plan_global_batch(batch, micro, world_size).accumulation_steps
+    except ValueError as exc:
+        raise AccumulationError(f"{exc} [global_batch_size from {batch_source}]") from exc
+    if given is not None and given != steps:
+        if config.layer_rank(steps_key) == config.layer_rank("global_batch_size"):
+            raise AccumulationError(f"global_batch_size={batch} with {micro} per device x {world_size} processes needs "
+                                    f"gradient_accumulation_steps={steps}, but {steps_key}={given}; both set in "
+                                    f"{batch_source}: set only one of them")
+        config.notes.append(f"global_batch_size={batch} ({batch_source}) replaces {steps_key}={given} "
+                            f"({steps_source}): {steps} accumulation steps")
+    t["gradient_accumulation_steps"] = steps
+
+
+def check_accumulation_section(section: AccumulationSection, config: Any) -> None:
     """Values, the engine, the batch keys a token budget replaces (run after the batch arithmetic is resolved)."""
     t = config.training
     if section.normalization not in NORMALIZATIONS:
@@ -57,7 +117,7 @@ def check_accumulation_section(section: Any, config: Any) -> None:
         _yield_batch_keys(config)
 
 
-def _check_auto_ramp(section: Any, config: Any, micro: int, world: int) -> None:
+def _check_auto_ramp(section: AccumulationSection, config: Any, micro: int, world: int) -> None:
     """``rampup_batch_size: auto``: the start batch on the resolved arithmetic; what its schedule over samples and
     its measurement exclude."""
     t = config.training

@@ -24,9 +24,8 @@ from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any, Callable
 
-from hf_accum.recipe.config.sections import DPOSection
 from hf_accum.recipe.data.preference import load_preference_data
-from hf_accum.recipe.preference_section import PreferenceConfigError, check_dpo_section  # noqa: F401 -- one import path
+from hf_accum.recipe.preference_section import DPOSection, PreferenceConfigError, check_dpo_section  # noqa: F401 -- one import path
 
 METRIC = "pairwise accuracy"
 

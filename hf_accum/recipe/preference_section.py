@@ -1,20 +1,34 @@
-"""The recipe's ``objective`` key and ``dpo:`` section, checked before anything loads (the section's ``validator``):
-allowed values, and what ``objective: dpo`` cannot run with (one line naming the key, exit 2). The DPO training
-itself is :mod:`hf_accum.recipe.preference`."""
+"""The recipe's ``objective`` key and ``dpo:`` section (:class:`DPOSection`, its keys), checked before anything loads
+(:func:`check_dpo_section`, the section's ``validator``): allowed values, and what ``objective: dpo`` cannot run
+with (one line naming the key, exit 2). The DPO training itself is :mod:`hf_accum.recipe.preference`."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from hf_accum.errors import InputError
 from hf_accum.preference import PAIR_LOSS_TYPES
 from hf_accum.recipe.data.formats import FORMATS, PREFERENCE_FORMATS
 
-if TYPE_CHECKING:  # the section's class lives in the config package, which imports this module (its validator)
-    from hf_accum.recipe.config.sections import DPOSection
-
 OBJECTIVES = ("sft", "dpo")
 """What the recipe trains: ``sft`` (the default) or ``dpo`` (preference pairs)."""
+
+
+@dataclass
+class DPOSection:
+    """DPO's settings (``objective: dpo``), TRL's ``DPOConfig`` names: the trainer engine passes them to
+    ``DPOConfig``, the loop engine to ``hf_accum.preference.DPOPairLoss``."""
+
+    beta: float = 0.1
+    """How far the policy may move from the reference (the base model: the adapter disabled); TRL's ``beta``."""
+    loss_type: str = "sigmoid"
+    """The per-pair loss: sigmoid (DPO) | ipo | hinge | robust; TRL's ``loss_type``."""
+    label_smoothing: float = 0.0
+    """The probability that a pair's preference is flipped (cDPO / robust DPO), in [0, 0.5)."""
+    sft_weight: float = 0.0
+    """Weight of an SFT term on the chosen answers (a token mean over the update's chosen tokens) added to the
+    pair loss; 0: none. TRL: ``loss_type=[<loss_type>, "sft"]``, ``loss_weights=[1, sft_weight]``."""
 
 
 class PreferenceConfigError(InputError):

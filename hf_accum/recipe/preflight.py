@@ -7,8 +7,9 @@ torch or transformers would refuse later (or accept and then train wrongly) is o
 parameter (stepped with a zero and a unit gradient: it must stay finite), the LR scheduler (stepped over a short
 horizon: finite, non-negative), the data loaders' and seeds' arguments, the report_to integrations, and a
 one-layer LoRA on a tiny ``nn.Linear`` through PEFT (``LoraConfig`` itself accepts ``r=0`` or a dropout of 1.5:
-PEFT and torch refuse them only when the layer is built). Then the values every object accepts but that train
-wrongly without a word (a negative clipping norm flips the gradient; ``lora_alpha=0`` zeroes the adapter).
+PEFT and torch refuse them only when the layer is built). Before and after, the values every object accepts but
+that train wrongly without a word: a run without a length, a zero step interval, a negative clipping norm (it flips
+the gradient), ``lora_alpha=0`` (it zeroes the adapter).
 
 A refusal names the keys the message mentions, else the keys whose removal makes the build pass.
 """
@@ -17,13 +18,20 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from hf_accum.errors import InputError
-from hf_accum.recipe.config.schema import ConfigError, RecipeConfig
 from hf_accum.recipe.launch import fsdp_request
+
+if TYPE_CHECKING:  # the config package runs this module (validation.resolve); it never imports the package back
+    from hf_accum.recipe.config.schema import RecipeConfig
+
+
+class PreflightError(InputError):
+    """A value a run object refuses (or accepts and would train wrongly with); resolve raises it as a ConfigError."""
+
 
 # What the recipe changes when it builds TrainingArguments (see recipes/finetune_llama.py); DeepSpeed's config is
 # checked by the launch policy, and building it here would switch ZeRO-3 on for this process.
@@ -46,7 +54,7 @@ MESSAGE_NAMES = {"adam_beta1": "beta parameter at index 0", "adam_beta2": "beta 
 
 
 def build_run_objects(config: RecipeConfig) -> None:
-    """Build the run's objects from ``config`` on toy inputs; ConfigError (one line, keys named) on a refusal."""
+    """Build the run's objects from ``config`` on toy inputs; PreflightError (one line, keys named) on a refusal."""
     def training(**changes: Any) -> Any:
         return config.training_arguments(**{**TRAINING_ARGUMENT_CHANGES, **fsdp_request(config.training), **changes})
 
@@ -54,6 +62,8 @@ def build_run_objects(config: RecipeConfig) -> None:
         optimizer = _optimizer(config.engine, args)
         return _step(optimizer, _scheduler(args, optimizer), config.engine)
 
+    _check_duration(config)
+    _check_step_intervals(config)
     args = _built(config, "TrainingArguments", training, "training")
     if config.engine == "loop":
         _built(config, "the loop's LoopConfig", lambda: _loop_config(config, args), "training")
@@ -74,10 +84,40 @@ def build_run_objects(config: RecipeConfig) -> None:
         section, _, key = dotted.partition(".")
         values = getattr(config, section)
         if values is not None and key in values and not accepted(values[key]):
-            raise ConfigError(f"{dotted}={values[key]!r} ({config.source(dotted)}): allowed: {allowed}")
+            raise PreflightError(f"{dotted}={values[key]!r} ({config.source(dotted)}): allowed: {allowed}")
     # Last, what no rule above names: the optimizer's steps must stay finite, the learning rates finite and >= 0.
     _built(config, f"the optimizer with the {scheduler_name} scheduler",
            lambda: _step(optimizer, scheduler, config.engine), "training", rebuild=lambda: run_schedule(training()))
+
+
+def _check_duration(config: RecipeConfig) -> None:
+    """A run must have a length: max_steps >= 1, or num_train_epochs > 0; a negative epoch count means nothing
+    even where max_steps sets the length (an untrained model saved as a finished run is worse than an error)."""
+    t = config.training
+    if t.max_steps == 0 or t.max_steps < -1:
+        raise PreflightError(f"training.max_steps={t.max_steps} ({config.source('training.max_steps')}): use a "
+                             "number of updates >= 1, or -1 to train for training.num_train_epochs")
+    if t.num_train_epochs < 0 or (t.max_steps == -1 and not t.num_train_epochs > 0):
+        allowed = "> 0 (or set training.max_steps >= 1)" if t.max_steps == -1 else \
+            f">= 0 (training.max_steps={t.max_steps} sets the length)"
+        raise PreflightError(f"training.num_train_epochs={float(t.num_train_epochs)} "
+                             f"({config.source('training.num_train_epochs')}) must be {allowed}")
+
+
+def _check_step_intervals(config: RecipeConfig) -> None:
+    """``save_steps`` / ``eval_steps`` / ``logging_steps`` must be a positive number of updates (or a fraction of
+    them, below 1) where their strategy is ``steps``: 0 would divide by zero in the loop and be ignored silently by
+    Trainer, in either engine."""
+    for action in ("save", "eval", "logging"):
+        strategy = str(getattr(config.training, f"{action}_strategy"))
+        steps = getattr(config.training, f"{action}_steps")
+        if strategy.rsplit(".", 1)[-1].lower() != "steps" or steps is None or steps > 0:
+            continue
+        raise PreflightError(
+            f"training.{action}_steps={steps:g} ({config.source(f'training.{action}_steps')}) with training."
+            f"{action}_strategy=steps: use a number of updates >= 1 (or a fraction of the planned updates, between 0 "
+            f"and 1), or set training.{action}_strategy=no"
+        )
 
 
 def _loop_config(config: RecipeConfig, args: Any) -> Any:
@@ -91,7 +131,7 @@ def _loop_config(config: RecipeConfig, args: Any) -> Any:
             message = message.replace(f"LoopConfig.{key}", f"accumulation.{key}")
         message = message.replace("LoopConfig.", "training.")
         found = re.search(r"(accumulation|training)\.\w+", message)
-        raise ConfigError(f"{message} ({config.source(found.group(0))})" if found else message) from None
+        raise PreflightError(f"{message} ({config.source(found.group(0))})" if found else message) from None
 
 
 def _optimizer(engine: str, args: Any) -> torch.optim.Optimizer:
@@ -198,7 +238,7 @@ def _built(config: RecipeConfig, what: str, build: Callable[[], Any], section: s
         named = named or _blamed(config, section, rebuild)
         keys = "; ".join(f"{section}.{key}={getattr(config, section)[key]!r} ({config.source(f'{section}.{key}')})"
                          for key in named) or f"a value of the {section} section"
-        raise ConfigError(f"{what} refuses the {section} section: {detail} [{keys}]") from exc
+        raise PreflightError(f"{what} refuses the {section} section: {detail} [{keys}]") from exc
 
 
 def _mentioned(config: RecipeConfig, section: str, detail: str) -> list[str]:

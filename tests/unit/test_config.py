@@ -108,6 +108,17 @@ def test_no_config_gives_the_embedded_default():
     assert config.global_batch_size == 32
 
 
+def test_the_embedded_default_named_as_the_source_is_the_objectives_own():
+    """Without --config, objective=dpo loads cpu_dpo.yaml: messages and notes name that file, and the default
+    output dir is outputs/cpu_dpo (not the SFT default's)."""
+    sft = recipe_config.load_config(None, {})
+    assert sft.source("training.lr_scheduler_type") == "embedded default (recipes/configs/cpu_default.yaml)"
+    dpo = recipe_config.load_config(None, {"objective": "dpo"})
+    assert dpo.source("dpo.sft_weight") == "embedded default (recipes/configs/cpu_dpo.yaml)"
+    resolved_dpo = recipe_config.load_recipe_config(["objective=dpo"], engines=ENGINES)
+    assert resolved_dpo.training["output_dir"] == os.path.join("outputs", "cpu_dpo")
+
+
 def test_cpu_default_yaml_is_the_embedded_default():
     from_yaml = recipe_config.load_config(os.path.join(ROOT, "recipes", "configs", "cpu_default.yaml"))
     embedded = recipe_config.load_config(None)

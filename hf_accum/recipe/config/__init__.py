@@ -2,30 +2,25 @@
 section registry, pydantic coercion, the saved copy), ``layers`` (defaults < YAML < command line, sources kept),
 ``validation`` (:func:`resolve`, one pass before anything loads)."""
 
-from hf_accum.recipe.config.layers import build_config, load_config, load_yaml, parse_overrides
+from hf_accum.recipe.accumulation_section import AccumulationSection
+from hf_accum.recipe.config.layers import BUILTIN_DEFAULTS, load_config, load_yaml, parse_overrides
 from hf_accum.recipe.config.schema import (
     BUILTIN,
-    BUILTIN_DEFAULTS,
     COMMAND_LINE,
     RESOLVED_CONFIG_NAME,
     SECTIONS,
     ConfigError,
     RecipeConfig,
     Section,
+    build_config,
     differences,
 )
-from hf_accum.recipe.config.sections import (
-    AccumulationSection,
-    DataSection,
-    DPOSection,
-    ModelSection,
-    TrainingSection,
-)
-from hf_accum.recipe.config.validation import bf16_supported, load_recipe_config, resolve
+from hf_accum.recipe.config.sections import DataSection, ModelSection, TrainingSection
+from hf_accum.recipe.config.validation import load_recipe_config, resolve
+from hf_accum.recipe.preference_section import DPOSection
 
 __all__ = [
     "BUILTIN", "BUILTIN_DEFAULTS", "COMMAND_LINE", "RESOLVED_CONFIG_NAME", "SECTIONS", "AccumulationSection",
     "ConfigError", "DataSection", "DPOSection", "ModelSection", "RecipeConfig", "Section", "TrainingSection",
-    "bf16_supported",
     "build_config", "differences", "load_config", "load_recipe_config", "load_yaml", "parse_overrides", "resolve",
 ]

