@@ -123,7 +123,9 @@ class MicroBatchLoss:
         own = getattr(self.loss_sum_fn, "count_units", None)
         if own is not None:
             return own(batch["labels"], batch)
-        assert self.kind is not None  # the front-ends resolve the layout before they count (trainer.core, steppers)
+        # The front-ends resolve the layout before they count (trainer.core, DeepSpeedStepper); a loss of several
+        # terms counts its own units (count_units above).
+        assert self.kind is not None, "count_units before the loss layout (kind) is known"
         return default_unit_counter(self.kind, self.normalization)(batch)
 
     def model_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:

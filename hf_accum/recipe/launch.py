@@ -92,10 +92,8 @@ def check_launch(training: Mapping[str, Any], environ: Mapping[str, str] | None 
         _check_deepspeed_installed(source)
         ds_config = load_deepspeed_config(_deepspeed_source(training, environ))
         check_deepspeed_batch(
-            ds_config,
-            micro_batch_size=int(training.get("per_device_train_batch_size", 8)),
-            accumulation_steps=int(training.get("gradient_accumulation_steps", 1)),
-            world_size=world_size,
+            ds_config, micro_batch_size=int(training.get("per_device_train_batch_size", 8)),
+            accumulation_steps=int(training.get("gradient_accumulation_steps", 1)), world_size=world_size,
             max_grad_norm=float(training.get("max_grad_norm", 1.0)),
         )
     return Launch(backend, source, world_size, num_nodes(environ), ds_config)
