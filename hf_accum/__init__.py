@@ -6,6 +6,7 @@ update n equals the big-batch run's LR at update n.
 """
 
 import logging
+from typing import Any
 
 # bitsandbytes' CPU backend tries to fetch an optional kernel from the Hub at import and logs a
 # warning when it cannot (always, offline); it then uses its built-in kernel, which is correct.
@@ -77,7 +78,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'hf_accum' has no attribute {name!r}")

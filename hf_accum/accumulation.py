@@ -125,10 +125,12 @@ class Fp32GradientAccumulator:
 
     def _stash(self, parameter: torch.nn.Parameter) -> None:
         key = id(parameter)
+        grad = parameter.grad
+        assert grad is not None  # a post-accumulate-grad hook runs once the gradient is there
         if key in self._sums:
-            self._sums[key].add_(parameter.grad)  # add_ upcasts the bf16 grad into the fp32 sum
+            self._sums[key].add_(grad)  # add_ upcasts the bf16 grad into the fp32 sum
         else:
-            self._sums[key] = parameter.grad.float()
+            self._sums[key] = grad.float()
         parameter.grad = None
 
     def write_gradients_(self, factor: float) -> None:
@@ -349,7 +351,9 @@ class WindowTally:
         small = tuple((values.pop(n), values.pop(g)) for n, g in self._slot_columns)
         terms = {name: [values.pop(s), int(round(values.pop(c)))]
                  for name, (s, c) in zip(self.extra_terms, self._term_columns)}
-        totals = WindowTotals(**losses, **{name: int(round(value)) for name, value in values.items()})
+        # WindowTotals' float and int columns, named at run time (Any: mypy cannot match names to fields)
+        columns: dict[str, Any] = {**losses, **{name: int(round(value)) for name, value in values.items()}}
+        totals = WindowTotals(**columns)
         totals.small_batches = tuple(pair for pair in small if pair[0] > 0)
         totals.extra_terms = terms
         return totals
@@ -365,10 +369,10 @@ def nonfinite_flag(tensors: Iterable[torch.Tensor | None], device: torch.device 
     cannot overflow in fp16/bf16.
     """
     # Sharded gradients (DTensor): this rank's shard; the flags are summed over ranks afterwards.
-    tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors if t is not None]
-    if not tensors:
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors if t is not None]
+    if not local:
         return torch.zeros((), dtype=torch.float64, device=device)
-    largest = torch.stack([norm.to(device, torch.float64) for norm in torch._foreach_norm(tensors, float("inf"))])
+    largest = torch.stack([norm.to(device, torch.float64) for norm in torch._foreach_norm(local, float("inf"))])
     return (~torch.isfinite(largest)).any().to(torch.float64)
 
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Sequence
+from types import ModuleType
+from typing import Any, Sequence
 
 from hf_accum.schedule import BatchPlan, plan_global_batch, scaled_learning_rate
 
@@ -152,7 +153,7 @@ def _recipe_plan(args: argparse.Namespace, processes: int) -> BatchPlan:
     return BatchPlan(micro, config.training.get("gradient_accumulation_steps", 1), processes, args.nodes)
 
 
-def _recipe_ramp(args: argparse.Namespace, key: str = "rampup_batch_size"):
+def _recipe_ramp(args: argparse.Namespace, key: str = "rampup_batch_size") -> Any:
     from hf_accum.recipe import config as C
 
     path, overrides = C.parse_overrides(["--config", args.config, *args.overrides])
@@ -258,7 +259,7 @@ def benchmarks_location() -> Path | None:
     return None
 
 
-def _import_benchmarks(location: Path):
+def _import_benchmarks(location: Path) -> ModuleType:
     """Import ``benchmarks.run`` from ``location``: the package is found by path, not on ``sys.path``
     (an editable install exposes only ``hf_accum``)."""
     import importlib
@@ -269,10 +270,11 @@ def _import_benchmarks(location: Path):
         spec = importlib.util.spec_from_file_location(
             "benchmarks", location / "__init__.py", submodule_search_locations=[str(location)]
         )
+        assert spec is not None and spec.loader is not None  # a file location gives a spec with a loader
         loaded = importlib.util.module_from_spec(spec)
         sys.modules["benchmarks"] = loaded
         spec.loader.exec_module(loaded)
-    if Path(loaded.__file__).resolve().parent != location.resolve():
+    if loaded.__file__ is None or Path(loaded.__file__).resolve().parent != location.resolve():
         raise ValueError(f"another package named 'benchmarks' is already imported ({loaded.__file__})")
     return importlib.import_module("benchmarks.run")
 

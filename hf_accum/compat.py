@@ -6,9 +6,14 @@ nowhere else. Each entry names the version it was checked against and what break
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+# The objects here are reached through private or version-specific attributes that their libraries do not
+# type (or type otherwise), so they are Any: Trainer / TRL trainers, Accelerator, bitsandbytes' layers.
 
 # --------------------------------------------------------------------------------------------------
 # bitsandbytes (checked: 0.50.2)
@@ -30,7 +35,7 @@ def keep_4bit_training_layout(model: torch.nn.Module) -> int:
     switch) and unpacks any weight that was already repacked. Idempotent and cheap: call it after
     loading and again before training. Returns the number of 4-bit layers it holds in place.
     """
-    layers = [module for module in model.modules() if _is_linear4bit(module)]
+    layers: list[Any] = [module for module in model.modules() if _is_linear4bit(module)]  # bitsandbytes' Linear4bit
     for layer in layers:
         layer.support_avx512bf16_for_cpu = False  # bitsandbytes reads this on every forward
         weight = layer.weight
@@ -78,7 +83,7 @@ def set_optimizer_step_skipped(optimizer: Any, skipped: bool) -> None:
     optimizer._is_overflow = skipped
 
 
-def force_fsdp_distributed_type(accelerator, plugin) -> None:
+def force_fsdp_distributed_type(accelerator: Any, plugin: Any) -> None:
     """Make an ``Accelerator`` built with an FSDP plugin on CPU processes really run FSDP.
 
     Accelerate 1.15 (``AcceleratorState.__init__``) sets ``DistributedType.FSDP`` only for GPU-like
@@ -167,12 +172,10 @@ def add_trl_train_tokens(trainer: Any, tokens: int) -> None:
     trainer._total_train_tokens += tokens
 
 
-def trl_reference_context(trainer: Any):
+def trl_reference_context(trainer: Any) -> contextlib.AbstractContextManager[Any]:
     """The context in which ``trainer.model`` is its own DPO reference, as ``DPOTrainer`` picks it (TRL 1.16,
     ``compute_ref_log_probs``): a PEFT model without ``ref_model`` is its base model with the adapters disabled
     (or the adapter named ``"ref"`` when one was loaded); anything else needs no context."""
-    import contextlib
-
     from accelerate.utils import is_peft_model
     from trl.trainer.utils import use_adapter
 
@@ -182,22 +185,20 @@ def trl_reference_context(trainer: Any):
     return use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None)
 
 
-def trl_without_gradient_checkpointing(trainer: Any):
+def trl_without_gradient_checkpointing(trainer: Any) -> contextlib.AbstractContextManager[Any]:
     """TRL 1.16's ``disable_gradient_checkpointing`` for a no-grad reference forward (what ``DPOTrainer`` does)."""
     from trl.models.utils import disable_gradient_checkpointing
 
     return disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs)
 
 
-def evened_batches(accelerator: Any):
+def evened_batches(accelerator: Any) -> contextlib.AbstractContextManager[None]:
     """A context in which dataloaders prepared by ``accelerator`` repeat examples to give every rank as many
     batches of the same size (``even_batches=True``). TRL 1.16's reference precompute pass (``_precompute_ref_logps``)
     all-gathers each batch's log-probs with ``gather_for_metrics``, which fails (gloo size mismatch) when ranks hold
     batches of different sizes; with even batches it drops the repeated rows itself."""
-    import contextlib
-
     @contextlib.contextmanager
-    def context():
+    def context() -> Iterator[None]:
         previous = accelerator.even_batches
         accelerator.even_batches = True
         try:

@@ -120,11 +120,9 @@ def gathered_state_dict(model: torch.nn.Module, keep: bool = True, trainable_onl
     return full
 
 
-def _gathered(tensor: torch.Tensor):
+def _gathered(tensor: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
     """All of a ZeRO-3 parameter on every rank for the ``with`` block (read only); a no-op otherwise."""
     if not hasattr(tensor, "ds_id"):
-        import contextlib
-
         return contextlib.nullcontext()
     import deepspeed
 

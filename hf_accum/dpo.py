@@ -176,6 +176,7 @@ class AccumDPOTrainer(AccumTrainer, DPOTrainer):  # type: ignore[misc]  # TRL ty
         result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         stats = self.dpo_loss.last_stats
         if stats is not None:
+            assert self.model is not None  # set by Trainer.__init__
             mode = "train" if self.model.training else "eval"
             tokens = inputs["attention_mask"].sum() if "attention_mask" in inputs else inputs["input_ids"].numel()
             self._pair_metrics[mode].add(**stats, tokens=tokens)
@@ -203,6 +204,7 @@ class AccumDPOTrainer(AccumTrainer, DPOTrainer):  # type: ignore[misc]  # TRL ty
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Hand TRL's ``log`` (which averages ``self._metrics[mode]``) one pair-weighted mean per metric."""
+        assert self.model is not None  # set by Trainer.__init__
         mode = "train" if self.model.training else "eval"
         metrics = self._pair_metrics[mode].take_means()
         trl_logged = trl_metrics(self, mode)

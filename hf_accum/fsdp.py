@@ -18,11 +18,16 @@ FSDP2 after all raises :class:`FsdpUnavailableError` instead of falling back.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
 from hf_accum.errors import InputError
+
+if TYPE_CHECKING:  # imported where used at run time: importing hf_accum does not import accelerate's FSDP parts
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from transformers import TrainingArguments
 
 
 class FsdpUnavailableError(InputError):
@@ -35,7 +40,7 @@ def fsdp2_plugin(
     reshard_after_forward: bool = True,
     activation_checkpointing: bool = False,
     cpu_offload: bool = False,
-):
+) -> FullyShardedDataParallelPlugin:
     """Accelerate's ``FullyShardedDataParallelPlugin`` for FSDP2.
 
     ``transformer_layer_cls``: class names to shard one by one (e.g. ``["LlamaDecoderLayer"]``; default:
@@ -63,7 +68,8 @@ def fsdp2_plugin(
     )
 
 
-def fsdp_accelerator(plugin, gradient_accumulation_steps: int, cpu: bool | None = None, **kwargs):
+def fsdp_accelerator(plugin: FullyShardedDataParallelPlugin, gradient_accumulation_steps: int, cpu: bool | None = None,
+                     **kwargs: Any) -> Accelerator:
     """An ``Accelerator`` that runs ``plugin`` (FSDP2) on every process; refuses rather than falls back."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
@@ -88,14 +94,14 @@ def fsdp_accelerator(plugin, gradient_accumulation_steps: int, cpu: bool | None 
     return accelerator
 
 
-def refuse_fsdp1(plugin_args: dict | None) -> None:
+def refuse_fsdp1(plugin_args: dict[str, Any] | None) -> None:
     """``TrainingArguments.fsdp_plugin_args`` asking for FSDP1: refused, naming the key."""
     if plugin_args is not None and int(plugin_args.get("fsdp_version", 1)) != 2:
         raise FsdpUnavailableError("fsdp_config.version=1 (FSDP1) is refused: hf_accum runs FSDP2 only (FSDP1 "
                                    "segfaults gathering a full state dict on CPU); set fsdp_config.version=2")
 
 
-def force_trainer_fsdp2(accelerator, args) -> None:
+def force_trainer_fsdp2(accelerator: Accelerator, args: TrainingArguments) -> None:
     """``Trainer`` built its Accelerator with ``args.fsdp_plugin_args`` but Accelerate dropped the plugin (CPU
     processes): rebuild the same plugin and run it, or refuse -- never train DDP in its place."""
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
@@ -117,7 +123,7 @@ def force_trainer_fsdp2(accelerator, args) -> None:
         raise FsdpUnavailableError(f"Accelerate set up {accelerator.distributed_type.value}, not FSDP2")
 
 
-def is_fsdp(accelerator) -> bool:
+def is_fsdp(accelerator: Accelerator) -> bool:
     from accelerate.utils import DistributedType
 
     return accelerator.distributed_type == DistributedType.FSDP

@@ -46,7 +46,7 @@ core of :mod:`hf_accum.accumulation` (stream ``dpo``) lands, the terms should be
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import torch
 
@@ -60,7 +60,7 @@ from hf_accum.compat import (
 )
 
 try:
-    from trl import GRPOTrainer
+    from trl import GRPOConfig, GRPOTrainer
 except ImportError as error:  # TRL is an optional extra
     raise ImportError("AccumGRPOTrainer needs TRL: pip install 'hf_accum[trl]'") from error
 
@@ -162,6 +162,7 @@ class AccumGRPOTrainer(GRPOTrainer):
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
         if not batch_samples:
             return batch_samples, num_items_in_batch
+        assert self.model is not None  # set by Trainer.__init__
         self.model.train()  # as training_step would; an evaluation may have left eval mode on
         prepared = self._prepare_window(batch_samples)
         self._window = self._count_window(prepared)
@@ -199,6 +200,7 @@ class AccumGRPOTrainer(GRPOTrainer):
                      num_items_in_batch: Any = None) -> Any:
         """Training: TRL's policy loss rescaled from TRL's divisor to the update's count, plus the KL and entropy
         terms, each ``W * sum / N`` with its own ``N``. Evaluation: TRL's own loss."""
+        assert self.model is not None  # set by Trainer.__init__
         if not (self.model.training and isinstance(inputs, PreparedMicroBatch) and self._window is not None):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         window = self._window
@@ -232,7 +234,8 @@ class AccumGRPOTrainer(GRPOTrainer):
         """``W * sum(kl) / N`` in the loss type's unit; TRL's ``k3`` estimator and its optional IS correction."""
         ref = inputs["ref_per_token_logps"]
         per_token_kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1
-        if self.args.use_bias_correction_kl:
+        args = cast(GRPOConfig, self.args)  # GRPOTrainer.__init__ makes args a GRPOConfig
+        if args.use_bias_correction_kl:
             per_token_kl = per_token_kl * self._importance_weights(inputs, per_token_logps, mask)
         self._kl_stats.add(kl_sum=(per_token_kl * mask).sum().detach(), tokens=mask.sum())
         return unit_sum(per_token_kl, mask, self._unit) * window.factor(self._unit)
@@ -320,5 +323,6 @@ def _full_precision_applies(model: torch.nn.Module, compute_aux_loss: bool, mode
     """Float64 text-only models: TRL's float32 fused head would be the precision floor."""
     if compute_aux_loss or any(value is not None for value in model_kwargs.values()):
         return False
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    output_embeddings = getattr(model, "get_output_embeddings", None)  # PreTrainedModel's (Any through nn.Module)
+    head = output_embeddings() if output_embeddings is not None else None
     return head is not None and head.weight.dtype == torch.float64

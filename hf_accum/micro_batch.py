@@ -9,7 +9,7 @@ same pass. :func:`logits_token_stats` gives those metrics from logits.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -118,11 +118,14 @@ class MicroBatchLoss:
         """The terms after the primary one (what the window tally adds columns for)."""
         return self.term_names[1:]
 
-    def count_units(self, batch: dict[str, Any]) -> torch.Tensor:
+    def count_units(self, batch: Mapping[str, Any]) -> torch.Tensor:
         """The counts this loss will return for ``batch``, from the batch alone (before any forward)."""
         own = getattr(self.loss_sum_fn, "count_units", None)
         if own is not None:
             return own(batch["labels"], batch)
+        # The front-ends resolve the layout before they count (trainer.core, DeepSpeedStepper); a loss of several
+        # terms counts its own units (count_units above).
+        assert self.kind is not None, "count_units before the loss layout (kind) is known"
         return default_unit_counter(self.kind, self.normalization)(batch)
 
     def model_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
@@ -130,7 +133,8 @@ class MicroBatchLoss:
         skip = getattr(self.loss_sum_fn, "non_model_keys", ())
         return {key: value for key, value in inputs.items() if key not in skip} if skip else inputs
 
-    def __call__(self, model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor, need_logits: bool = False):
+    def __call__(self, model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor,
+                 need_logits: bool = False) -> tuple[Any, torch.Tensor, torch.Tensor]:
         if not self.terms_checked:
             self._probe_model_loss(model, self.model_inputs(inputs), labels)
         if self.kind is None:
@@ -152,13 +156,16 @@ class MicroBatchLoss:
             self.aux_sum = self.aux_sum.detach()
         return outputs, loss_sum, n_targets
 
-    def _cross_entropy(self, model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor, need_logits: bool):
+    def _cross_entropy(self, model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor,
+                       need_logits: bool) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        assert self.kind is not None  # resolved by __call__
         stats = TokenStats.zeros(torch.float64, labels.device) if self.token_stats else None
         self.last_token_stats = stats
         if self._may_fuse(model) and not need_logits:
             weights = count = None
             if self.normalization == "sequence":
                 weights, count = sequence_weights(labels, inputs.get("position_ids"))
+            assert self.fused is not None  # _may_fuse
             fused = self.fused.forward_loss(model, inputs, labels, stats, weights)
             if fused is not None:
                 outputs, loss_sum = fused
@@ -184,11 +191,14 @@ class MicroBatchLoss:
 
     def _may_fuse(self, model: nn.Module) -> bool:
         # Training only: evaluation and prediction want logits, and the fused path computes gradients.
+        assert self.kind is not None  # resolved by __call__
         return (
             self.fused is not None and loss_kind_spec(self.kind).fused and model.training and torch.is_grad_enabled()
         )
 
-    def _token_loss_sum(self, outputs, labels, inputs):
+    def _token_loss_sum(self, outputs: Any, labels: torch.Tensor,
+                        inputs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.kind is not None  # resolved by __call__
         return token_loss_sum(outputs.logits, labels, self.kind, self.label_smoothing, problem_type=self.problem_type)
 
 

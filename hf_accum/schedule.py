@@ -48,7 +48,7 @@ def create_update_scheduler(
     name: str = "linear",
     warmup_steps: int = 0,
     warmup_ratio: float = 0.0,
-    **scheduler_kwargs,
+    **scheduler_kwargs: Any,
 ) -> torch.optim.lr_scheduler.LRScheduler:
     """A transformers scheduler whose horizon is ``total_updates`` optimizer updates.
 

@@ -102,5 +102,6 @@ class SequenceMeanLoss:
     def __init__(self, label_smoothing: float = 0.0) -> None:
         self.label_smoothing = label_smoothing
 
-    def __call__(self, outputs: Any, labels: torch.Tensor, inputs: Mapping[str, Any]):
+    def __call__(self, outputs: Any, labels: torch.Tensor,
+                 inputs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         return sequence_loss_sum(outputs.logits, labels, inputs.get("position_ids"), self.label_smoothing)

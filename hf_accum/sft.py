@@ -27,6 +27,9 @@ import warnings
 from typing import Any
 
 import torch
+from torch import nn
+from torch.utils.data import DataLoader
+from transformers.trainer_utils import EvalLoopOutput
 
 from hf_accum.accumulation import DeviceSums, batch_shape_counts
 from hf_accum.compat import add_trl_train_tokens, trl_metrics, trl_train_tokens
@@ -82,7 +85,8 @@ class AccumSFTTrainer(AccumTrainer, SFTTrainer):  # type: ignore[misc]  # TRL ty
         if self.aux_loss_enabled and hasattr(inner, "router_aux_loss_coef"):
             inner.router_aux_loss_coef = self.router_aux_loss_coef
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """AccumTrainer's loss; TRL's metric sums of the same micro-batch are recorded on the side."""
         result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         stats = self._micro_batch_loss.last_token_stats
@@ -92,13 +96,14 @@ class AccumSFTTrainer(AccumTrainer, SFTTrainer):  # type: ignore[misc]  # TRL ty
             self._stats[mode].add(stats.targets, stats.entropy_sum, stats.top1_hits, real_tokens)
         return result
 
-    def get_train_dataloader(self):
+    def get_train_dataloader(self) -> DataLoader:
         # Called at the start of every (re)try of the training loop: an auto_find_batch_size retry
         # after an OOM must not inherit a half-counted window (AccumTrainer resets its tallies too).
         self._stats["train"].reset()
         return super().get_train_dataloader()
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
+    def training_step(self, model: nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
         loss = super().training_step(model, inputs, num_items_in_batch)
         # The window's last micro-batch (as in AccumTrainer): one all-reduce for the metrics.
         if num_items_in_batch is not None and self.accelerator.sync_gradients:
@@ -106,8 +111,8 @@ class AccumSFTTrainer(AccumTrainer, SFTTrainer):  # type: ignore[misc]  # TRL ty
             add_trl_train_tokens(self, int(window["tokens"]))  # TRL's running count, all ranks
         return loss
 
-    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
-                        metric_key_prefix="eval"):
+    def evaluation_loop(self, dataloader: DataLoader, description: str, prediction_loss_only: bool | None = None,
+                        ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> EvalLoopOutput:
         self._stats["eval"].reset()
         output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
         self._stats["eval"].reduce(self.accelerator)  # every rank runs the evaluation loop
@@ -133,7 +138,8 @@ class _TokenStats:
         self._pending = DeviceSums(_STATS, device)
         self._totals = torch.zeros(len(_STATS), dtype=torch.float64)
 
-    def add(self, targets, entropy_sum, top1_hits, tokens) -> None:
+    def add(self, targets: torch.Tensor, entropy_sum: torch.Tensor, top1_hits: torch.Tensor,
+            tokens: int | torch.Tensor) -> None:
         self._pending.add(targets=targets, entropy_sum=entropy_sum, top1_hits=top1_hits, tokens=tokens)
 
     def reduce(self, accelerator: Any) -> dict[str, float]:

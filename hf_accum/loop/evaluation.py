@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sized
+from typing import Any
+
 import torch
 from accelerate import Accelerator
+from torch import nn
 
 from hf_accum.accumulation import WindowTally
 from hf_accum.distributed import is_partitioned
@@ -22,7 +26,8 @@ def evaluation_due(config: LoopConfig, step: int, total_updates: int, epoch_ende
 
 
 @torch.no_grad()
-def evaluate_loss(model, dataloader, accelerator: Accelerator, micro_batch_loss: MicroBatchLoss) -> float:
+def evaluate_loss(model: nn.Module, dataloader: Any, accelerator: Accelerator,
+                  micro_batch_loss: MicroBatchLoss) -> float:
     """The exact per-token loss of a held-out set: every batch's summed loss and target count are
     added up on each rank and all-reduced once, then divided once (not a mean of batch means).
 
@@ -32,7 +37,8 @@ def evaluate_loss(model, dataloader, accelerator: Accelerator, micro_batch_loss:
     forward runs on the unwrapped model, so ranks may hold different numbers of batches (a DDP
     forward would broadcast buffers, a collective, per batch) -- except under ZeRO-3, where every
     forward gathers the parameters from all ranks: there the ranks with fewer batches run extra
-    forwards that count no target. Every rank must call it (it ends in one all-reduce)."""
+    forwards that count no target. Every rank must call it (it ends in one all-reduce). ``dataloader``: any
+    iterable of batches (Any: a DataLoader, a list, or None, refused here)."""
     if dataloader is None:
         raise ValueError("LoopConfig.eval_strategy is set but train() got no eval_dataloader")
     tally = WindowTally(device=accelerator.device, extra_terms=micro_batch_loss.extra_terms)
@@ -54,7 +60,7 @@ def evaluate_loss(model, dataloader, accelerator: Accelerator, micro_batch_loss:
     return tally.reduce(accelerator).mean_loss
 
 
-def _forward_shortfall(model, batches, accelerator: Accelerator) -> int:
+def _forward_shortfall(model: nn.Module, batches: Sized, accelerator: Accelerator) -> int:
     """How many forwards this rank must add to run as many as the rank with the most batches: under
     ZeRO-3 each forward is a collective (parameter gathers), and a rank that stopped early would leave
     the others waiting forever. 0 for a model that is not partitioned."""
@@ -65,7 +71,7 @@ def _forward_shortfall(model, batches, accelerator: Accelerator) -> int:
     return int(most) - len(batches)
 
 
-def _extra_forwards(model, count: int, inputs: dict | None, accelerator: Accelerator) -> None:
+def _extra_forwards(model: nn.Module, count: int, inputs: dict[str, Any] | None, accelerator: Accelerator) -> None:
     """Forwards that count nothing: the last batch again, or one token where this rank had no batch."""
     if inputs is None:
         inputs = {"input_ids": torch.zeros((1, 1), dtype=torch.long, device=accelerator.device)}

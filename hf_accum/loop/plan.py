@@ -100,9 +100,11 @@ def _window_plan(dataloader: Any, accelerator: Accelerator, config: LoopConfig, 
             "planned); allowed with a stream: neither"
         )
     if config.rampup_batch_size is not None:
+        assert not isinstance(config.rampup_batch_size, str)  # 'auto' is RunPlan._auto's
         return ramp_plan(config.rampup_batch_size, micro_batches, batch.micro_batch_size, batch.accumulation_steps,
                          accelerator.num_processes, config.num_train_epochs, config.max_steps)
     kind = config.loss_kind or infer_loss_kind(model)
+    assert config.tokens_per_update is not None  # planned_windows without a ramp-up: a token budget
     return token_plan(dataloader, accelerator, kind, config.tokens_per_update, config.num_train_epochs,
                       config.max_steps)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from itertools import islice
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from accelerate import Accelerator
@@ -120,7 +120,7 @@ def _updates(stepper: Stepper, supervisor: Supervisor, dataloader: Any,
             dataloader.set_epoch(epoch)
         batches, consumed = supervisor.epoch_batches(dataloader, epoch)
         windows, auto = supervisor.plan.windows, supervisor.plan.auto
-        planned = windows.windows_from(epoch, consumed) if windows else None
+        planned: Iterable[int] | None = windows.windows_from(epoch, consumed) if windows else None
         targets = windows.window_targets(epoch, consumed) if windows else None
         if auto is not None:  # lazy: each size is read when its window opens, after the last update's reading
             planned = auto.windows(epoch, consumed, stepper.scheduler)
@@ -128,8 +128,10 @@ def _updates(stepper: Stepper, supervisor: Supervisor, dataloader: Any,
             yield epoch, consumed + step.consumed, step
 
 
-def _scheduler(plan: RunPlan, config: LoopConfig, optimizer, lr_scheduler, accelerator: Accelerator):
-    """The LR scheduler: over the planned updates, or (auto ramp) over the run's samples with the LR rule."""
+def _scheduler(plan: RunPlan, config: LoopConfig, optimizer: torch.optim.Optimizer, lr_scheduler: Any,
+               accelerator: Accelerator) -> Any:
+    """The LR scheduler: over the planned updates, or (auto ramp) over the run's samples with the LR rule.
+    (Any: the user's factory may build any scheduler; the loop calls get_last_lr() and step() only.)"""
     if plan.auto is None:
         return (lr_scheduler or _default_scheduler(config))(optimizer, plan.total_updates)
     if lr_scheduler is not None:
@@ -145,6 +147,7 @@ def _scheduler(plan: RunPlan, config: LoopConfig, optimizer, lr_scheduler, accel
 def _observe(plan: RunPlan, update: UpdateLog, accelerator: Accelerator) -> str | None:
     """The controller's reading of ``update`` (reduced values only: every rank decides the same); a change is
     logged with its reason and returned for the update's record."""
+    assert plan.auto is not None  # called for the auto ramp only
     change = plan.auto.observe(update.step, update.noise_scale, update.targets, update.applied)
     if change is None:
         return None
@@ -182,7 +185,7 @@ def _micro_batch_loss(model: torch.nn.Module, config: LoopConfig, loss_sum_fn: L
 
 
 @contextlib.contextmanager
-def _cache_disabled(model: torch.nn.Module):
+def _cache_disabled(model: torch.nn.Module) -> Iterator[None]:
     """``use_cache=False`` while training: with a KV cache, padding-free packed rows (position_ids)
     lose their packed-sequence mask and attend across sequences."""
     config = getattr(unwrap_model(model), "config", None)
@@ -196,8 +199,8 @@ def _cache_disabled(model: torch.nn.Module):
             config.use_cache = previous
 
 
-def _default_scheduler(config: LoopConfig):
-    def factory(optimizer, total_updates):
+def _default_scheduler(config: LoopConfig) -> Callable[[torch.optim.Optimizer, int], Any]:
+    def factory(optimizer: torch.optim.Optimizer, total_updates: int) -> torch.optim.lr_scheduler.LRScheduler:
         return create_update_scheduler(
             optimizer, total_updates, config.lr_scheduler_type, config.warmup_steps, config.warmup_ratio
         )
@@ -205,7 +208,8 @@ def _default_scheduler(config: LoopConfig):
     return factory
 
 
-def _report(update: UpdateLog, progress, accelerator: Accelerator, on_update) -> None:
+def _report(update: UpdateLog, progress: Any, accelerator: Accelerator,
+            on_update: Callable[[UpdateLog], None] | None) -> None:
     progress.update(1)
     progress.set_postfix(loss=f"{update.loss:.4f}", lr=f"{update.learning_rate:.2e}", refresh=False)
     if accelerator.is_main_process:

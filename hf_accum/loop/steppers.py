@@ -25,11 +25,12 @@ import contextlib
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
+from torch import nn
 
 from hf_accum.accumulation import (
     Fp32GradientAccumulator,
@@ -51,6 +52,10 @@ from hf_accum.noise_probe import NOT_UNDER_DEEPSPEED, NOT_UNDER_FSDP, small_batc
 from hf_accum.noise_scale import NoiseScaleReading
 
 logger = logging.getLogger(__name__)
+
+# The LR scheduler is Any: a transformers/torch LRScheduler, the auto ramp's, or what the user's factory built
+# (only get_last_lr() and step() are used). A micro-batch is a Mapping[str, Any] (the collator's batch).
+Batch = Mapping[str, Any]
 
 
 @dataclass
@@ -92,7 +97,10 @@ class LossMagnitude:
         return loss_sum * self.value
 
     def unscale_factor(self) -> float:
-        return 1.0 / self.value if self.active else 1.0
+        if not self.active:
+            return 1.0
+        assert self.value is not None  # set by the run's first scaled() micro-batch
+        return 1.0 / self.value
 
     def follow(self, totals: WindowTotals, accelerator: Accelerator) -> None:
         if self.active and totals.targets > 0:
@@ -102,8 +110,8 @@ class LossMagnitude:
 class Stepper:
     """What both steppers hold: the prepared objects, the micro-batch loss and the boundary."""
 
-    def __init__(self, model, optimizer, scheduler, accelerator: Accelerator, config: LoopConfig,
-                 micro_batch_loss: MicroBatchLoss, boundary: UpdateBoundary) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, accelerator: Accelerator,
+                 config: LoopConfig, micro_batch_loss: MicroBatchLoss, boundary: UpdateBoundary) -> None:
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -115,12 +123,12 @@ class Stepper:
         self.magnitude = LossMagnitude(active=False)
         self.fp32_sums: Fp32GradientAccumulator | None = None
 
-    def epoch(self, batches, done: int, windows: list[int] | None = None,
+    def epoch(self, batches: Iterable[Batch], done: int, windows: Iterable[int] | None = None,
               targets: list[int] | None = None) -> Iterator[Step]:
         raise NotImplementedError
 
     @contextlib.contextmanager
-    def running(self):
+    def running(self) -> Iterator[Stepper]:
         """While training: the fp32 accumulation hooks are live (removed on exit: the model may be used
         without the loop afterwards)."""
         self.fp32_sums = self._fp32_accumulator()
@@ -145,7 +153,7 @@ class AccumulateStepper(Stepper):
         super().__init__(*args)
         self.magnitude = LossMagnitude(active=self.accelerator.scaler is not None)
 
-    def epoch(self, batches, done: int, windows: list[int] | None = None,
+    def epoch(self, batches: Iterable[Batch], done: int, windows: Iterable[int] | None = None,
               targets: list[int] | None = None) -> Iterator[Step]:
         if self.loss.extra_terms:
             yield from self._counted_epoch(batches, done, windows, targets)
@@ -180,7 +188,8 @@ class AccumulateStepper(Stepper):
             buffers += self.fp32_sums.pending_sums()
         self.boundary.add_small_batch(n_targets, small_batch_grad_sq(buffers, scale, n_targets, accelerator.device))
 
-    def _planned_epoch(self, batches, done: int, windows: list[int], targets: list[int] | None) -> Iterator[Step]:
+    def _planned_epoch(self, batches: Iterable[Batch], done: int, windows: Iterable[int],
+                       targets: list[int] | None) -> Iterator[Step]:
         """Windows of the planned sizes (ramp-up, token budget) instead of every K-th micro-batch: the sync flag
         is set per micro-batch here and DDP's ``no_sync`` wraps all but the window's last, so gradients are still
         all-reduced once per update. ``Accelerator.backward`` keeps dividing by its fixed K; the boundary's
@@ -200,7 +209,7 @@ class AccumulateStepper(Stepper):
             check_window_targets(next(planned) if planned else None, round(decision.totals.targets), done)
             yield Step(step, decision, grad_norm, learning_rate, noise)
 
-    def _counted_epoch(self, batches, done: int, windows: list[int] | None,
+    def _counted_epoch(self, batches: Iterable[Batch], done: int, windows: Iterable[int] | None,
                        targets: list[int] | None) -> Iterator[Step]:
         """A loss of several terms (module docstring): every window counted before backward, each micro-batch's
         terms weighted by their own ``W / N_j``; DDP's ``no_sync`` wraps all but the window's last micro-batch."""
@@ -232,7 +241,7 @@ class AccumulateStepper(Stepper):
             grad_norm, decision, _ = self._apply(decision, factor=1.0)  # scaled before backward
             yield Step(step, decision, grad_norm, learning_rate)
 
-    def _micro_batch(self, batch, first: bool) -> None:
+    def _micro_batch(self, batch: Batch, first: bool) -> None:
         """One micro-batch; ``first``: it opens its window (the noise scale's small batch, when measured)."""
         labels, inputs = split_labels(batch)
         _, loss_sum, n_targets = self.loss(self.model, inputs, labels)
@@ -329,7 +338,7 @@ class DeepSpeedStepper(Stepper):
                 "fills the config's \"auto\" from max_grad_norm) or make the two equal"
             )
 
-    def epoch(self, batches, done: int, windows: list[int] | None = None,
+    def epoch(self, batches: Iterable[Batch], done: int, windows: Iterable[int] | None = None,
               targets: list[int] | None = None) -> Iterator[Step]:
         """``windows``: planned sizes (ramp-up, token budget); the factor uses the engine's own K, which
         ``engine.backward`` divides by whatever the window's length, so planned windows need nothing more."""
@@ -355,7 +364,7 @@ class DeepSpeedStepper(Stepper):
             grad_norm = self.engine.get_global_grad_norm() if decision.applied else None
             yield Step(step, decision, float(grad_norm) if grad_norm is not None else None, learning_rate)
 
-    def _forward_backward(self, window: list, counts: list[int]) -> None:
+    def _forward_backward(self, window: list[Batch], counts: list[int]) -> None:
         """Forward and backward every micro-batch of one window; the engine steps on the last one."""
         # K undoes the engine's own 1/K (engine.backward's scale_wrt_gas); W / N_j is each term's exact mean over
         # ranks (one term: W / N).
@@ -383,14 +392,14 @@ class DeepSpeedStepper(Stepper):
         return decision
 
 
-def _zero_terms(counts: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+def _zero_terms(counts: list[int], device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sum, count)`` of a micro-batch that was not forwarded, shaped like the loss's terms."""
     shape = () if len(counts) == 1 else (len(counts),)
     return torch.zeros(shape, device=device), torch.zeros(shape)
 
 
-def build_stepper(model, optimizer, scheduler, accelerator: Accelerator, config: LoopConfig,
-                  micro_batch_loss: MicroBatchLoss, boundary: UpdateBoundary) -> Stepper:
+def build_stepper(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, accelerator: Accelerator,
+                  config: LoopConfig, micro_batch_loss: MicroBatchLoss, boundary: UpdateBoundary) -> Stepper:
     kind = DeepSpeedStepper if is_deepspeed(accelerator) else AccumulateStepper
     if config.noise_scale and accelerator.distributed_type == DistributedType.FSDP:
         raise LoopConfigError(f"LoopConfig.noise_scale: {NOT_UNDER_FSDP}")
@@ -406,7 +415,7 @@ def is_deepspeed(accelerator: Accelerator) -> bool:
     return accelerator.distributed_type == DistributedType.DEEPSPEED
 
 
-def split_labels(batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict]:
+def split_labels(batch: Batch) -> tuple[torch.Tensor, dict[str, Any]]:
     """Labels stay out of the forward: the model would otherwise compute its own (discarded) loss."""
     if "labels" not in batch:
         raise KeyError(f"batch has no 'labels' (keys: {sorted(batch)}); the collator must provide them")
@@ -414,18 +423,17 @@ def split_labels(batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict]:
     return batch["labels"], inputs
 
 
-def _windows(dataloader, sizes: int | list[int]) -> Iterator[list]:
+def _windows(dataloader: Iterable[Batch], sizes: int | Iterable[int]) -> Iterator[list[Batch]]:
     """The dataloader's micro-batches in windows of ``sizes`` (an int: every window that size, the epoch's last
     may be shorter; a list: the planned sizes)."""
+    window: list[Batch] = []
     if not isinstance(sizes, int):
-        window = []
         for batch, closes in in_windows(dataloader, sizes):
             window.append(batch)
             if closes:
                 yield window
                 window = []
         return
-    window: list = []
     for batch in dataloader:
         window.append(batch)
         if len(window) == sizes:
@@ -435,7 +443,7 @@ def _windows(dataloader, sizes: int | list[int]) -> Iterator[list]:
         yield window
 
 
-def in_windows(batches, sizes: list[int]) -> Iterator[tuple[Any, bool]]:
+def in_windows(batches: Iterable[Any], sizes: Iterable[int]) -> Iterator[tuple[Any, bool]]:
     """``(micro-batch, closes its window)`` for windows of the planned ``sizes``; the plan ends the epoch (a
     truncated last epoch leaves the rest of the dataloader unread)."""
     iterator = iter(batches)

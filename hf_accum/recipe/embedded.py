@@ -19,9 +19,12 @@ import random
 import re
 from collections import Counter
 from importlib import resources
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from hf_accum.tiny import SPECIAL_TOKENS, build_tiny_tokenizer, tiny_llama_config, word_splitter
+
+if TYPE_CHECKING:  # transformers is imported where used
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 TINY_MODEL = "hf_accum:tiny-llama"
 EMBEDDED_DATASET = "hf_accum:synthetic-tasks"
@@ -154,7 +157,7 @@ def tiny_vocabulary(texts: Iterable[str], limit: int) -> list[str]:
     return [word for word, _ in counts.most_common(limit)]
 
 
-def tiny_tokenizer(corpus: Iterable[str] | None = None, chat_template: str | None = None):
+def tiny_tokenizer(corpus: Iterable[str] | None = None, chat_template: str | None = None) -> PreTrainedTokenizerFast:
     """The embedded model's tokenizer: over the words of ``corpus`` (the user's texts, the
     :data:`TINY_VOCAB_LIMIT` most frequent) when given, else over the synthetic tasks' words."""
     words = tiny_vocabulary(corpus, TINY_VOCAB_LIMIT) if corpus is not None else synthetic_corpus()
@@ -169,7 +172,7 @@ def tiny_tokenizer(corpus: Iterable[str] | None = None, chat_template: str | Non
 # ----------------------------------------------------------------------------------------------
 
 
-def recipe_tiny_config(tokenizer, overrides: dict[str, Any] | None = None):
+def recipe_tiny_config(tokenizer: PreTrainedTokenizerBase, overrides: dict[str, Any] | None = None) -> LlamaConfig:
     """The embedded default model's config: the tokenizer's vocabulary and special ids, plus
     ``model.config_overrides``."""
     return tiny_llama_config(
@@ -178,7 +181,8 @@ def recipe_tiny_config(tokenizer, overrides: dict[str, Any] | None = None):
     )
 
 
-def build_tiny_llama(tokenizer, seed: int = 0, overrides: dict[str, Any] | None = None):
+def build_tiny_llama(tokenizer: PreTrainedTokenizerBase, seed: int = 0,
+                     overrides: dict[str, Any] | None = None) -> LlamaForCausalLM:
     """A randomly initialised tiny Llama; the same ``seed`` gives the same weights."""
     import torch
     from transformers import LlamaForCausalLM

@@ -12,8 +12,15 @@ the assistant's turn (the held-out metric's stop tokens: :func:`hf_accum.recipe.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING, Any
 
 from hf_accum.errors import InputError
+
+if TYPE_CHECKING:
+    from hf_accum.recipe.config import RecipeConfig
+
+# The trained model (a transformers model, maybe under a PEFT adapter) and its tokenizer are Any: generate()
+# and the tokenizer's calls are typed as unions that their arguments decide.
 
 
 class RunDirError(InputError):
@@ -37,7 +44,7 @@ def trained_model_dir(run_dir: str) -> tuple[str, bool]:
                       "finish it with the same command and training.resume_from_checkpoint=true")
 
 
-def load_trained(run_dir: str):
+def load_trained(run_dir: str) -> tuple[Any, Any, RecipeConfig]:
     """``(model, tokenizer, config)`` of a finished run: its base rebuilt or loaded, its adapter on top."""
     from transformers import AutoTokenizer
 
@@ -62,7 +69,7 @@ def load_trained(run_dir: str):
     return PeftModel.from_pretrained(base, weights).eval(), tokenizer, config
 
 
-def complete(model, tokenizer, prompt: str, max_new_tokens: int, system: str | None = None) -> str:
+def complete(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int, system: str | None = None) -> str:
     """The greedy completion of ``prompt`` as a one-turn user conversation (through the chat template)."""
     import torch
 

@@ -35,12 +35,16 @@ import json
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
 from hf_accum.distributed import num_nodes
 from hf_accum.errors import InputError
+
+if TYPE_CHECKING:  # accelerate and transformers are imported where used (importing the recipe stays cheap)
+    from accelerate import Accelerator
+    from transformers import TrainingArguments
 
 DEEPSPEED = "deepspeed"
 FSDP = "fsdp"
@@ -88,10 +92,8 @@ def check_launch(training: Mapping[str, Any], environ: Mapping[str, str] | None 
         _check_deepspeed_installed(source)
         ds_config = load_deepspeed_config(_deepspeed_source(training, environ))
         check_deepspeed_batch(
-            ds_config,
-            micro_batch_size=int(training.get("per_device_train_batch_size", 8)),
-            accumulation_steps=int(training.get("gradient_accumulation_steps", 1)),
-            world_size=world_size,
+            ds_config, micro_batch_size=int(training.get("per_device_train_batch_size", 8)),
+            accumulation_steps=int(training.get("gradient_accumulation_steps", 1)), world_size=world_size,
             max_grad_norm=float(training.get("max_grad_norm", 1.0)),
         )
     return Launch(backend, source, world_size, num_nodes(environ), ds_config)
@@ -299,7 +301,7 @@ def _deepspeed_source(training: Mapping[str, Any], environ: Mapping[str, str]) -
 def loop_accelerator(
     launch: Launch, accumulation_steps: int, max_grad_norm: float, mixed_precision: str = "no", use_cpu: bool = False,
     fsdp: Mapping[str, Any] | None = None,
-):
+) -> Accelerator:
     """The ``Accelerator`` of the loop engine for ``launch``, checked with :func:`check_engine`.
 
     Under DeepSpeed it carries a ``DeepSpeedPlugin`` whose ``"auto"`` values take the recipe's
@@ -379,27 +381,31 @@ def fsdp_request(training: Mapping[str, Any]) -> dict[str, Any]:
     return {"fsdp": True, "fsdp_config": fsdp_config}
 
 
-def launch_line(args, launch: Launch) -> str:
+def launch_line(args: TrainingArguments, launch: Launch) -> str:
     """``8 per device x 2 accumulation x 2 processes, FSDP2 full_shard``: the batch arithmetic and what shards."""
     processes = f"{launch.world_size} process{'es' if launch.world_size != 1 else ''}"
     line = (f"{args.per_device_train_batch_size} per device x {args.gradient_accumulation_steps} accumulation x "
             f"{processes}")
     if launch.backend == FSDP:
+        assert isinstance(args.fsdp_config, dict)  # with fsdp set, TrainingArguments loads it into a dict
         resharded = args.fsdp_config.get("reshard_after_forward", True)
         return f"{line}, FSDP2 {'full_shard' if resharded else 'shard_grad_op'}"
     if launch.backend == DEEPSPEED:
+        assert launch.deepspeed_config is not None  # set with the deepspeed backend
         return f"{line}, DeepSpeed ZeRO-{launch.deepspeed_config['zero_optimization']['stage']}"
     return line
 
 
-def loop_fsdp_options(args) -> dict[str, Any]:
+def loop_fsdp_options(args: TrainingArguments) -> dict[str, Any]:
     """What :func:`loop_accelerator` needs from ``TrainingArguments`` built with :func:`fsdp_training_arguments`."""
     config = args.fsdp_config or {}
+    assert isinstance(config, dict)  # with fsdp set, TrainingArguments loads fsdp_config into a dict
     return {"layers": config.get("transformer_layer_cls_to_wrap"),
             "activation_checkpointing": bool(config.get("activation_checkpointing"))}
 
 
-def _fsdp_loop_accelerator(accumulation_steps: int, mixed_precision: str, use_cpu: bool, fsdp: Mapping[str, Any]):
+def _fsdp_loop_accelerator(accumulation_steps: int, mixed_precision: str, use_cpu: bool,
+                           fsdp: Mapping[str, Any]) -> Accelerator:
     """FSDP2 through :func:`hf_accum.fsdp.fsdp_accelerator` (forced on CPU, refused rather than DDP).
 
     ``fsdp``: ``layers`` (class names to shard by: the model's ``_no_split_modules``) and
@@ -414,7 +420,7 @@ def _fsdp_loop_accelerator(accumulation_steps: int, mixed_precision: str, use_cp
     return fsdp_accelerator(plugin, accumulation_steps, cpu=use_cpu or not gpu_like_device_available())
 
 
-def start_process_group(args, launch: Launch) -> None:
+def start_process_group(args: TrainingArguments, launch: Launch) -> None:
     """Set up the process group as ``TrainingArguments`` does (gloo with ``use_cpu``), before any model
     loads; check that it spans every process the launcher started; under DeepSpeed, start DeepSpeed's
     communication layer on it.

@@ -14,11 +14,12 @@ This module owns:
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
 import re
 import tempfile
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
@@ -27,7 +28,18 @@ from hf_accum.compat import keep_4bit_training_layout
 from hf_accum.errors import InputError
 from hf_accum.recipe.embedded import TINY_MODEL, build_tiny_llama, recipe_tiny_config, tiny_tokenizer
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+if TYPE_CHECKING:  # transformers and PEFT are imported where used
+    from peft import LoraConfig
+    from transformers import BitsAndBytesConfig, PreTrainedModel
+
+    from hf_accum.recipe.config import ModelSection, RecipeConfig
+
+# Tokenizers are Any (AutoTokenizer's, a GGUF file's or the tiny one; their calls are typed as unions). Loaded
+# models are Any where they may be a transformers model or PEFT's wrapper around one: both are used through
+# the same attributes (from_pretrained / get_peft_model / GGUF loading give no narrower type).
+
+DTYPES: dict[str, torch.dtype | str] = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
 
 class ModelError(InputError):
@@ -45,7 +57,7 @@ def load_tokenizer(
     trust_remote_code: bool = False,
     corpus: Iterable[str] | None = None,
     gguf_file: str | None = None,
-):
+) -> Any:
     """The tokenizer of ``name_or_path``. For ``hf_accum:tiny-llama`` it is built here: over the words
     of ``corpus`` (the user's texts) when given, else over the embedded dataset's vocabulary. A GGUF model's
     comes from its file."""
@@ -82,23 +94,24 @@ def bnb_available() -> bool:
 
 def load_model(
     name_or_path: str,
-    tokenizer,
+    tokenizer: Any,
     dtype: str = "float32",
-    quantization=None,
+    quantization: BitsAndBytesConfig | None = None,
     seed: int = 0,
     config_overrides: dict[str, Any] | None = None,
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
     device_map: Any = None,
     gguf_file: str | None = None,
-):
+) -> Any:
     """Load the base causal LM. ``quantization`` is a ``transformers.BitsAndBytesConfig`` or None."""
     torch_dtype = DTYPES[dtype]
     source = gguf.gguf_source(name_or_path, gguf_file)  # None for anything but a GGUF model
     if source is not None:
         return _load_gguf(source, torch_dtype, quantization, attn_implementation, device_map)
     if name_or_path == TINY_MODEL:
-        model = build_tiny_llama(tokenizer, seed, config_overrides)
+        # Any: transformers wraps PreTrainedModel.to with functools.wraps(nn.Module.to), which types it unbound
+        model: Any = build_tiny_llama(tokenizer, seed, config_overrides)
         if quantization is None:
             return model.to(torch_dtype) if torch_dtype != "auto" else model
         # bitsandbytes quantizes while loading weights; round-trip the tiny model through disk.
@@ -108,7 +121,8 @@ def load_model(
     return _from_pretrained(name_or_path, torch_dtype, quantization, attn_implementation, trust_remote_code, device_map)
 
 
-def _load_gguf(source: gguf.GgufSource, torch_dtype, quantization, attn_implementation, device_map):
+def _load_gguf(source: gguf.GgufSource, torch_dtype: torch.dtype | str, quantization: BitsAndBytesConfig | None,
+               attn_implementation: str | None, device_map: Any) -> Any:
     """A GGUF model, dequantized. bitsandbytes quantizes while reading a normal checkpoint (transformers
     refuses a ``quantization_config`` beside ``gguf_file``): QLoRA loads the cached plain copy
     (:func:`hf_accum.gguf.converted_dir`, written once per file) instead."""
@@ -119,7 +133,7 @@ def _load_gguf(source: gguf.GgufSource, torch_dtype, quantization, attn_implemen
     return _from_pretrained(plain, torch_dtype, quantization, attn_implementation, False, device_map)
 
 
-def _save_for_reload(model, directory: str) -> None:
+def _save_for_reload(model: PreTrainedModel, directory: str) -> None:
     """``config.json`` + ``model.safetensors`` in this process's own directory. Not ``save_pretrained``:
     once torch.distributed is initialized, transformers writes from rank 0 only, whatever
     ``is_main_process`` says, and every other rank would reload from an empty directory."""
@@ -129,7 +143,8 @@ def _save_for_reload(model, directory: str) -> None:
     save_model(model, os.path.join(directory, "model.safetensors"))
 
 
-def _from_pretrained(path, torch_dtype, quantization, attn_implementation, trust_remote_code, device_map):
+def _from_pretrained(path: str, torch_dtype: torch.dtype | str, quantization: BitsAndBytesConfig | None,
+                     attn_implementation: str | None, trust_remote_code: bool, device_map: Any) -> Any:
     from transformers import AutoModelForCausalLM
 
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
@@ -151,7 +166,7 @@ def _zero3_enabled() -> bool:
     return is_deepspeed_zero3_enabled()
 
 
-def _local_device_map():
+def _local_device_map() -> dict[str, int | str]:
     """Quantized weights must be placed at load time: this process's GPU, else the CPU."""
     if torch.cuda.is_available():
         return {"": int(os.environ.get("LOCAL_RANK", 0))}
@@ -159,8 +174,9 @@ def _local_device_map():
 
 
 def model_skeleton(
-    name_or_path: str, tokenizer, config_overrides=None, trust_remote_code: bool = False, gguf_file: str | None = None
-):
+    name_or_path: str, tokenizer: Any, config_overrides: dict[str, Any] | None = None, trust_remote_code: bool = False,
+    gguf_file: str | None = None,
+) -> Any:
     """The module tree without weights (meta device): enough to validate LoRA targets early."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -176,12 +192,10 @@ def model_skeleton(
         return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
 
 
-def _without_zero3_init():
+def _without_zero3_init() -> contextlib.AbstractContextManager[Any]:
     """Under ZeRO-3 (a live HfDeepSpeedConfig) ``from_config`` partitions the new model across the
     ranks with ``deepspeed.zero.Init``: a collective, pointless for a weightless skeleton. transformers
     skips zero.Init inside its own ``set_zero3_state`` context (meant for nested inits)."""
-    import contextlib
-
     from transformers import modeling_utils
 
     return getattr(modeling_utils, "set_zero3_state", contextlib.nullcontext)()
@@ -192,7 +206,7 @@ def _without_zero3_init():
 # ----------------------------------------------------------------------------------------------
 
 
-def check_lora_targets(model: torch.nn.Module, lora_config) -> None:
+def check_lora_targets(model: torch.nn.Module, lora_config: LoraConfig) -> None:
     """Raise when a ``target_modules`` / ``modules_to_save`` name matches nothing in ``model``.
 
     PEFT would raise too, but only after the weights are loaded; here it is checked on the
@@ -209,7 +223,7 @@ def check_lora_targets(model: torch.nn.Module, lora_config) -> None:
     _require_present("lora.modules_to_save", lora_config.modules_to_save or [], names, leaves)
 
 
-def _require_present(key: str, wanted, names: list[str], leaves: list[str]) -> None:
+def _require_present(key: str, wanted: Iterable[str], names: list[str], leaves: list[str]) -> None:
     import difflib
 
     missing = [t for t in wanted if not any(n == t or n.endswith("." + t) or fnmatch.fnmatch(n, t) for n in names)]
@@ -219,7 +233,7 @@ def _require_present(key: str, wanted, names: list[str], leaves: list[str]) -> N
         raise ModelError(f"{key} {missing} not found in the model. Module names end in {leaves}. {hint}".rstrip())
 
 
-def enable_gradient_checkpointing(model) -> None:
+def enable_gradient_checkpointing(model: Any) -> None:
     """Checkpoint every decoder layer; non-reentrant so frozen inputs (LoRA) still get gradients."""
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23 name
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -231,7 +245,7 @@ def enable_gradient_checkpointing(model) -> None:
         model.enable_input_require_grads()
 
 
-def apply_lora(model, lora_config, quantized: bool, gradient_checkpointing: bool):
+def apply_lora(model: Any, lora_config: LoraConfig, quantized: bool, gradient_checkpointing: bool) -> Any:
     """Wrap ``model`` with LoRA adapters (k-bit preparation first when quantized)."""
     from peft import get_peft_model, prepare_model_for_kbit_training
 
@@ -273,7 +287,7 @@ def trainable_summary(model: torch.nn.Module) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------
 
 
-def build_model(config, tokenizer, seed: int, model_checkpointing: bool = True):
+def build_model(config: RecipeConfig, tokenizer: Any, seed: int, model_checkpointing: bool = True) -> Any:
     """The recipe's model: LoRA targets checked on a weightless skeleton first (a typo fails before
     gigabytes load), then the weights, then LoRA/QLoRA and activation checkpointing."""
     m, lora_config, quantization = config.model, config.lora_config(), config.bnb_config()
@@ -306,7 +320,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "spiece.model", "sentencepiece.bpe.model")
 
 
-def check_model_section(model, config=None) -> None:
+def check_model_section(model: ModelSection, config: RecipeConfig | None = None) -> None:
     """The model section's own check (its ``Section.validator``): the model can be found and holds
     weights, and a tokenizer comes from it or from ``model.tokenizer``. A GGUF file holds both."""
     if gguf.names_gguf(model.name_or_path, model.gguf_file):
@@ -357,7 +371,7 @@ def _require_files(path: str, key: str, patterns: tuple[str, ...], what: str, re
         raise ModelError(f"{key}={path!r}: the directory holds no {what} ({', '.join(patterns)}); {remedy}")
 
 
-def check_quantization_section(quantization, config) -> None:
+def check_quantization_section(quantization: dict[str, Any] | None, config: RecipeConfig) -> None:
     """The quantization section's own check: bitsandbytes is installed, and ``BitsAndBytesConfig`` accepts
     the values (its own checks, before any model loads)."""
     if quantization is None:

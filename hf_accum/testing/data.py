@@ -3,11 +3,21 @@ mean loss over such rows, computed independently (one row at a time) as the refe
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence, TypeVar, cast
 
 import torch
+from torch import nn
+from torch.utils.data import Dataset
 
 from hf_accum.testing.models import PAD, VOCAB
+
+Row = TypeVar("Row")
+
+
+def map_style(rows: Sequence[Row]) -> Dataset[Row]:
+    """``rows`` as the map-style dataset ``DataLoader`` takes: a sequence already is one (``__getitem__`` and
+    ``__len__``, what DataLoader documents), but torch types the argument as ``Dataset``: the cast says so."""
+    return cast("Dataset[Row]", rows)
 
 
 def random_rows(
@@ -54,11 +64,11 @@ class ClassificationCollator:
     """Right-padded rows with one label per row (sequence classification). ``label_kind``:
     ``class`` (an int), ``regression`` (a float derived from the row), ``multi_label`` (3 floats)."""
 
-    def __init__(self, label_kind: str = "class", pad_token_id: int = PAD):
+    def __init__(self, label_kind: str = "class", pad_token_id: int = PAD) -> None:
         self.label_kind = label_kind
         self.pad_token_id = pad_token_id
 
-    def __call__(self, examples):
+    def __call__(self, examples: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
         length = max(len(e["input_ids"]) for e in examples)
         ids = torch.full((len(examples), length), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -75,7 +85,7 @@ class ClassificationCollator:
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def independent_mean_loss(model, examples) -> float:
+def independent_mean_loss(model: nn.Module, examples: Sequence[dict[str, Any]]) -> float:
     """Every target's cross-entropy over ``examples`` (rows of :func:`random_rows`), summed and divided
     once, one example at a time: no batching, padding or sharding to get wrong."""
     import torch.nn.functional as F

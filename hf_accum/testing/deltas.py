@@ -13,7 +13,7 @@ returns the relative error of each applied delta.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,7 @@ class DeltaRecorder:
         self.windows: list[list[dict]] = []  # every rank's micro-batches of each update (main process)
         self.weights: list[dict[str, torch.Tensor]] = []  # full weights after each update (main process)
 
-    def collate(self, examples):
+    def collate(self, examples: Sequence[Any]) -> dict[str, Any]:
         batch = self._collator(examples)
         self._pending.append({k: v.clone() for k, v in batch.items() if torch.is_tensor(v)})
         return batch
@@ -41,7 +41,7 @@ class DeltaRecorder:
     def watch(self, module: torch.nn.Module) -> None:
         """Count training forwards on the bare module (a DataLoader collates ahead of the forwards)."""
 
-        def count(mod, args):
+        def count(mod: torch.nn.Module, args: tuple[Any, ...]) -> None:
             if mod.training:
                 self._forwards += 1
 

@@ -152,8 +152,10 @@ def reference_gradient(model: torch.nn.Module, window: list[dict], ref_logp: Cal
             rejected, n_rejected = sequence_logp(model, r_ids, r_mask)
             with torch.no_grad():
                 ref_c, ref_r = ref_logp(c_ids, c_mask), ref_logp(r_ids, r_mask)
-            pair_terms.append(sum(w * pair_loss(t, chosen, rejected, ref_c, ref_r, n_chosen, n_rejected, beta,
-                                                label_smoothing) for t, w in loss_types.items()))
+            term = sum(w * pair_loss(t, chosen, rejected, ref_c, ref_r, n_chosen, n_rejected, beta, label_smoothing)
+                       for t, w in loss_types.items())
+            assert isinstance(term, torch.Tensor)  # loss_types is never empty
+            pair_terms.append(term)
             chosen_token_logps.append(chosen)
             chosen_tokens += n_chosen
             pairs += 1
@@ -326,6 +328,7 @@ def run_dpo_loop(features: list[dict], loss: Any, *, micro_batch: int = 2, accum
 
     from hf_accum import LoopConfig, train
     from hf_accum.preference import collate_pairs
+    from hf_accum.testing.data import map_style
     from hf_accum.testing.models import tiny_causal_lm
     from hf_accum.testing.scenarios import fresh_accelerator
 
@@ -336,7 +339,7 @@ def run_dpo_loop(features: list[dict], loss: Any, *, micro_batch: int = 2, accum
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     audit = PairAudit()
     audit.attach(model, optimizer)
-    loader = DataLoader(features, batch_size=micro_batch, shuffle=False,
+    loader = DataLoader(map_style(features), batch_size=micro_batch, shuffle=False,
                         collate_fn=audit.wrap(lambda rows: collate_pairs(rows, pad_token_id)))
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     config = LoopConfig(lr_scheduler_type="constant", disable_tqdm=True, max_grad_norm=0.0)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -24,7 +25,8 @@ _CASTS = (torch.Tensor.to, torch.Tensor.type)
 
 
 class _Float64Requests(TorchFunctionMode):
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:  # torch's protocol: any op, any result
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.float:
             return args[0].double()

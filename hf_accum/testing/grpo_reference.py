@@ -45,7 +45,7 @@ def prompts_dataset(n: int) -> Dataset:
 
 
 def grpo_args(output_dir: str, **overrides: Any) -> GRPOConfig:
-    values = dict(
+    values: dict[str, Any] = dict(
         output_dir=output_dir, per_device_train_batch_size=2, num_generations=2, gradient_accumulation_steps=2,
         steps_per_generation=3, max_completion_length=MAX_COMPLETION, learning_rate=1e-2, max_grad_norm=0.0,
         num_train_epochs=1, logging_steps=1, report_to=[], save_strategy="no", bf16=False, use_cpu=True,
@@ -217,7 +217,9 @@ def per_token_loss(args: Any, loss_type: str, logps: torch.Tensor, old: torch.Te
 
 def reference_loss(args: Any, loss_type: str, rows: list[dict], model: Any) -> torch.Tensor:
     """The loss type's formula over all ``rows`` of one update (each a dict of one completion's tensors)."""
-    per_row, entropy_sum, tokens = [], 0.0, 0
+    per_row: list[torch.Tensor] = []
+    entropy_sum: torch.Tensor | float = 0.0
+    tokens = 0
     for row in rows:
         logps, entropy = completion_logps(model, row["prompt"], row["completion"], args.temperature)
         loss = per_token_loss(args, loss_type, logps, row["old"], row["advantage"])
@@ -242,6 +244,7 @@ def reference_loss(args: Any, loss_type: str, rows: list[dict], model: Any) -> t
         total = sum(x.sum() for x in per_row) / tokens
     if args.entropy_coef:
         total = total - args.entropy_coef * entropy_sum / tokens
+    assert isinstance(total, torch.Tensor)  # a sum over the rows' tensors (rows is never empty)
     return total
 
 
@@ -288,6 +291,7 @@ def update_errors(trainer: Any, recorder: UpdateRecorder,
     for index, update in enumerate(recorder.updates):
         micro_batches = update.micro_batches if all_micro_batches is None else all_micro_batches[index]
         reference = reference_gradient(trainer.args, trainer.loss_type, update, micro_batches)
+        assert update.grad is not None  # recorded at every update
         errors.append(relative_error(update.grad, reference))
     return errors
 

@@ -16,14 +16,15 @@ import subprocess
 import sys
 import time
 import warnings
-from typing import Sequence
+from typing import Any, Sequence
 
 # What a gloo process prints when it aborts at interpreter exit with its process group still up (see
 # hf_accum.distributed.leave_process_group, which every worker calls to prevent it).
 EXIT_ABORT_SIGNATURE = "terminate called without an active exception"
 
 
-def run_torchrun(worker: str, out_path, nproc: int = 2, timeout: int = 300, extra_args: Sequence[str] = ()) -> dict:
+def run_torchrun(worker: str, out_path: str | os.PathLike[str], nproc: int = 2, timeout: int = 300,
+                 extra_args: Sequence[str] = ()) -> dict[str, Any]:
     """Run ``worker OUT.json [extra_args]`` under torchrun; return the JSON it wrote (rank 0).
 
     A job that wrote its report and then failed with the gloo abort at exit is run once more, with a warning
@@ -42,8 +43,9 @@ def run_torchrun(worker: str, out_path, nproc: int = 2, timeout: int = 300, extr
 
 
 def run_torchrun_nodes(
-    worker: str, out_path, nodes: int = 2, timeout: int = 300, extra_args: Sequence[str] = (), attempts: int = 2
-) -> dict:
+    worker: str, out_path: str | os.PathLike[str], nodes: int = 2, timeout: int = 300, extra_args: Sequence[str] = (),
+    attempts: int = 2,
+) -> dict[str, Any]:
     """Run ``worker OUT.json`` as ``nodes`` torchrun "nodes" of 1 process each on this host (c10d rendezvous
     on a free local port), as a multi-node job starts; return the JSON the global rank 0 wrote.
 
@@ -66,7 +68,8 @@ def run_torchrun_nodes(
     raise AssertionError("\n\n".join(failures))
 
 
-def _run_nodes_once(worker, out_path, nodes, timeout, extra_args, attempt) -> str | None:
+def _run_nodes_once(worker: str, out_path: str | os.PathLike[str], nodes: int, timeout: int, extra_args: Sequence[str],
+                    attempt: int) -> str | None:
     """One try of :func:`run_torchrun_nodes`; None when every agent exited 0 and the report exists, else
     what went wrong with each agent's log tail."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -104,7 +107,7 @@ def _run_nodes_once(worker, out_path, nodes, timeout, extra_args, attempt) -> st
     return f"{what} (rendezvous {endpoint}, id {run_id})\n{tails}"
 
 
-def _wait_all(agents, deadline: float) -> bool:
+def _wait_all(agents: Sequence[subprocess.Popen[str]], deadline: float) -> bool:
     """Wait for every agent until ``deadline``; True when the time ran out first."""
     for agent in agents:
         try:

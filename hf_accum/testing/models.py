@@ -9,6 +9,7 @@ of a test model a dtype-keeping norm (the same formula). The training code itsel
 from __future__ import annotations
 
 import types
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -16,6 +17,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassifi
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from hf_accum.tiny import tiny_llama_config
+
+ModelT = TypeVar("ModelT", bound=nn.Module)
 
 VOCAB = 61
 PAD = 0
@@ -26,15 +29,15 @@ TEST_SHAPE = dict(
 )
 
 
-def tiny_config(**overrides) -> LlamaConfig:
+def tiny_config(**overrides: Any) -> LlamaConfig:
     values = dict(vocab_size=VOCAB, pad_token_id=PAD, bos_token_id=1, eos_token_id=2, **TEST_SHAPE)
     values.update(overrides)
     return tiny_llama_config(**values)
 
 
-def tiny_causal_lm(seed: int = 0, dtype: torch.dtype = torch.float64, **overrides) -> LlamaForCausalLM:
+def tiny_causal_lm(seed: int = 0, dtype: torch.dtype = torch.float64, **overrides: Any) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    return keep_norm_dtype(LlamaForCausalLM(tiny_config(**overrides)).to(dtype))
+    return keep_norm_dtype(_in_dtype(LlamaForCausalLM(tiny_config(**overrides)), dtype))
 
 
 def tiny_lora_causal_lm(seed: int = 0, lora_dropout: float = 0.1, r: int = 4) -> torch.nn.Module:
@@ -47,15 +50,22 @@ def tiny_lora_causal_lm(seed: int = 0, lora_dropout: float = 0.1, r: int = 4) ->
     return get_peft_model(tiny_causal_lm(seed=seed), config).to(torch.float64)
 
 
-def tiny_sequence_classifier(seed: int = 0, num_labels: int = 3, dtype=torch.float64):
+def tiny_sequence_classifier(seed: int = 0, num_labels: int = 3,
+                             dtype: torch.dtype = torch.float64) -> LlamaForSequenceClassification:
     torch.manual_seed(seed)
-    return keep_norm_dtype(LlamaForSequenceClassification(tiny_config(num_labels=num_labels)).to(dtype))
+    return keep_norm_dtype(_in_dtype(LlamaForSequenceClassification(tiny_config(num_labels=num_labels)), dtype))
 
 
-def keep_norm_dtype(model: torch.nn.Module) -> torch.nn.Module:
+def _in_dtype(model: ModelT, dtype: torch.dtype) -> ModelT:
+    """``model.to(dtype)``, typed through ``nn.Module.to`` (transformers wraps ``PreTrainedModel.to`` with
+    ``functools.wraps(nn.Module.to)``, which type checkers read as the unbound function)."""
+    return model.to(dtype)
+
+
+def keep_norm_dtype(model: ModelT) -> ModelT:
     """Make RMSNorm instances compute in the input dtype (same formula as transformers')."""
 
-    def forward(self, hidden_states):
+    def forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:  # an RMSNorm of any model family
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
@@ -70,13 +80,13 @@ MOE_FAMILIES = ("mixtral", "qwen2_moe")
 
 def tiny_moe_causal_lm(
     family: str = "mixtral", seed: int = 0, router_aux_loss_coef: float = 0.02, dtype: torch.dtype = torch.float64,
-    **overrides,
+    **overrides: Any,
 ) -> torch.nn.Module:
     """A tiny Mixtral or Qwen2-MoE (4 experts, top-2) returning its router loss (``output_router_logits``),
     with eager experts: the grouped-mm kernel refuses float64."""
     from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-    shape = dict(
+    shape: dict[str, Any] = dict(  # config keywords of both families
         vocab_size=VOCAB, pad_token_id=PAD, bos_token_id=1, eos_token_id=2, hidden_size=16, intermediate_size=32,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=router_aux_loss_coef,
@@ -84,6 +94,7 @@ def tiny_moe_causal_lm(
     )
     shape.update(overrides)
     torch.manual_seed(seed)
+    model: torch.nn.Module
     if family == "mixtral":
         model = MixtralForCausalLM(MixtralConfig(num_local_experts=4, **shape))
     elif family == "qwen2_moe":
@@ -91,7 +102,7 @@ def tiny_moe_causal_lm(
         model = Qwen2MoeForCausalLM(config)
     else:
         raise ValueError(f"family={family!r}; allowed: {MOE_FAMILIES}")
-    return keep_norm_dtype(model.to(dtype))
+    return keep_norm_dtype(_in_dtype(model, dtype))
 
 
 def router_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -102,12 +113,13 @@ def router_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
 class NoKwargsForCausalLM(nn.Module):
     """A causal LM whose forward takes no ``**kwargs`` (stock Trainer then averages micro-batch means)."""
 
-    def __init__(self, inner: nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
         super().__init__()
         self.inner = inner
         self.config = inner.config
 
-    def forward(self, input_ids, attention_mask=None, labels=None, use_cache=None):
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, use_cache: bool | None = None) -> CausalLMOutputWithPast:
         out = self.inner(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         loss = None
         if labels is not None:  # the textbook per-micro-batch mean (what stock Trainer relies on)

@@ -120,10 +120,12 @@ def run_engine(engine: str, case: Any, output_dir: str) -> tuple[list[dict], tor
     from hf_accum.trainer import AccumTrainer
 
     if engine == "loop":
-        models = []
+        models: list[torch.nn.Module] = []
         result, _ = run_exact(case, on_model=models.append)
         model = getattr(models[0], "module", models[0])
         return [asdict(u) for u in result.updates], model, result.noise_scale_advice
     run = run_trainer(case, output_dir, trainer_cls=AccumTrainer, trainer_kwargs={"noise_scale": True})
-    model = getattr(run.trainer.model, "module", run.trainer.model)
-    return [asdict(u) for u in run.trainer.updates], model, run.trainer.noise_scale_advice
+    trainer = run.trainer
+    assert isinstance(trainer, AccumTrainer) and trainer.model is not None  # trainer_cls above
+    model = getattr(trainer.model, "module", trainer.model)
+    return [asdict(u) for u in trainer.updates], model, trainer.noise_scale_advice

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback, TrainingArguments, get_scheduler
+from transformers.trainer_callback import TrainerControl, TrainerState
 
 from hf_accum.loop import LoopConfig, TrainResult, train
+from hf_accum.testing.data import map_style
 from hf_accum.verify import BigBatchAuditor
 
 
@@ -76,6 +78,9 @@ _SHARED_SETTINGS = {
     "label_smoothing": ("label_smoothing_factor", "label_smoothing"),
 }
 
+OnModel = Callable[[torch.nn.Module], None]
+"""Called with the prepared model before training (a test's extra hook or check)."""
+
 
 def loop_config(scenario: Scenario) -> LoopConfig:
     values = {loop: getattr(scenario, name) for name, (_, loop) in _SHARED_SETTINGS.items()}
@@ -83,7 +88,7 @@ def loop_config(scenario: Scenario) -> LoopConfig:
 
 
 def training_args(
-    scenario: Scenario, output_dir: str, args_cls: type[TrainingArguments] = TrainingArguments, **overrides
+    scenario: Scenario, output_dir: str, args_cls: type[TrainingArguments] = TrainingArguments, **overrides: Any
 ) -> TrainingArguments:
     """``args_cls`` (``TrainingArguments`` or a subclass such as TRL's ``SFTConfig``) for the scenario."""
     values = {trainer: getattr(scenario, name) for name, (trainer, _) in _SHARED_SETTINGS.items()}
@@ -131,21 +136,21 @@ def reset_accelerate_state() -> None:
     GradientState._reset_state()
 
 
-def fresh_accelerator(accumulation: int, device: str | torch.device | None = None, **kwargs) -> Accelerator:
+def fresh_accelerator(accumulation: int, device: str | torch.device | None = None, **kwargs: Any) -> Accelerator:
     """An ``Accelerator`` on fresh state, so each run gets its own K."""
     reset_accelerate_state()
     cpu = torch.device(device).type == "cpu" if device is not None else not torch.cuda.is_available()
     return Accelerator(cpu=cpu, gradient_accumulation_steps=accumulation, **kwargs)
 
 
-def run_exact(scenario: Scenario, on_model=None) -> tuple[TrainResult, BigBatchAuditor]:
+def run_exact(scenario: Scenario, on_model: OnModel | None = None) -> tuple[TrainResult, BigBatchAuditor]:
     """hf_accum's loop under the auditor."""
     accelerator = fresh_accelerator(scenario.accumulation, **scenario.accelerator_kwargs)
     model, optimizer, loader, auditor = _prepare(scenario, accelerator, on_model)
     return train(model, optimizer, loader, accelerator, loop_config(scenario)), auditor
 
 
-def run_naive(scenario: Scenario, on_model=None) -> BigBatchAuditor:
+def run_naive(scenario: Scenario, on_model: OnModel | None = None) -> BigBatchAuditor:
     """The classic loop: the model's own per-micro-batch mean, ``Accelerator.backward``'s fixed
     ``1 / K``, and an LR horizon counted in micro-batches. The baseline hf_accum must beat."""
     accelerator = fresh_accelerator(scenario.accumulation, **scenario.accelerator_kwargs)
@@ -158,8 +163,8 @@ def run_naive(scenario: Scenario, on_model=None) -> BigBatchAuditor:
     return auditor
 
 
-def naive_loop(model, optimizer, loader, accelerator: Accelerator, scheduler, epochs: int = 1,
-               max_grad_norm: float = 0.0) -> None:
+def naive_loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader: Iterable[Mapping[str, Any]],
+               accelerator: Accelerator, scheduler: Any, epochs: int = 1, max_grad_norm: float = 0.0) -> None:
     """The bare Accelerate loop of Accelerate's own examples: ``model(**batch).loss`` inside
     ``accelerator.accumulate()``, clipping (when ``max_grad_norm`` > 0) and stepping once per update.
     The naive baseline of the exactness tests and the bare loop the benchmarks time."""
@@ -176,11 +181,12 @@ def naive_loop(model, optimizer, loader, accelerator: Accelerator, scheduler, ep
                     optimizer.zero_grad()
 
 
-def _prepare(scenario: Scenario, accelerator: Accelerator, on_model=None):
+def _prepare(scenario: Scenario, accelerator: Accelerator, on_model: OnModel | None = None
+             ) -> tuple[torch.nn.Module, torch.optim.Optimizer, DataLoader, BigBatchAuditor]:
     model = scenario.model_factory()
     auditor = scenario.auditor()
     loader = DataLoader(
-        scenario.examples, batch_size=scenario.micro_batch, shuffle=False,
+        map_style(scenario.examples), batch_size=scenario.micro_batch, shuffle=False,
         collate_fn=auditor.wrap_collator(scenario.collator),
     )
     optimizer_class = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[scenario.optimizer]
@@ -221,10 +227,11 @@ class AuditedTrainerRun:
 
 
 class _KeepLogs(TrainerCallback):
-    def __init__(self, sink: list):
+    def __init__(self, sink: list[dict[str, Any]]) -> None:
         self.sink = sink
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         self.sink.append(dict(logs or {}))
 
 
@@ -237,7 +244,7 @@ def run_trainer(
     resume_from_checkpoint: str | None = None,
     record_grads: bool = False,
     args_cls: type[TrainingArguments] = TrainingArguments,
-    **arg_overrides,
+    **arg_overrides: Any,
 ) -> AuditedTrainerRun:
     """Train ``scenario`` with ``trainer_cls`` under the auditor. The optimizer is built here and passed
     as ``optimizers=(optimizer, None)`` so the auditor can hook it before ``train()``; the Trainer still
@@ -251,7 +258,7 @@ def run_trainer(
     grads: list[torch.Tensor] = []
     grads_were_none: list[bool] = []
 
-    def record(opt, args, kwargs):
+    def record(opt: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         params = [p for group in opt.param_groups for p in group["params"]]
         grads_were_none.append(all(p.grad is None for p in params))
         if record_grads:
@@ -270,6 +277,7 @@ def run_trainer(
         **(trainer_kwargs or {}),
     )
     if scenario.collator is None:
-        trainer.data_collator = auditor.wrap_collator(trainer.data_collator)
+        built: Any = trainer.data_collator  # the trainer's own (TRL's): any callable over the list of rows
+        trainer.data_collator = auditor.wrap_collator(built)
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     return AuditedTrainerRun(trainer, auditor, logs, grads, grads_were_none)

@@ -47,8 +47,9 @@ def windows_of_all_ranks(batches: list[dict], accumulation: int) -> list[list[di
     """Each update's micro-batches on every rank (gathered under torch.distributed)."""
     per_rank = [batches]
     if dist.is_initialized():
-        per_rank = [None] * dist.get_world_size()
-        dist.all_gather_object(per_rank, batches)
+        gathered: list[Any] = [None] * dist.get_world_size()  # all_gather_object puts every rank's list in
+        dist.all_gather_object(gathered, batches)
+        per_rank = gathered
     count = max(len(b) for b in per_rank)
     return [[batch for rank in per_rank for batch in rank[i:i + accumulation]] for i in range(0, count, accumulation)]
 
@@ -72,10 +73,12 @@ def run(engine: str, collator: Any, examples: list, normalization: str, output_d
 
     from hf_accum.loop import LoopConfig, train
     from hf_accum.testing import Scenario, fresh_accelerator, run_trainer, tiny_causal_lm
+    from hf_accum.testing.data import map_style
     from hf_accum.testing.noise_reference import RecordingCollator
     from hf_accum.trainer import AccumTrainer
 
     recorder = RecordingCollator(collator)
+    model: torch.nn.Module
     if engine == "loop":
         accelerator = fresh_accelerator(accumulation)
         model = tiny_causal_lm()
@@ -83,7 +86,7 @@ def run(engine: str, collator: Any, examples: list, normalization: str, output_d
         applied: list[torch.Tensor] = []
         optimizer.register_step_pre_hook(lambda opt, a, k: applied.append(torch.cat(
             [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).clone() for p in model.parameters()])))
-        loader = DataLoader(examples, batch_size=micro_batch, shuffle=False, collate_fn=recorder)
+        loader = DataLoader(map_style(examples), batch_size=micro_batch, shuffle=False, collate_fn=recorder)
         prepared, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         config = LoopConfig(normalization=normalization, max_grad_norm=0.0, lr_scheduler_type="constant",
                             disable_tqdm=True)
@@ -93,6 +96,8 @@ def run(engine: str, collator: Any, examples: list, normalization: str, output_d
                         accumulation=accumulation, lr=0.0)
         trained = run_trainer(case, output_dir, trainer_cls=AccumTrainer, record_grads=True,
                               trainer_kwargs={"normalization": normalization})
-        model, applied, updates = trained.trainer.model, trained.grads, trained.trainer.updates
+        trainer = trained.trainer
+        assert isinstance(trainer, AccumTrainer) and trainer.model is not None  # trainer_cls above
+        model, applied, updates = trainer.model, trained.grads, trainer.updates
     model = getattr(model, "module", model)
     return relative_errors(model, recorder.batches, accumulation, applied), updates

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 from datasets import Dataset
+from transformers import LlamaForCausalLM, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from hf_accum.testing.models import tiny_causal_lm
 from hf_accum.tiny import build_tiny_tokenizer
@@ -30,14 +31,15 @@ TRAINING_CHAT_TEMPLATE = (
 FORMATS = ("prompt_completion", "conversational_prompt_completion", "messages", "text")
 
 
-def sft_tokenizer():
+def sft_tokenizer() -> PreTrainedTokenizerFast:
     """Word-level tokenizer over :data:`WORDS` with :data:`TRAINING_CHAT_TEMPLATE`; ``<|end|>`` is EOS."""
     tokenizer = build_tiny_tokenizer(WORDS)
     tokenizer.chat_template = TRAINING_CHAT_TEMPLATE
     return tokenizer
 
 
-def sft_model_factory(tokenizer, dtype: torch.dtype = torch.float64) -> Callable[[], torch.nn.Module]:
+def sft_model_factory(tokenizer: PreTrainedTokenizerBase,
+                      dtype: torch.dtype = torch.float64) -> Callable[[], LlamaForCausalLM]:
     """Builds the float64 tiny Llama (dtype-keeping norms) over ``tokenizer``'s vocabulary, seed 0."""
     return lambda: tiny_causal_lm(
         dtype=dtype, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
@@ -82,7 +84,7 @@ def sft_rows(
     return Dataset.from_list(rows)
 
 
-def answer_targets(rows: Dataset, tokenizer) -> int:
+def answer_targets(rows: Dataset, tokenizer: Any) -> int:  # Any: the call's result type is a union
     """Tokens the loss should be on with completion-only / assistant-only loss: every answer's words
     plus its end-of-turn (EOS) token, counted from the raw rows (not from TRL's preparation)."""
     return sum(len(tokenizer(_answer(row), add_special_tokens=False)["input_ids"]) + 1 for row in rows)

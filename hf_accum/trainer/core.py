@@ -26,10 +26,13 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
+from torch import nn
+from torch.utils.data import DataLoader
 from transformers import Trainer
+from transformers.trainer_utils import EvalLoopOutput, TrainOutput
 
 from hf_accum.accumulation import WindowTally
 from hf_accum.compat import check_trainer_hooks, keep_4bit_training_layout, prepare_inputs, trainer_learning_rate
@@ -38,6 +41,7 @@ from hf_accum.loss import LossKind, infer_loss_kind, model_problem_type, token_l
 from hf_accum.micro_batch import MicroBatchLoss
 from hf_accum.model_loss import resolve_loss_kind
 from hf_accum.noise_probe import NOT_UNDER_DEEPSPEED, NOT_UNDER_FSDP
+from hf_accum.noise_scale import NoiseScaleTracker
 from hf_accum.planned_windows import refuse_planned_windows
 from hf_accum.records import UpdateLog
 from hf_accum.run_lock import locks_output_dir
@@ -51,6 +55,8 @@ from hf_accum.trainer.updates import UpdateRecorder
 from hf_accum.trainer.window import TrainerWindow
 
 logger = logging.getLogger("hf_accum.trainer")
+# Trainer's hooks keep Trainer's own parameter types; ``trial`` (optuna's Trial or a dict) is Any, as the
+# optional optuna has no types here. Trainer types ``self.model`` Optional: it is set once __init__ ran.
 check_trainer_hooks(Trainer)
 
 
@@ -116,6 +122,7 @@ class AccumTrainer(Trainer):
         if noise_scale and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
             reason = NOT_UNDER_DEEPSPEED if self.is_deepspeed_enabled else NOT_UNDER_FSDP
             raise ValueError(f"AccumTrainer(noise_scale=True): {reason}")
+        assert self.model is not None  # Trainer.__init__ holds the model (or model_init's)
         # Read once: the head's problem type does not change during a run (sequence heads only).
         self._problem_type = model_problem_type(self.model)
         self._micro_batch_loss = self._build_micro_batch_loss(loss_kind, fused_loss, normalization)
@@ -148,7 +155,7 @@ class AccumTrainer(Trainer):
         return self._records.updates
 
     @property
-    def noise_scale_tracker(self):
+    def noise_scale_tracker(self) -> NoiseScaleTracker | None:
         """The gradient noise scale's moving averages (None without ``noise_scale=True``)."""
         return self._window.boundary.noise
 
@@ -173,6 +180,7 @@ class AccumTrainer(Trainer):
     def loss_kind(self) -> LossKind:
         """Target layout of the model's head (``causal_lm`` shifts labels by one)."""
         if self._micro_batch_loss.kind is None:
+            assert self.model is not None  # set by Trainer.__init__
             self._micro_batch_loss.kind = infer_loss_kind(self.model)
         return self._micro_batch_loss.kind
 
@@ -205,17 +213,20 @@ class AccumTrainer(Trainer):
         return token_loss_sum(outputs.logits, labels, kind=self.loss_kind,
                               label_smoothing=self.args.label_smoothing_factor, problem_type=self._problem_type)
 
-    def get_batch_samples(self, epoch_iterator, num_batches, device):
+    def get_batch_samples(self, epoch_iterator: Iterator[Any], num_batches: int,
+                          device: torch.device) -> tuple[list[Any], int]:
         """Fetch the window's micro-batches and return its global target count as ``num_items_in_batch``."""
         batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
         if batch_samples and self._micro_batch_loss.kind is None:
             # Before the first window is counted: the class's layout, else the one the model's own loss shows.
             batch = prepare_inputs(self, batch_samples[0])
             inputs = {key: value for key, value in batch.items() if key != "labels"}
+            assert self.model is not None  # set by Trainer.__init__
             self._micro_batch_loss.kind = resolve_loss_kind(self.model, inputs, _labels(batch))
         return batch_samples, self._window.count(batch_samples, self._micro_batch_loss.count_units)
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """Training: ``loss_sum * W / N`` (N = the window's targets on all ranks). Evaluation
         (``num_items_in_batch`` None): the plain per-target mean of this batch."""
         labels = _labels(inputs)
@@ -235,7 +246,8 @@ class AccumTrainer(Trainer):
             loss = self._window.scaled_loss(loss_sum, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
+    def training_step(self, model: nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
         loss = super().training_step(model, inputs, num_items_in_batch)
         if num_items_in_batch is not None:
             self._window.after_backward(model)  # noise scale: the window's first micro-batch, alone
@@ -245,7 +257,7 @@ class AccumTrainer(Trainer):
         return loss
 
     # -- batch plan and LR horizon ------------------------------------------------------------------------
-    def get_train_dataloader(self):
+    def get_train_dataloader(self) -> DataLoader:
         # Called at the start of every (re)try of the training loop (auto_find_batch_size after an OOM).
         self._window.start()
         self._records.start(self._checkpoints.resumed_history())
@@ -255,13 +267,15 @@ class AccumTrainer(Trainer):
         self._planner.planned(dataloader)
         return dataloader
 
-    def create_scheduler(self, num_training_steps: int, optimizer=None):
+    def create_scheduler(self, num_training_steps: int,
+                         optimizer: torch.optim.Optimizer | None = None) -> torch.optim.lr_scheduler.LRScheduler:
         return super().create_scheduler(num_training_steps=self._planner.lr_horizon(num_training_steps),
                                         optimizer=optimizer)
 
     # -- records and logs ---------------------------------------------------------------------------------
-    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time,
-                                 learning_rate=None):
+    def _maybe_log_save_evaluate(self, tr_loss: torch.Tensor, grad_norm: torch.Tensor | float | None,
+                                 model: nn.Module, trial: Any, epoch: float, ignore_keys_for_eval: list[str] | None,
+                                 start_time: float, learning_rate: float | None = None) -> None:
         # Trainer calls this after every update (and once more at an epoch's end, with no new window).
         self._records.closing(grad_norm, learning_rate, self._window.unclipped_grad_sq)
         super()._maybe_log_save_evaluate(
@@ -286,27 +300,28 @@ class AccumTrainer(Trainer):
             logs["train_loss"] = self._window.run_totals.mean_loss
         super().log(logs, start_time)
 
-    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
-                        metric_key_prefix="eval"):
+    def evaluation_loop(self, dataloader: DataLoader, description: str, prediction_loss_only: bool | None = None,
+                        ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> EvalLoopOutput:
         """``eval_loss``: the mean over every target of the evaluation set (all batches, all ranks)."""
         self._eval_tally.reset()
         output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
         totals = self._eval_tally.reduce(self.accelerator)  # every rank runs the evaluation loop
+        assert output.metrics is not None  # Trainer.evaluation_loop always returns its metrics dict
         if totals.targets and f"{metric_key_prefix}_loss" in output.metrics:
             output.metrics[f"{metric_key_prefix}_loss"] = totals.mean_loss
             self._records.eval_loss = totals.mean_loss  # recorded with the update that triggered it, if any
         return output
 
     # -- checkpoints, resume, halt ------------------------------------------------------------------------
-    def _save_checkpoint(self, model, trial) -> None:
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         """Trainer's checkpoint, written atomically (:mod:`hf_accum.trainer.checkpoints`)."""
         self._checkpoints.save(self._get_output_dir(trial), functools.partial(super()._save_checkpoint, model, trial))
 
-    def _get_output_dir(self, trial) -> str:
+    def _get_output_dir(self, trial: Any) -> str:
         return self._checkpoints.staging_run_dir or super()._get_output_dir(trial)
 
     @locks_output_dir(lambda a: (a["self"].args.output_dir, a["self"].args.process_index == 0), "output_dir")
-    def train(self, resume_from_checkpoint=None, *args: Any, **kwargs: Any):
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> TrainOutput:
         """``resume_from_checkpoint=True``: the latest complete checkpoint of ``output_dir``. Raises
         :class:`~hf_accum.control.TrainingStopped` after a stop signal or request (checkpoint written) and
         :class:`~hf_accum.control.NonFiniteLossError` at the inf/NaN limit."""
@@ -314,6 +329,7 @@ class AccumTrainer(Trainer):
                                                self.args.auto_find_batch_size)
         self._window.new_run()
         self.run_control.reset()
+        assert self.model is not None  # set by Trainer.__init__
         keep_4bit_training_layout(self.model)  # evaluations must not repack 4-bit weights (hf_accum.compat)
         with StopSignals(self.run_control, self._stop_on_signals):
             output = super().train(checkpoint, *args, **kwargs)

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Callable
 
+import torch
+
 from hf_accum.boundary import Decision, UpdateBoundary
 from hf_accum.noise_scale import NoiseScaleReading
 from hf_accum.records import UpdateLog
@@ -38,7 +40,7 @@ class UpdateRecorder:
         """The boundary decided on the window Trainer is about to step (or skip)."""
         self._closing = decision
 
-    def closing(self, grad_norm: float | None, learning_rate: float | None,
+    def closing(self, grad_norm: torch.Tensor | float | None, learning_rate: float | None,
                 unclipped_grad_sq: float | None = None) -> None:
         """Trainer starts closing the update (its norm before clipping and LR are known now); the noise
         scale folds the update in once (the big batch: that norm, or ``unclipped_grad_sq`` without clipping)."""

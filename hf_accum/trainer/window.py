@@ -110,11 +110,11 @@ class TrainerWindow:
         self.first_pending = True
         return self.targets  # a Python int: no device sync per micro-batch in compute_loss
 
-    def loss_factor(self, window_targets: int) -> float:
+    def loss_factor(self, window_targets: int | torch.Tensor) -> float:
         """What a micro-batch's summed loss is multiplied by before backward."""
         return self._backward_scale(self._window_scale(window_targets))
 
-    def scaled_loss(self, loss_sum: torch.Tensor, window_targets: int) -> torch.Tensor:
+    def scaled_loss(self, loss_sum: torch.Tensor, window_targets: int | torch.Tensor) -> torch.Tensor:
         """The micro-batch's loss to backpropagate: ``loss_sum * W / N`` (:meth:`loss_factor`), or for a loss of
         several terms ``sum_j S_j * W / N_j`` (exact factors: no fp32-sum remainder, :meth:`_write_fp32_sums`)."""
         if loss_sum.dim() == 0:
@@ -188,6 +188,7 @@ class TrainerWindow:
         """The window's fp32 gradient sums -> ``.grad``, times what ``_backward_scale`` left of ``W / N``."""
         window_scale = self._window_scale(self.targets)
         remainder = window_scale / self._backward_scale(window_scale) if len(self.counts) == 1 else 1.0
+        assert self.fp32_sums is not None  # called when the window has fp32 sums
         self.fp32_sums.write_gradients_(remainder)  # rounded once to the weights' dtype
         rescale_gradients_(self.fp32_sums.other_parameters(model.parameters()), remainder)
 
@@ -229,7 +230,7 @@ class TrainerWindow:
             self.fp32_sums = None
 
 
-def poison_gradients_(model) -> None:
+def poison_gradients_(model: torch.nn.Module) -> None:
     """fp16: make sure the GradScaler sees the window as an overflow (an inf/NaN loss nearly always leaves
     inf/NaN gradients already) so that it skips the step and the scheduler, as for any overflow. With no
     gradient at all it would refuse to step ("No inf checks were recorded"): one NaN gradient is made."""

@@ -44,7 +44,7 @@ which reads, checks, splits and encodes everything before any model is loaded. W
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hf_accum.recipe import embedded, modeling
 from hf_accum.recipe.data.encoding import (
@@ -74,6 +74,11 @@ from hf_accum.recipe.data.reading import (
 from hf_accum.recipe.data.splits import Splits, check_split_spec, load_splits
 from hf_accum.recipe.embedded import EMBEDDED_DATASET, SPECIAL_TOKENS, TINY_MODEL
 
+if TYPE_CHECKING:
+    from hf_accum.recipe.config import DataSection, ModelSection, RecipeConfig
+
+# Tokenizers are Any (transformers' or the tiny word-level one; their calls are typed as unions).
+
 __all__ = [
     "FORMATS", "PREFERENCE_FORMATS", "DataError", "EncodedSplit", "Example", "RecipeData", "RowFormat", "Splits",
     "check_local_file", "check_split_spec", "dataset_source", "encode_examples", "exact_match", "load_splits",
@@ -82,7 +87,7 @@ __all__ = [
 ]
 
 
-def check_data_section(data, config=None) -> None:
+def check_data_section(data: DataSection, config: RecipeConfig | None = None) -> None:
     """The data section's own check (its ``Section.validator``): what can be known without reading the
     data -- values, files, split names. Raises :class:`DataError` naming the key."""
     if data.format not in ("auto", *FORMATS, *PREFERENCE_FORMATS):
@@ -120,7 +125,7 @@ class RecipeData:
     report: list[str]
 
 
-def load_tokenizer_and_data(model, data) -> tuple[Any, RecipeData]:
+def load_tokenizer_and_data(model: ModelSection, data: DataSection) -> tuple[Any, RecipeData]:
     """The tokenizer and the encoded data of a run, from its ``model`` and ``data`` config sections
     (:class:`hf_accum.recipe.config.ModelSection`, :class:`hf_accum.recipe.config.DataSection`).
 
@@ -149,7 +154,8 @@ def load_tokenizer_and_data(model, data) -> tuple[Any, RecipeData]:
     return tokenizer, RecipeData(train, held_out, eval_rows, splits.format.name, report)
 
 
-def _encoding_notes(train: EncodedSplit, held_out: EncodedSplit | None, data, fmt: RowFormat) -> list[str]:
+def _encoding_notes(train: EncodedSplit, held_out: EncodedSplit | None, data: DataSection,
+                    fmt: RowFormat) -> list[str]:
     notes = []
     if train.dropped:
         notes.append(f"note: {train.dropped} training examples had no answer token within data.max_length="
@@ -167,7 +173,8 @@ def _encoding_notes(train: EncodedSplit, held_out: EncodedSplit | None, data, fm
     return notes
 
 
-def _tokenizer_notes(tokenizer, train: EncodedSplit, held_out: EncodedSplit | None, built_from_data: bool) -> list[str]:
+def _tokenizer_notes(tokenizer: Any, train: EncodedSplit, held_out: EncodedSplit | None,
+                     built_from_data: bool) -> list[str]:
     splits = [s for s in (train, held_out) if s is not None]
     unknown, tokens = sum(s.unknown for s in splits), sum(s.tokens for s in splits)
     if built_from_data:

@@ -21,8 +21,11 @@ from hf_accum.loss import IGNORE_INDEX
 from hf_accum.recipe.data.formats import Example
 from hf_accum.recipe.data.reading import DataError
 
+# Tokenizers are Any: transformers types their calls' results as unions (str, ids, BatchEncoding) that the
+# arguments here decide.
 
-def render(tokenizer, messages: Sequence[dict[str, str]], generation_prompt: bool = False) -> list[int]:
+
+def render(tokenizer: Any, messages: Sequence[dict[str, str]], generation_prompt: bool = False) -> list[int]:
     """Token ids of ``messages`` through the tokenizer's chat template."""
     ids = tokenizer.apply_chat_template(
         list(messages), tokenize=True, add_generation_prompt=generation_prompt, return_dict=False
@@ -30,7 +33,7 @@ def render(tokenizer, messages: Sequence[dict[str, str]], generation_prompt: boo
     return list(ids)
 
 
-def prompt_ids(tokenizer, messages: Sequence[dict[str, str]]) -> list[int]:
+def prompt_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
     """Token ids of the conversation up to (and including) the assistant header."""
     return render(tokenizer, messages, generation_prompt=True)
 
@@ -40,7 +43,7 @@ def prompt_ids(tokenizer, messages: Sequence[dict[str, str]]) -> list[int]:
 _PROBE_ANSWER = "The answer is probe"
 
 
-def end_of_turn_id(tokenizer) -> int | None:
+def end_of_turn_id(tokenizer: Any) -> int | None:
     """The token the chat template writes right after an assistant's content, when it is a special token.
 
     Found by rendering a one-turn conversation as text and tokenizing what follows the answer: its first
@@ -60,7 +63,7 @@ def end_of_turn_id(tokenizer) -> int | None:
     return next((i for i in tail if i in special), None)
 
 
-def stop_token_ids(tokenizer, model: Any = None) -> list[int]:
+def stop_token_ids(tokenizer: Any, model: Any = None) -> list[int]:
     """Every id that ends an answer: the model's ``generation_config`` EOS id(s) (Llama 3 Instruct lists
     ``<|eot_id|>`` there beside ``<|end_of_text|>``), the tokenizer's EOS, and the chat template's
     end-of-turn token (:func:`end_of_turn_id`; Gemma's ``<end_of_turn>`` is not its EOS)."""
@@ -90,7 +93,7 @@ def _trained_end(ids: Sequence[int], start: int, end: int, turn_end: int | None)
 
 
 def encode_conversation(
-    tokenizer, messages: Sequence[dict[str, str]], where: str = "", turn_end: int | None = None
+    tokenizer: Any, messages: Sequence[dict[str, str]], where: str = "", turn_end: int | None = None
 ) -> tuple[list[int], list[int], int]:
     """``(input_ids, labels, untrained)`` of a conversation ending with the assistant's answer.
 
@@ -126,7 +129,7 @@ def encode_conversation(
     return full, labels, untrained
 
 
-def encode_text(tokenizer, text: str) -> tuple[list[int], list[int]]:
+def encode_text(tokenizer: Any, text: str) -> tuple[list[int], list[int]]:
     """``(input_ids, labels)`` of plain text: every token is a target (end-of-sequence appended)."""
     ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
     if tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
@@ -158,7 +161,7 @@ class EncodedSplit:
         )
 
 
-def encode_examples(tokenizer, examples: Iterable[Example], max_length: int) -> EncodedSplit:
+def encode_examples(tokenizer: Any, examples: Iterable[Example], max_length: int) -> EncodedSplit:
     """Encode, cut at ``max_length`` and count. An example whose answer was cut away entirely is
     dropped (counted): it would add no target, only compute."""
     split = EncodedSplit()
@@ -167,7 +170,7 @@ def encode_examples(tokenizer, examples: Iterable[Example], max_length: int) -> 
         if example.text is not None:
             ids, labels = encode_text(tokenizer, example.text)
         else:
-            ids, labels, untrained = encode_conversation(tokenizer, example.messages, example.where, turn_end)
+            ids, labels, untrained = encode_conversation(tokenizer, example.conversation(), example.where, turn_end)
             split.untrained_turns += untrained
         # Position 0 is never a target (nothing precedes it): the prompt ends where targets begin.
         prompt = next((i for i, label in enumerate(labels) if i > 0 and label != IGNORE_INDEX), len(labels))

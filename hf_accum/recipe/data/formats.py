@@ -13,9 +13,12 @@ import json
 import math
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from hf_accum.recipe.data.reading import DataError, RawRow
+
+if TYPE_CHECKING:
+    from hf_accum.recipe.config import DataSection
 
 FORMATS = ("chat", "prompt_completion", "alpaca", "text")
 # Preference data (objective: dpo), detected in this order; never picked for SFT. ``preference``: TRL's explicit
@@ -63,6 +66,11 @@ class Example:
     """Preference formats only: the rejected assistant answer to ``messages[:-1]`` (``messages[-1]`` is the
     chosen one)."""
 
+    def conversation(self) -> list[dict[str, str]]:
+        """``messages``, for the code that reads conversational examples only (every format but ``text``)."""
+        assert self.messages is not None, f"{self.where}: a text example has no messages"
+        return self.messages
+
     def texts(self) -> list[str]:
         if self.text is not None:
             return [self.text]
@@ -83,7 +91,8 @@ class BadRow(ValueError):
         self.kind = kind
 
 
-def resolve_format(present: Iterable[str], data, source: str, formats: Sequence[str] = FORMATS) -> RowFormat:
+def resolve_format(present: Iterable[str], data: DataSection, source: str,
+                   formats: Sequence[str] = FORMATS) -> RowFormat:
     """The format of a dataset with columns ``present``: ``data.format``, or the first of ``formats`` that
     fits (:data:`FORMATS` for SFT, :data:`PREFERENCE_FORMATS` for DPO).
 
@@ -115,7 +124,7 @@ def resolve_format(present: Iterable[str], data, source: str, formats: Sequence[
     )
 
 
-def _format_columns(name: str, present: set[str], data) -> dict[str, str] | None:
+def _format_columns(name: str, present: set[str], data: DataSection) -> dict[str, str] | None:
     columns = {}
     for role, usual in FORMAT_COLUMNS[name].items():
         chosen = getattr(data, f"{role}_column", None)
@@ -127,7 +136,7 @@ def _format_columns(name: str, present: set[str], data) -> dict[str, str] | None
     return columns
 
 
-def _needed_columns(name: str, data) -> str:
+def _needed_columns(name: str, data: DataSection) -> str:
     parts = []
     for role, usual in FORMAT_COLUMNS[name].items():
         chosen = getattr(data, f"{role}_column", None)
@@ -139,7 +148,7 @@ def _needed_columns(name: str, data) -> str:
 
 def to_example(values: dict[str, Any], fmt: RowFormat, where: str = "") -> Example:
     """One row as an :class:`Example`; raises :class:`BadRow` when it cannot be trained on."""
-    task = values.get("task") if isinstance(values.get("task"), str) else "all"
+    task = values["task"] if isinstance(values.get("task"), str) else "all"
     if fmt.name in PREFERENCE_FORMATS:
         return _preference_example(values, fmt, where, task)
     if fmt.name == "text":

@@ -13,12 +13,15 @@ import torch
 from hf_accum.recipe.data.encoding import cut_at_stop, prompt_ids, stop_token_ids
 from hf_accum.recipe.data.formats import Example
 
+# The model (a causal LM, maybe PEFT-wrapped) and the tokenizer are Any: generate() and the tokenizer's calls
+# are typed as unions that their arguments decide.
+
 
 def normalize_answer(text: str) -> str:
     return " ".join(text.split())
 
 
-def _as_decoded(tokenizer, text: str) -> str:
+def _as_decoded(tokenizer: Any, text: str) -> str:
     """``text`` as the tokenizer gives it back (the tiny word-level one spaces out punctuation), so a
     generated answer is compared with what the model could have produced."""
     return tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"], skip_special_tokens=True)
@@ -26,8 +29,8 @@ def _as_decoded(tokenizer, text: str) -> str:
 
 @torch.no_grad()
 def exact_match(
-    model,
-    tokenizer,
+    model: Any,
+    tokenizer: Any,
     examples: Sequence[Example],
     max_new_tokens: int = 16,
     batch_size: int = 32,
@@ -47,11 +50,12 @@ def exact_match(
     for start in progress(range(0, len(examples), batch_size)):
         chunk = examples[start : start + batch_size]
         for example, text in zip(chunk, _generate(model, tokenizer, chunk, max_new_tokens, synced_gpus)):
-            expected = example.messages[-1]["content"]
+            expected = example.conversation()[-1]["content"]
             ok = normalize_answer(text) == normalize_answer(_as_decoded(tokenizer, expected))
             hits.append((example.task, ok))
             if len(samples) < 4:
-                samples.append({"prompt": example.messages[-2]["content"], "expected": expected, "generated": text})
+                samples.append({"prompt": example.conversation()[-2]["content"], "expected": expected,
+                                "generated": text})
     model.train(was_training)
     per_task: dict[str, list[bool]] = {}
     for task, ok in hits:
@@ -65,10 +69,10 @@ def exact_match(
 
 
 def _generate(
-    model, tokenizer, examples: Sequence[Example], max_new_tokens: int, synced_gpus: bool = False
+    model: Any, tokenizer: Any, examples: Sequence[Example], max_new_tokens: int, synced_gpus: bool = False
 ) -> list[str]:
     """Batched greedy decoding with left padding (so every prompt ends where generation starts)."""
-    prompts = [prompt_ids(tokenizer, example.messages[:-1]) for example in examples]
+    prompts = [prompt_ids(tokenizer, example.conversation()[:-1]) for example in examples]
     width = max(len(p) for p in prompts)
     pad = tokenizer.pad_token_id
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])

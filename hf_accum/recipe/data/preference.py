@@ -51,10 +51,11 @@ def encode_answer(tokenizer: Any, prompt: Sequence[dict[str, str]], answer: dict
 
 def encode_pair(tokenizer: Any, example: Example) -> dict[str, list[int]]:
     """``{"prompt_ids", "chosen_ids", "rejected_ids"}`` of a preference :class:`Example` (uncut)."""
-    prompt = example.messages[:-1]
+    prompt = example.conversation()[:-1]
+    assert example.rejected is not None  # a preference format's example
     return {
         "prompt_ids": prompt_ids(tokenizer, prompt),
-        "chosen_ids": encode_answer(tokenizer, prompt, example.messages[-1], example.where),
+        "chosen_ids": encode_answer(tokenizer, prompt, example.conversation()[-1], example.where),
         "rejected_ids": encode_answer(tokenizer, prompt, example.rejected, example.where),
     }
 
@@ -100,7 +101,8 @@ class PreferenceSplit:
 
     def as_conversations(self) -> list[dict[str, Any]]:
         """TRL's conversational preference rows of the kept pairs (what ``DPOTrainer`` tokenizes itself)."""
-        return [{"prompt": example.messages[:-1], "chosen": [example.messages[-1]], "rejected": [example.rejected]}
+        return [{"prompt": example.conversation()[:-1], "chosen": [example.conversation()[-1]],
+                 "rejected": [example.rejected]}
                 for example in self.sources]
 
 

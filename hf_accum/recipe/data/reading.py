@@ -123,7 +123,7 @@ def read_hub(name: str, split: str, config_name: str | None = None) -> list[RawR
     return [(f"row {i + 1} of split {split!r}", dict(values)) for i, values in enumerate(rows)]
 
 
-def _load_with_datasets(what: str, *args: Any, **kwargs: Any):
+def _load_with_datasets(what: str, *args: Any, **kwargs: Any) -> Any:  # a datasets.Dataset (split given)
     import datasets
 
     try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from hf_accum.recipe.data.formats import (
     FORMATS,
@@ -35,6 +35,9 @@ from hf_accum.recipe.data.reading import (
     refuse_url,
 )
 from hf_accum.recipe.embedded import EMBEDDED_DATASET, synthetic_preference_splits, synthetic_splits
+
+if TYPE_CHECKING:
+    from hf_accum.recipe.config import DataSection
 
 # A row's identity inside its dataset: (unsliced split name, index).
 RowKey = tuple[str, int]
@@ -137,7 +140,7 @@ class Splits:
     report: list[str] = field(default_factory=list)
 
 
-def load_splits(data, formats: Sequence[str] = FORMATS) -> Splits:
+def load_splits(data: DataSection, formats: Sequence[str] = FORMATS) -> Splits:
     """Training and held-out examples for a :class:`hf_accum.recipe.config.DataSection`; every row checked.
     ``formats``: the formats detected (:data:`~hf_accum.recipe.data.formats.PREFERENCE_FORMATS` for DPO).
 
@@ -158,6 +161,7 @@ def load_splits(data, formats: Sequence[str] = FORMATS) -> Splits:
     examples = dict(zip(chosen, to_examples(rows, fmt, data.dataset)))
     train, held_out = [examples[k] for k in train_keys], [examples[k] for k in eval_keys]
     if _held_out_file(data):
+        assert data.eval_split is not None  # _held_out_file
         held_out = _file_examples(data.eval_split, data, formats)
         held_out_line += f" ({len(held_out)} rows)"
     report = [f"data: {data.dataset}: format {fmt.describe()}{_ignored_columns(rows, fmt)}", held_out_line]
@@ -165,11 +169,11 @@ def load_splits(data, formats: Sequence[str] = FORMATS) -> Splits:
     return Splits(train, held_out[: data.max_eval_examples], fmt, report)
 
 
-def _held_out_file(data) -> bool:
+def _held_out_file(data: DataSection) -> bool:
     return data.eval_split is not None and dataset_source(data.eval_split) == "local"
 
 
-def _choose_rows(source: DatasetRows, data) -> tuple[list[RowKey], list[RowKey], str]:
+def _choose_rows(source: DatasetRows, data: DataSection) -> tuple[list[RowKey], list[RowKey], str]:
     """``(training rows, held-out rows, what was done)`` of ``source``; the two never overlap. A
     held-out second file contributes no rows of ``source``."""
     train_keys = source.select("data.train_split", data.train_split)
@@ -185,7 +189,7 @@ def _choose_rows(source: DatasetRows, data) -> tuple[list[RowKey], list[RowKey],
     return _disjoint(train_keys, source.select("data.eval_split", data.eval_split), data)
 
 
-def _file_examples(path: str, data, formats: Sequence[str]) -> list[Example]:
+def _file_examples(path: str, data: DataSection, formats: Sequence[str]) -> list[Example]:
     rows = read_local(path)
     if not rows:
         raise DataError(f"data.eval_split={path!r} holds no rows")
@@ -201,7 +205,7 @@ def _ignored_columns(rows: Sequence[RawRow], fmt: RowFormat) -> str:
     return f"; not used: {', '.join(ignored)}" if ignored else ""
 
 
-def _carve(keys: list[RowKey], data) -> tuple[list[RowKey], list[RowKey], str]:
+def _carve(keys: list[RowKey], data: DataSection) -> tuple[list[RowKey], list[RowKey], str]:
     """Hold out ``data.eval_fraction`` of ``keys`` at random (at least 1 when the fraction is not 0
     and 2 rows exist; at most ``data.max_eval_examples``); the rest stay for training, in order."""
     n = len(keys)
@@ -220,7 +224,8 @@ def _carve(keys: list[RowKey], data) -> tuple[list[RowKey], list[RowKey], str]:
     return [k for i, k in enumerate(keys) if i not in held], [keys[i] for i in sorted(held)], line
 
 
-def _disjoint(train_keys: list[RowKey], eval_keys: list[RowKey], data) -> tuple[list[RowKey], list[RowKey], str]:
+def _disjoint(train_keys: list[RowKey], eval_keys: list[RowKey],
+              data: DataSection) -> tuple[list[RowKey], list[RowKey], str]:
     """Training rows that exclude the held-out ones. An unsliced ``data.train_split`` (``train``)
     loses the held-out rows; slices that overlap are refused."""
     held = set(eval_keys)
@@ -254,7 +259,7 @@ def _held_out_notes(train: list[Example], held_out: list[Example], max_eval_exam
     return notes
 
 
-def _embedded_splits(data, preference: bool = False) -> Splits:
+def _embedded_splits(data: DataSection, preference: bool = False) -> Splits:
     """The synthetic tasks; with ``preference``, as pairs: the right answer chosen, a corrupted one rejected."""
     check_split_spec(EMBEDDED_DATASET, "data.train_split", data.train_split)
     check_split_spec(EMBEDDED_DATASET, "data.eval_split", data.eval_split)

@@ -28,4 +28,5 @@ class AllReduceCounter:
     def hook(self, state, bucket):  # type: ignore[no-untyped-def]
         if bucket.is_last():
             self.rounds += 1
-        return default_hooks.allreduce_hook(None, bucket)
+        # None: the default group, as torch's code takes it (its annotation says ProcessGroup only)
+        return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]

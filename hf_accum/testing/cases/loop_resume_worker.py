@@ -24,6 +24,7 @@ from hf_accum import LoopConfig, train
 from hf_accum.batching import PaddingCollator
 from hf_accum.distributed import leave_process_group
 from hf_accum.testing import PAD, fresh_accelerator, random_rows, tiny_lora_causal_lm
+from hf_accum.testing.data import map_style
 from hf_accum.testing.interruptions import (
     KillAtMicroBatch,
     Recorder,
@@ -52,8 +53,8 @@ def run(args: argparse.Namespace, micro_batch: int = MICRO_BATCH, accumulation: 
     accelerator = fresh_accelerator(accumulation or default_accumulation)
     model = tiny_lora_causal_lm()
     collator = KillAtMicroBatch(PaddingCollator(PAD), args.kill_at_micro_batch)
-    loader = DataLoader(random_rows(rows, seed=31, prompt_masking=True), batch_size=micro_batch, shuffle=True,
-                        generator=torch.Generator().manual_seed(1234), collate_fn=collator)
+    loader = DataLoader(map_style(random_rows(rows, seed=31, prompt_masking=True)), batch_size=micro_batch,
+                        shuffle=True, generator=torch.Generator().manual_seed(1234), collate_fn=collator)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
     recorder = Recorder(args.out, args.tag, accelerator.is_main_process)
     optimizer.register_step_pre_hook(recorder.optimizer_hook)

@@ -18,6 +18,7 @@ from hf_accum.batching import PaddingCollator
 from hf_accum.distributed import leave_process_group
 from hf_accum.records import UpdateLog
 from hf_accum.testing import PAD, fresh_accelerator, random_rows, tiny_causal_lm
+from hf_accum.testing.data import map_style
 
 EAGER = {"margin": 0.5, "release": 0.25, "patience": 2, "min_updates": 2, "lr_rule": "seesaw"}
 
@@ -26,13 +27,13 @@ def main(out: str, flags: list[str]) -> None:
     accelerator = fresh_accelerator(8)
     torch.manual_seed(0)
     model = tiny_causal_lm()
-    loader = DataLoader(random_rows(64, seed=41, prompt_masking=True), batch_size=2, shuffle=True,
+    loader = DataLoader(map_style(random_rows(64, seed=41, prompt_masking=True)), batch_size=2, shuffle=True,
                         collate_fn=PaddingCollator(PAD))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     loop = LoopConfig(num_train_epochs=2, lr_scheduler_type="cosine", warmup_ratio=0.1, disable_tqdm=True,
                       output_dir=out, save_steps=1, rampup_batch_size="auto", rampup_auto=EAGER)
-    changed = []
+    changed: list[int] = []
 
     def on_update(update: UpdateLog) -> None:
         if "--kill-after-first-change" in flags and changed and update.step == changed[0] + 1:
