@@ -24,10 +24,12 @@ class BoundaryActions(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         if self.fp32_grad_accumulation:
             self.window.attach_fp32_sums(self.model())
+        self.window.attach_noise_hooks(self.model())  # noise scale from every micro-batch (else nothing)
 
     def on_train_end(self, args, state, control, **kwargs):
         # The model may be used without the trainer afterwards: no hooks left on it.
         self.window.detach_fp32_sums()
+        self.window.detach_noise_hooks()
 
     def on_optimizer_step(self, args, state: TrainerState, control, optimizer=None, **kwargs):
         # Between optimizer.step() and Trainer's "was the step skipped?" check: a skipped window is
