@@ -18,7 +18,7 @@
   fp32 sums of bf16 weights the buffers are the pending fp32 sums, not ``.grad``. Every rank's small batch
   travels in the boundary's one all-reduce (a slot per rank,
   :meth:`hf_accum.accumulation.WindowTally.add_small_batch`). A window of one micro-batch on a rank measures
-  nothing there. About 8-16x noisier per update than ``"every"`` at K=4 (docs/batching.md).
+  nothing there. It needs ~18x more updates than ``"every"`` for the same precision at K=4 (docs/recipe.md).
 
 In both, a micro-batch's buffers (or hooked gradients) hold ``scale * grad(its summed loss)``, so ::
 

@@ -18,8 +18,9 @@ keeps exponential moving averages of ``|G|^2`` and ``tr(S)`` *separately* and di
 
 In an update the big batch is the update itself (``B = N`` targets, all micro-batches and ranks: the
 gradient that is applied, before clipping) and the small batches are micro-batches (``b = n_k`` targets,
-their summed gradient divided by ``n_k``). Every (micro-batch, update) pair gives one two-size estimate;
-the estimates of one update are averaged (:func:`update_estimates`): with unequal ``n_k`` averaging the
+their summed gradient divided by ``n_k``). With only each window's first micro-batch per rank measured
+(``noise_scale_micro_batches="first"``), every (small batch, update) pair gives one two-size estimate and the
+estimates of one update are averaged (:func:`update_estimates`): with unequal ``n_k`` averaging the
 per-micro-batch estimates was the least biased variant measured (weighting by the harmonic mean of
 ``n_k`` was the worst).
 
@@ -48,8 +49,11 @@ and subtracting the last from the sum gives the unbiased pair, for any uneven si
 per-micro-batch mean of :func:`two_size_estimate` when the sizes are equal. It needs only two sums over
 micro-batches and ranks (``m`` and ``sum_k b_k |g_k|^2``), which ride in the boundary's one all-reduce
 whatever K is (ramp-up, token budgets). On the held-out population of ``tests/unit/test_noise_scale.py``
-(K=4) it reaches a 10% error of ``B_simple`` (90% of draws) in about 16x fewer windows than the first
-micro-batch alone (docs/batching.md); its bias there is -4% against -3% for the first-micro-batch mode.
+(K=4) it reaches a 10% error of ``B_simple`` (90% of draws) in about 63 windows against about 1130 for the
+first micro-batch alone (docs/recipe.md); its bias there is about -4% against -3% for the first-micro-batch mode.
+(Averaging the per-micro-batch two-size estimates instead is as precise and a little less biased there, but its
+terms depend on ``B`` nonlinearly, so each micro-batch's pair would have to travel in the all-reduce: a number
+of slots that grows with K.)
 
 This module is pure arithmetic on norms; the front-ends measure the norms (:mod:`hf_accum.noise_probe`:
 each micro-batch's own gradient, or the first micro-batch's local gradient, and the applied gradient's norm).

@@ -89,7 +89,7 @@ fixed ``1 / K`` of ``Accelerator.backward`` is undone at the boundary as always)
     Needs >= 2 micro-batches per update (over all ranks); not under DeepSpeed or FSDP."""
     noise_scale_micro_batches: str = "every"
     """With ``noise_scale``: ``"every"`` micro-batch of the window is a small batch (hooks on the parameters, no
-    extra memory; ~16x fewer updates to the same precision at K=4), or only each window's ``"first"`` per rank
+    extra memory; ~18x fewer updates to the same precision at K=4), or only each window's ``"first"`` per rank
     (one norm per update; works with reentrant checkpointing of shared parameters)."""
 
     def __post_init__(self) -> None:
