@@ -117,6 +117,10 @@ class MicroBatchGradNorms:
             return torch.zeros((), dtype=torch.float64, device=self.device)
         return torch.stack([n.to(self.device, torch.float64) for n in norms]).square().sum()
 
+    def reset(self) -> None:
+        """Forget what arrived since the last :meth:`take` (a retried window: an OOM mid-backward)."""
+        self._norms, self._seen, self._in_parts = [], set(), None
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()

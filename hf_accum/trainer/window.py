@@ -101,6 +101,8 @@ class TrainerWindow:
         self.run_totals = WindowTotals()
         if self.fp32_sums is not None:
             self.fp32_sums.clear()
+        if self.micro_norms is not None:
+            self.micro_norms.reset()
 
     # -- before and during the window ---------------------------------------------------------------------
     def count(self, batches: list[dict[str, Any]], count_units: UnitCounter) -> int:
