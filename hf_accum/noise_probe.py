@@ -115,7 +115,9 @@ class MicroBatchGradNorms:
                 "noise_scale_micro_batches='first' or non-reentrant checkpointing (use_reentrant=False)")
         if not norms:
             return torch.zeros((), dtype=torch.float64, device=self.device)
-        return torch.stack([n.to(self.device, torch.float64) for n in norms]).square().sum()
+        if len({n.device for n in norms}) > 1:  # a model spread over devices (device_map)
+            norms = [n.to(self.device) for n in norms]
+        return torch.stack(norms).to(self.device, torch.float64).square().sum()  # stack promotes mixed dtypes
 
     def reset(self) -> None:
         """Forget what arrived since the last :meth:`take` (a retried window: an OOM mid-backward)."""
