@@ -290,8 +290,10 @@ class WindowTally:
         # A loss of several terms: a (sum, count) column pair per term after the primary one, in the same vector.
         self.extra_terms = tuple(extra_terms)
         self._term_columns = [(f"term_sum/{name}", f"term_count/{name}") for name in self.extra_terms]
-        # Noise scale from every micro-batch: two sums over micro-batches and ranks, whatever K is.
+        # Noise scale from every micro-batch: two sums over micro-batches and ranks, whatever K is (kept in a
+        # 2-vector of their own per micro-batch, folded into the tally once per window: fewer ops per micro-batch).
         self.pooled = pooled_small_batches
+        self._pooled_pending: torch.Tensor | None = None
         pairs = self._slot_columns + self._term_columns + ([_POOLED_COLUMNS] if pooled_small_batches else [])
         columns = _TALLY_COLUMNS + tuple(column for pair in pairs for column in pair)
         self._sums = DeviceSums(columns, device)
@@ -352,10 +354,14 @@ class WindowTally:
         """One micro-batch as a noise-scale small batch (every-micro-batch mode): ``m += 1`` and
         ``+= b |g|^2`` when it has a target."""
         has_targets = (targets > 0).to(torch.float64)
-        self._sums.add(**{_POOLED_COLUMNS[0]: has_targets, _POOLED_COLUMNS[1]: has_targets * targets * grad_sq})
+        row = torch.stack((has_targets, has_targets * targets * grad_sq))
+        self._pooled_pending = row if self._pooled_pending is None else self._pooled_pending + row
 
     def reduce(self, accelerator: Any) -> WindowTotals:
         """All ranks' totals of this window (the tally starts over). Every rank must call it (a collective)."""
+        if self._pooled_pending is not None:
+            self._sums.add(**dict(zip(_POOLED_COLUMNS, self._pooled_pending.unbind())))
+            self._pooled_pending = None
         values = self._sums.reduce(accelerator)
         pooled = tuple(values.pop(name) for name in _POOLED_COLUMNS) if self.pooled else ()
         losses = {name: values.pop(name) for name in ("loss_sum", "aux_loss_sum")}  # inf/nan stay: counts are exact
@@ -370,6 +376,7 @@ class WindowTally:
 
     def reset(self) -> None:
         self._sums.reset()
+        self._pooled_pending = None
 
 
 def nonfinite_flag(tensors: Iterable[torch.Tensor | None], device: torch.device | str) -> torch.Tensor:
