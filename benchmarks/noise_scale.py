@@ -1,15 +1,19 @@
-"""Section ``noise_scale``: what tracking the gradient noise scale costs per update.
+"""Section ``noise_scale``: what tracking the gradient noise scale costs per update, in both modes.
 
-Our loop with ``LoopConfig(noise_scale=True)`` against the same loop without it, on the same model, data and
-micro-batches, in interleaved pairs; the ratio is tracked / untracked time per update (target: <= 1.03). The
-tracking adds one fused norm of the first micro-batch's gradient per update and two slots in the boundary's
-all-reduce; the big batch's norm is the clip's.
+Our loop without the noise scale, with ``LoopConfig(noise_scale=True)`` in the default mode (every micro-batch a
+small batch) and in ``noise_scale_micro_batches="first"``, on the same model, data and micro-batches, in
+interleaved rounds (the order rotates, so a drifting load favours none); the ratios are tracked / untracked time
+per update, per round (target for the default ``every`` mode: <= 1.03). ``every`` adds a tensor hook per trainable
+parameter (one norm kernel per parameter per micro-batch) and two float64 columns in the boundary's all-reduce;
+``first`` one fused norm of the first micro-batch's gradient per update and two slots per rank; the big batch's
+norm is the clip's in both.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from transformers.hf_argparser import HfArg
@@ -33,8 +37,8 @@ class Options:
 
     noise_scale_accumulation: int = HfArg(default=4, help="K of the tracked-vs-untracked comparison (must divide "
                                                           "--global-batch-size)")
-    noise_scale_repeats: int = HfArg(default=7, help="interleaved (untracked, tracked) pairs; the median of the "
-                                                     "per-pair ratios is reported")
+    noise_scale_repeats: int = HfArg(default=7, help="interleaved rounds (untracked, every, first in a rotating "
+                                                     "order); the median of the per-round ratios is reported")
 
 
 def validate(common: BenchOptions, options: Options) -> None:
@@ -44,53 +48,72 @@ def validate(common: BenchOptions, options: Options) -> None:
 
 @dataclass
 class NoiseScaleResult(SectionResult):
-    DERIVED: ClassVar[tuple[str, ...]] = ("interval", "passed")
+    DERIVED: ClassVar[tuple[str, ...]] = ("interval", "passed", "first_ratio")
 
     accumulation_steps: int
     micro_batch: int
     clock: str
     """Which time the verdict uses: 'cpu' (process CPU seconds; CPU device) or 'wall' (CUDA)."""
     ratio: float
-    """Median over pairs of (tracked time) / (untracked time), by ``clock``."""
+    """Median over rounds of (every-micro-batch tracked time) / (untracked time), by ``clock``: the verdict's."""
     ratios: list[float]
     tracked_seconds_per_update: float
+    """Every-micro-batch mode (the default), median wall seconds per update."""
     untracked_seconds_per_update: float
     noise_scale: float | None
-    """The last update's measured noise scale (tokens), to show the tracking ran."""
+    """The last update's measured noise scale (tokens, every-micro-batch mode), to show the tracking ran."""
+    first_ratios: list[float] = field(default_factory=list)
+    """Per round: (first-micro-batch tracked time) / (untracked time), by ``clock``."""
+    first_seconds_per_update: float = 0.0
+    first_noise_scale: float | None = None
 
     @property
     def interval(self) -> tuple[float, float]:
         return median_interval(self.ratios)
 
     @property
+    def first_ratio(self) -> float:
+        return statistics.median(self.first_ratios) if self.first_ratios else float("nan")
+
+    @property
     def passed(self) -> bool | None:
         return judge(self.interval, TARGET, at_least=False)
 
     def text(self) -> str:
+        first_low, first_high = median_interval(self.first_ratios) if self.first_ratios else (math.nan, math.nan)
         return (
             f"\nNoise-scale tracking (K={self.accumulation_steps}, micro-batch {self.micro_batch}): median "
-            f"{self.tracked_seconds_per_update * 1e3:.1f} ms/update tracked, "
-            f"{self.untracked_seconds_per_update * 1e3:.1f} ms/update untracked\n"
-            f"  tracked/untracked by {self.clock} time: median {self.ratio:.3f} (~95% interval "
-            f"{self.interval[0]:.3f}-{self.interval[1]:.3f}); per pair {', '.join(f'{r:.3f}' for r in self.ratios)}"
+            f"{self.tracked_seconds_per_update * 1e3:.1f} ms/update every micro-batch, "
+            f"{self.first_seconds_per_update * 1e3:.1f} first micro-batch, "
+            f"{self.untracked_seconds_per_update * 1e3:.1f} untracked\n"
+            f"  every/untracked by {self.clock} time: median {self.ratio:.3f} (~95% interval "
+            f"{self.interval[0]:.3f}-{self.interval[1]:.3f}); per round {', '.join(f'{r:.3f}' for r in self.ratios)}\n"
+            f"  first/untracked: median {self.first_ratio:.3f} ({first_low:.3f}-{first_high:.3f}); per round "
+            f"{', '.join(f'{r:.3f}' for r in self.first_ratios)}"
         )
 
     def summary(self) -> list[dict]:
         low, high = self.interval
         return [summary_row(
-            f"noise-scale tracking: time per update tracked / untracked (K={self.accumulation_steps})",
-            f"{self.ratio:.3f} by {self.clock} time (median of {len(self.ratios)} pairs, ~95% interval "
+            f"noise-scale tracking (every micro-batch): time per update tracked / untracked "
+            f"(K={self.accumulation_steps})",
+            f"{self.ratio:.3f} by {self.clock} time (median of {len(self.ratios)} rounds, ~95% interval "
             f"{low:.3f}-{high:.3f})", f"<= {TARGET:.2f}", verdict(self.passed, "INCONCLUSIVE"),
         )]
 
 
-def run_loop(work: Workload, examples: list, micro_batch: int, accumulation: int, noise_scale: bool):
-    """Time of :func:`hf_accum.loop.train` over ``examples``, with or without the noise scale."""
+MODES = ("off", "every", "first")
+"""Untracked, and the two noise-scale modes (``LoopConfig.noise_scale_micro_batches``)."""
+
+
+def run_loop(work: Workload, examples: list, micro_batch: int, accumulation: int, mode: str):
+    """Time of :func:`hf_accum.loop.train` over ``examples``, untracked (``off``) or in a noise-scale mode."""
     from hf_accum.loop import train
 
     scenario = bench_scenario("noise", work.reset, examples, PaddingCollator(work.pad_token_id), micro_batch,
                               accumulation)
-    scenario.loop_kwargs = {"noise_scale": noise_scale}
+    scenario.loop_kwargs = {"noise_scale": False} if mode == "off" else {"noise_scale": True,
+                                                                         "noise_scale_micro_batches": mode}
     model, optimizer, loader, accelerator = prepare_loop(scenario, work.device)
     with timed(work.device) as timing:
         result = train(model, optimizer, loader, accelerator, loop_config(scenario))
@@ -103,23 +126,28 @@ def measure(bench: Bench, options: Options) -> NoiseScaleResult:
     micro = common.global_batch_size // k
     examples = token_rows(work, common.global_batch_size * common.updates, common.seed + 2, common.min_length,
                           common.max_length)
-    run_loop(work, examples, micro, k, False), run_loop(work, examples, micro, k, True)  # warm-up, not timed
-    plain: list[Timing] = []
-    tracked: list[Timing] = []
-    last = None
-    with bench.progress(options.noise_scale_repeats, "noise_scale pairs") as bar:
+    for mode in MODES:  # warm-up, not timed
+        run_loop(work, examples, micro, k, mode)
+    timings: dict[str, list[Timing]] = {mode: [] for mode in MODES}
+    last: dict[str, float | None] = {}
+    with bench.progress(options.noise_scale_repeats, "noise_scale rounds") as bar:
         for rep in range(options.noise_scale_repeats):
-            order = (False, True) if rep % 2 == 0 else (True, False)  # a load drift favours neither side
-            for noise in order:
-                timing, result = run_loop(work, examples, micro, k, noise)
-                (tracked if noise else plain).append(timing)
-                if noise:
-                    last = result.updates[-1].noise_scale
+            shift = rep % len(MODES)  # rotate the order: a load drift favours no mode
+            for mode in MODES[shift:] + MODES[:shift]:
+                timing, result = run_loop(work, examples, micro, k, mode)
+                timings[mode].append(timing)
+                last[mode] = result.updates[-1].noise_scale
             bar.update(1)
-    ratios = [t.on(bench.clock) / p.on(bench.clock) for t, p in zip(tracked, plain)]
-    updates = common.updates
+
+    def ratios(mode: str) -> list[float]:
+        return [t.on(bench.clock) / p.on(bench.clock) for t, p in zip(timings[mode], timings["off"])]
+
+    def per_update(mode: str) -> float:
+        return statistics.median(t.wall for t in timings[mode]) / common.updates
+
+    every = ratios("every")
     return NoiseScaleResult(
-        k, micro, bench.clock, statistics.median(ratios), ratios,
-        statistics.median(t.wall for t in tracked) / updates, statistics.median(p.wall for p in plain) / updates,
-        last,
+        k, micro, bench.clock, statistics.median(every), every, per_update("every"), per_update("off"),
+        last["every"], first_ratios=ratios("first"), first_seconds_per_update=per_update("first"),
+        first_noise_scale=last["first"],
     )

@@ -180,6 +180,9 @@ class WindowTotals:
     """Summed ``coef * aux_k * n_k`` of the micro-batches (MoE router losses; hf_accum.fused_loss.MicroBatchLoss)."""
     small_batches: tuple = field(default=(), compare=False)
     """Noise scale: each rank's measured small batch, ``(targets, |g_small|^2)`` pairs (empty when not measured)."""
+    pooled_small_batches: tuple = field(default=(), compare=False)
+    """Noise scale from every micro-batch: ``(m, sum_k b_k |g_k|^2)`` over all ranks' micro-batches with a target
+    (empty when not measured; :func:`hf_accum.noise_scale.pooled_estimate`)."""
     extra_terms: dict = field(default_factory=dict, compare=False)
     """A loss of several terms: ``{name: [sum, count]}`` of each term after the primary one (whose sum and count
     are ``loss_sum`` and ``targets``), e.g. DPO's ``sft`` term per chosen token."""
@@ -267,8 +270,9 @@ class DeviceSums:
 
 
 # The columns of a window tally, summed over micro-batches and then over ranks in one all-reduce.
-_TALLY_COLUMNS = tuple(name for name in WindowTotals.__dataclass_fields__ if name not in ("small_batches",
-                                                                                           "extra_terms"))
+_TALLY_COLUMNS = tuple(name for name in WindowTotals.__dataclass_fields__
+                       if name not in ("small_batches", "pooled_small_batches", "extra_terms"))
+_POOLED_COLUMNS = ("pooled_micro_batches", "pooled_weighted_grad_sq")
 
 
 class WindowTally:
@@ -280,7 +284,7 @@ class WindowTally:
     """
 
     def __init__(self, device: torch.device | str = "cpu", small_batch_slots: int = 0,
-                 extra_terms: Iterable[str] = ()) -> None:
+                 extra_terms: Iterable[str] = (), pooled_small_batches: bool = False) -> None:
         # Noise scale: one (targets, |g|^2) slot pair per rank. Each rank writes only its own slot, so the
         # summed vector holds every rank's pair after the one all-reduce -- a gather without a collective.
         self.slots = small_batch_slots
@@ -288,7 +292,11 @@ class WindowTally:
         # A loss of several terms: a (sum, count) column pair per term after the primary one, in the same vector.
         self.extra_terms = tuple(extra_terms)
         self._term_columns = [(f"term_sum/{name}", f"term_count/{name}") for name in self.extra_terms]
-        pairs = self._slot_columns + self._term_columns
+        # Noise scale from every micro-batch: two sums over micro-batches and ranks, whatever K is (kept in a
+        # 2-vector of their own per micro-batch, folded into the tally once per window: fewer ops per micro-batch).
+        self.pooled = pooled_small_batches
+        self._pooled_pending: torch.Tensor | None = None
+        pairs = self._slot_columns + self._term_columns + ([_POOLED_COLUMNS] if pooled_small_batches else [])
         columns = _TALLY_COLUMNS + tuple(column for pair in pairs for column in pair)
         self._sums = DeviceSums(columns, device)
 
@@ -344,9 +352,20 @@ class WindowTally:
         targets_column, grad_sq_column = self._slot_columns[rank]
         self._sums.add(**{targets_column: targets, grad_sq_column: grad_sq})
 
+    def add_micro_batch_small(self, targets: torch.Tensor, grad_sq: torch.Tensor) -> None:
+        """One micro-batch as a noise-scale small batch (every-micro-batch mode): ``m += 1`` and
+        ``+= b |g|^2`` when it has a target."""
+        has_targets = (targets > 0).to(torch.float64)
+        row = torch.stack((has_targets, has_targets * targets * grad_sq))
+        self._pooled_pending = row if self._pooled_pending is None else self._pooled_pending + row
+
     def reduce(self, accelerator: Any) -> WindowTotals:
         """All ranks' totals of this window (the tally starts over). Every rank must call it (a collective)."""
+        if self._pooled_pending is not None:
+            self._sums.add(**dict(zip(_POOLED_COLUMNS, self._pooled_pending.unbind())))
+            self._pooled_pending = None
         values = self._sums.reduce(accelerator)
+        pooled = tuple(values.pop(name) for name in _POOLED_COLUMNS) if self.pooled else ()
         losses = {name: values.pop(name) for name in ("loss_sum", "aux_loss_sum")}  # inf/nan stay: counts are exact
         small = tuple((values.pop(n), values.pop(g)) for n, g in self._slot_columns)
         terms = {name: [values.pop(s), int(round(values.pop(c)))]
@@ -355,11 +374,13 @@ class WindowTally:
         columns: dict[str, Any] = {**losses, **{name: int(round(value)) for name, value in values.items()}}
         totals = WindowTotals(**columns)
         totals.small_batches = tuple(pair for pair in small if pair[0] > 0)
+        totals.pooled_small_batches = pooled
         totals.extra_terms = terms
         return totals
 
     def reset(self) -> None:
         self._sums.reset()
+        self._pooled_pending = None
 
 
 def nonfinite_flag(tensors: Iterable[torch.Tensor | None], device: torch.device | str) -> torch.Tensor:

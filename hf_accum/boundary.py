@@ -46,6 +46,7 @@ from hf_accum.noise_scale import (
     NoiseScaleTracker,
     SmallBatch,
     batch_size_advice,
+    pooled_estimate,
     update_estimates,
 )
 from hf_accum.records import UpdateLog
@@ -124,7 +125,8 @@ class UpdateBoundary:
     inf/NaN cannot be skipped and stops the run instead; ``no_targets_note`` completes the warning about
     a window without targets where the front-end cannot keep it entirely out of the weights.
     ``noise_scale``: track the gradient noise scale (:mod:`hf_accum.noise_probe` measures, the window's
-    all-reduce gathers every rank's small batch, :attr:`noise` keeps the moving averages).
+    all-reduce gathers every rank's small batches, :attr:`noise` keeps the moving averages);
+    ``noise_micro_batches``: ``"every"`` micro-batch is a small batch, or each window's ``"first"``.
     ``extra_terms``: the names of a multi-term loss's terms after the primary one (tallied in the same all-reduce).
     """
 
@@ -140,6 +142,7 @@ class UpdateBoundary:
         no_targets_note: str = "",
         noise_scale: bool = False,
         extra_terms: Sequence[str] = (),
+        noise_micro_batches: str = "every",
     ) -> None:
         self.accelerator = accelerator
         self.control = control
@@ -148,8 +151,11 @@ class UpdateBoundary:
         self.count_source = count_source
         self.steps_in_backward = steps_in_backward
         self.no_targets_note = no_targets_note
-        slots = accelerator.num_processes if noise_scale else 0
-        self.tally = WindowTally(device=accelerator.device, small_batch_slots=slots, extra_terms=extra_terms)
+        self.noise_every = noise_scale and noise_micro_batches == "every"
+        """The noise scale's small batches are every micro-batch (else each window's first, per rank)."""
+        slots = accelerator.num_processes if noise_scale and not self.noise_every else 0
+        self.tally = WindowTally(device=accelerator.device, small_batch_slots=slots, extra_terms=extra_terms,
+                                 pooled_small_batches=self.noise_every)
         self.noise: NoiseScaleTracker | None = NoiseScaleTracker() if noise_scale else None
 
     def add(self, loss_sum: torch.Tensor, n_targets: torch.Tensor, batch: Mapping[str, Any],
@@ -163,6 +169,11 @@ class UpdateBoundary:
         targets = torch.as_tensor(n_targets).to(self.tally.device, torch.float64)
         self.tally.add_small_batch(self.accelerator.process_index, targets, grad_sq)
 
+    def add_micro_batch_small(self, n_targets: torch.Tensor | int, grad_sq: torch.Tensor) -> None:
+        """Every-micro-batch mode: one micro-batch of this rank (:func:`hf_accum.noise_probe.micro_batch_grad_sq`)."""
+        targets = torch.as_tensor(n_targets).to(self.tally.device, torch.float64)
+        self.tally.add_micro_batch_small(targets, grad_sq)
+
     def measure_noise(self, decision: Decision, big_grad_sq: float | None) -> NoiseScaleReading | None:
         """Fold one update into the noise-scale averages: its small batches (every rank's, from the window's
         all-reduce) against the applied gradient (``big_grad_sq``: its squared norm before clipping, ``B = N``).
@@ -170,7 +181,10 @@ class UpdateBoundary:
         if self.noise is None:
             return None
         estimate = None
-        if decision.applied and big_grad_sq is not None:
+        if decision.applied and big_grad_sq is not None and self.noise_every:
+            micro_batches, weighted = decision.totals.pooled_small_batches
+            estimate = pooled_estimate(micro_batches, weighted, decision.totals.targets, big_grad_sq)
+        elif decision.applied and big_grad_sq is not None:
             small = [SmallBatch(targets, grad_sq) for targets, grad_sq in decision.totals.small_batches]
             estimate = update_estimates(small, decision.totals.targets, big_grad_sq)
         return self.noise.observe(estimate)

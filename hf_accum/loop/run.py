@@ -162,7 +162,8 @@ def _boundary(accelerator: Accelerator, config: LoopConfig, control: TrainingCon
               extra_terms: tuple[str, ...] = ()) -> UpdateBoundary:
     return UpdateBoundary(accelerator, control, NonFiniteGuard(config.max_consecutive_nonfinite), logger,
                           count_source="loss_sum_fn", steps_in_backward=is_deepspeed(accelerator),
-                          noise_scale=config.noise_scale, extra_terms=extra_terms)
+                          noise_scale=config.noise_scale, extra_terms=extra_terms,
+                          noise_micro_batches=config.noise_scale_micro_batches)
 
 
 def _micro_batch_loss(model: torch.nn.Module, config: LoopConfig, loss_sum_fn: LossSumFn | None,

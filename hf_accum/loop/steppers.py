@@ -48,7 +48,14 @@ from hf_accum.loop.config import LoopConfig, LoopConfigError
 from hf_accum.loop.windows import PlanDriftError, check_window_targets
 from hf_accum.loss import infer_loss_kind
 from hf_accum.micro_batch import MicroBatchLoss
-from hf_accum.noise_probe import NOT_UNDER_DEEPSPEED, NOT_UNDER_FSDP, small_batch_grad_sq, squared_norm
+from hf_accum.noise_probe import (
+    NOT_UNDER_DEEPSPEED,
+    NOT_UNDER_FSDP,
+    MicroBatchGradNorms,
+    micro_batch_grad_sq,
+    small_batch_grad_sq,
+    squared_norm,
+)
 from hf_accum.noise_scale import NoiseScaleReading
 
 logger = logging.getLogger(__name__)
@@ -122,6 +129,8 @@ class Stepper:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.magnitude = LossMagnitude(active=False)
         self.fp32_sums: Fp32GradientAccumulator | None = None
+        self.micro_norms: MicroBatchGradNorms | None = None
+        """Noise scale from every micro-batch: the hooks measuring each backward's own gradient."""
 
     def epoch(self, batches: Iterable[Batch], done: int, windows: Iterable[int] | None = None,
               targets: list[int] | None = None) -> Iterator[Step]:
@@ -129,15 +138,20 @@ class Stepper:
 
     @contextlib.contextmanager
     def running(self) -> Iterator[Stepper]:
-        """While training: the fp32 accumulation hooks are live (removed on exit: the model may be used
-        without the loop afterwards)."""
+        """While training: the fp32 accumulation hooks and the noise scale's gradient-norm hooks are live
+        (removed on exit: the model may be used without the loop afterwards)."""
         self.fp32_sums = self._fp32_accumulator()
+        if self.boundary.noise_every and not self.loss.extra_terms:
+            self.micro_norms = MicroBatchGradNorms(self.params, self.accelerator.device)
         try:
             yield self
         finally:
             if self.fp32_sums is not None:
                 self.fp32_sums.remove()
                 self.fp32_sums = None
+            if self.micro_norms is not None:
+                self.micro_norms.remove()
+                self.micro_norms = None
 
     def _fp32_accumulator(self) -> Fp32GradientAccumulator | None:
         return None  # DeepSpeed accumulates in its own buffers (its config's data_types.grad_accum_dtype)
@@ -173,20 +187,30 @@ class AccumulateStepper(Stepper):
                 decision, grad_norm, learning_rate, noise = self._close(done)
             yield Step(step, decision, grad_norm, learning_rate, noise)
 
-    def _measure_small_batch(self, n_targets: torch.Tensor) -> None:
-        """The window's first micro-batch, alone in this rank's buffers (DDP: inside ``no_sync``).
-
-        They hold ``c * grad(loss_sum)``, ``c`` the constants its loss went through: the fp16 magnitude hint,
-        ``accelerator.backward``'s ``1 / K``, and the GradScaler's scale (fp16). Dividing by ``c * n_1`` gives
-        its per-target mean gradient -- the small batch of the two-size estimate."""
+    def _gradient_scale(self) -> float:
+        """``c``: what a micro-batch's backward multiplied ``grad(loss_sum)`` by -- the fp16 magnitude hint,
+        ``accelerator.backward``'s ``1 / K``, and the GradScaler's scale (fp16). Dividing a micro-batch's measured
+        gradient by ``c * n_k`` gives its per-target mean gradient: a small batch of the noise scale."""
         accelerator = self.accelerator
         scale = (self.magnitude.value if self.magnitude.active else 1.0) / accelerator.gradient_accumulation_steps
         if accelerator.scaler is not None:
             scale *= float(accelerator.scaler.get_scale())
+        return scale
+
+    def _measure_small_batch(self, n_targets: torch.Tensor) -> None:
+        """``noise_scale_micro_batches='first'``: the window's first micro-batch, alone in this rank's buffers
+        (DDP: inside ``no_sync``)."""
         buffers = [p.grad for p in self.params]
         if self.fp32_sums is not None:  # bf16 weights: the micro-batch's gradient sits in the fp32 sums
             buffers += self.fp32_sums.pending_sums()
-        self.boundary.add_small_batch(n_targets, small_batch_grad_sq(buffers, scale, n_targets, accelerator.device))
+        grad_sq = small_batch_grad_sq(buffers, self._gradient_scale(), n_targets, self.accelerator.device)
+        self.boundary.add_small_batch(n_targets, grad_sq)
+
+    def _measure_micro_batch(self, micro_norms: MicroBatchGradNorms, n_targets: torch.Tensor) -> None:
+        """``noise_scale_micro_batches='every'``: this micro-batch's own gradient, summed by the hooks during its
+        backward (the window's last one too: the hooks run before DDP's all-reduce)."""
+        grad_sq = micro_batch_grad_sq(micro_norms.take(), self._gradient_scale(), n_targets, self.accelerator.device)
+        self.boundary.add_micro_batch_small(n_targets, grad_sq)
 
     def _planned_epoch(self, batches: Iterable[Batch], done: int, windows: Iterable[int],
                        targets: list[int] | None) -> Iterator[Step]:
@@ -248,7 +272,9 @@ class AccumulateStepper(Stepper):
         # Backward of the *sum* (times a constant of the window): the one normalization is at the boundary.
         self.accelerator.backward(self.magnitude.scaled(loss_sum, n_targets, self.accelerator))
         self.boundary.add(loss_sum, n_targets, batch, aux_sum=self.loss.aux_sum)
-        if first and not self.accelerator.sync_gradients and self.boundary.noise is not None:
+        if self.micro_norms is not None:
+            self._measure_micro_batch(self.micro_norms, n_targets)
+        elif first and not self.accelerator.sync_gradients and self.boundary.noise is not None:
             self._measure_small_batch(n_targets)
 
     def _close(self, done: int) -> tuple[Decision, float | None, float, NoiseScaleReading | None]:

@@ -1,8 +1,8 @@
 """An independent reference for the noise-scale measurement: every rank records the micro-batches it trained
-(in order), then recomputes, at the run's (unchanged: lr 0) weights, the gradient of each window's first
-micro-batch ALONE and of the whole update, with a plain float64 cross-entropy -- nothing from hf_accum's loss,
-boundary or probe. The expected two-size estimates follow; the run's ``UpdateLog.grad_sq`` / ``trace_cov``
-must equal them (1e-10)."""
+(in order), then recomputes, at the run's (unchanged: lr 0) weights, the gradient of each micro-batch ALONE
+(mode ``every``; ``first``: each window's first only) and of the whole update, with a plain float64
+cross-entropy -- nothing from hf_accum's loss, boundary, probe or hooks. The expected estimates follow; the
+run's ``UpdateLog.grad_sq`` / ``trace_cov`` must equal them (1e-10)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hf_accum.noise_scale import SmallBatch, update_estimates
+from hf_accum.noise_scale import SmallBatch, pooled_estimate, update_estimates
 
 
 class RecordingCollator:
@@ -46,11 +46,15 @@ def summed_gradient(model: torch.nn.Module, batches: list[dict]) -> tuple[torch.
     return total, targets
 
 
-def expected_estimates(model: torch.nn.Module, batches: list[dict], accumulation: int) -> list[dict]:
-    """Per update: the small batches (every rank's first micro-batch of windows of >= 2), ``B``, ``|G|^2``
-    and the estimates :func:`update_estimates` gives for them. A collective under torch.distributed."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
+def expected_estimates(model: torch.nn.Module, batches: list[dict], accumulation: int,
+                       mode: str = "every") -> list[dict]:
+    """Per update: ``B``, ``|G|^2``, the small batches and the estimates they give. ``every``: each micro-batch
+    of every rank (:func:`pooled_estimate`); ``first``: every rank's first micro-batch of windows of >= 2
+    (:func:`update_estimates`). A collective under torch.distributed."""
     windows = [batches[i:i + accumulation] for i in range(0, len(batches), accumulation)]
+    if mode == "every":
+        return [_every_micro_batch(model, window) for window in windows]
+    world = dist.get_world_size() if dist.is_initialized() else 1
     expected = []
     for window in windows:
         first, n_first = summed_gradient(model, window[:1])
@@ -71,6 +75,25 @@ def expected_estimates(model: torch.nn.Module, batches: list[dict], accumulation
             "grad_sq": estimate.grad_sq if estimate else None, "trace_cov": estimate.trace_cov if estimate else None,
         })
     return expected
+
+
+def _every_micro_batch(model: torch.nn.Module, window: list[dict]) -> dict:
+    """One window with every micro-batch a small batch: each one's gradient computed on its own; ``m`` and
+    ``sum_k b_k |g_k|^2 = sum_k |s_k|^2 / b_k`` summed over ranks with the update's sum and targets."""
+    parts = [summed_gradient(model, [batch]) for batch in window]
+    window_sum = torch.stack([gradient for gradient, _ in parts]).sum(0)
+    with_targets = [(gradient, n) for gradient, n in parts if n]
+    sums = torch.tensor([float(sum(n for _, n in parts)), float(len(with_targets)),
+                         sum(float(gradient.square().sum()) / n for gradient, n in with_targets)], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(window_sum)
+        dist.all_reduce(sums)
+    big_targets, micro_batches, weighted = sums.tolist()
+    big_grad_sq = float((window_sum / big_targets).square().sum())
+    estimate = pooled_estimate(micro_batches, weighted, big_targets, big_grad_sq)
+    return {"micro_batches": micro_batches, "weighted_grad_sq": weighted, "big_targets": big_targets,
+            "big_grad_sq": big_grad_sq, "grad_sq": estimate.grad_sq if estimate else None,
+            "trace_cov": estimate.trace_cov if estimate else None}
 
 
 def relative_errors(updates: list[dict], expected: list[dict]) -> list[float]:
@@ -102,14 +125,16 @@ def learnable_rows(rows: int, seed: int) -> list[dict]:
 
 
 def scenario(rows: int = 32, lr: float = 0.0, max_grad_norm: float = 1e6, seed: int = 11, accumulation: int = 4,
-             epochs: float = 1) -> Any:
-    """Float64 tiny Llama, padded rows with masked prompts; lr 0 keeps the weights of the reference."""
+             epochs: float = 1, mode: str = "every") -> Any:
+    """Float64 tiny Llama, padded rows with masked prompts (uneven targets per micro-batch); lr 0 keeps the
+    weights of the reference; ``mode``: ``noise_scale_micro_batches``."""
     from hf_accum.batching import PaddingCollator
     from hf_accum.testing import PAD, Scenario, tiny_causal_lm
 
     return Scenario("noise", tiny_causal_lm, learnable_rows(rows, seed),
                     RecordingCollator(PaddingCollator(PAD)), micro_batch=2, accumulation=accumulation, lr=lr,
-                    max_grad_norm=max_grad_norm, epochs=epochs, loop_kwargs={"noise_scale": True})
+                    max_grad_norm=max_grad_norm, epochs=epochs,
+                    loop_kwargs={"noise_scale": True, "noise_scale_micro_batches": mode})
 
 
 def run_engine(engine: str, case: Any, output_dir: str) -> tuple[list[dict], torch.nn.Module, str | None]:
@@ -124,7 +149,7 @@ def run_engine(engine: str, case: Any, output_dir: str) -> tuple[list[dict], tor
         result, _ = run_exact(case, on_model=models.append)
         model = getattr(models[0], "module", models[0])
         return [asdict(u) for u in result.updates], model, result.noise_scale_advice
-    run = run_trainer(case, output_dir, trainer_cls=AccumTrainer, trainer_kwargs={"noise_scale": True})
+    run = run_trainer(case, output_dir, trainer_cls=AccumTrainer, trainer_kwargs=dict(case.loop_kwargs))
     trainer = run.trainer
     assert isinstance(trainer, AccumTrainer) and trainer.model is not None  # trainer_cls above
     model = getattr(trainer.model, "module", trainer.model)

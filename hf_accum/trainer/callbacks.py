@@ -24,15 +24,17 @@ class BoundaryActions(TrainerCallback):
     # Trainer's callback signature; the optimizer is Accelerate's wrapper (Any: compat sets a private flag on it).
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
+        model = self.model()
+        assert model is not None  # Trainer holds its model while training
         if self.fp32_grad_accumulation:
-            model = self.model()
-            assert model is not None  # Trainer holds its model while training
             self.window.attach_fp32_sums(model)
+        self.window.attach_noise_hooks(model)  # noise scale from every micro-batch (else nothing)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
         # The model may be used without the trainer afterwards: no hooks left on it.
         self.window.detach_fp32_sums()
+        self.window.detach_noise_hooks()
 
     def on_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                           optimizer: Any = None, **kwargs: Any) -> None:

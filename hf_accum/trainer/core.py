@@ -40,7 +40,7 @@ from hf_accum.control import DEFAULT_MAX_CONSECUTIVE_NONFINITE, NonFiniteGuard, 
 from hf_accum.loss import LossKind, infer_loss_kind, model_problem_type, token_loss_sum
 from hf_accum.micro_batch import MicroBatchLoss
 from hf_accum.model_loss import resolve_loss_kind
-from hf_accum.noise_probe import NOT_UNDER_DEEPSPEED, NOT_UNDER_FSDP
+from hf_accum.noise_probe import NOT_UNDER_DEEPSPEED, NOT_UNDER_FSDP, check_micro_batch_mode
 from hf_accum.noise_scale import NoiseScaleTracker
 from hf_accum.planned_windows import refuse_planned_windows
 from hf_accum.records import UpdateLog
@@ -110,6 +110,7 @@ class AccumTrainer(Trainer):
         tokens_per_update: int | None = None,
         noise_scale: bool = False,
         normalization: str = "token",
+        noise_scale_micro_batches: str = "every",
         **kwargs: Any,
     ) -> None:
         refuse_planned_windows("AccumTrainer: ", rampup_batch_size, tokens_per_update)  # the loop engine has them
@@ -117,6 +118,7 @@ class AccumTrainer(Trainer):
         check_normalization(normalization, "AccumTrainer(normalization)", loss_kind)
         if not isinstance(noise_scale, bool):
             raise ValueError(f"AccumTrainer(noise_scale={noise_scale!r}): must be True or False")
+        check_micro_batch_mode(noise_scale_micro_batches, "AccumTrainer(noise_scale_micro_batches)")
         super().__init__(*args, **kwargs)
         _refuse_unverifiable_settings(self)
         if noise_scale and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
@@ -138,7 +140,8 @@ class AccumTrainer(Trainer):
                                      self.is_fsdp_enabled, noise_scale=noise_scale,
                                      clips=bool(self.args.max_grad_norm and self.args.max_grad_norm > 0),
                                      normalization=normalization, extra_terms=extra_terms,
-                                     unit=self._micro_batch_loss.term_names[0])
+                                     unit=self._micro_batch_loss.term_names[0],
+                                     noise_micro_batches=noise_scale_micro_batches)
         self.noise_scale_advice: str | None = None
         """With ``noise_scale=True``: the end-of-run line on the batch size (also logged)."""
         self._records = UpdateRecorder(self._window.boundary, on_update)
@@ -250,7 +253,7 @@ class AccumTrainer(Trainer):
                       num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
         loss = super().training_step(model, inputs, num_items_in_batch)
         if num_items_in_batch is not None:
-            self._window.after_backward(model)  # noise scale: the window's first micro-batch, alone
+            self._window.after_backward(model)  # noise scale: this micro-batch as a small batch
         # _run_epoch sets sync_gradients on the window's last micro-batch, before training_step.
         if num_items_in_batch is not None and self.accelerator.sync_gradients:
             self._records.window_closed(self._window.close(model, self.state.global_step + 1))

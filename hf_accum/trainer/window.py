@@ -28,7 +28,7 @@ from hf_accum.accumulation import (
 )
 from hf_accum.boundary import Decision, UnitCounter, UpdateBoundary, count_window_units, discard_window_
 from hf_accum.control import NonFiniteGuard, TrainingControl
-from hf_accum.noise_probe import small_batch_grad_sq, squared_norm
+from hf_accum.noise_probe import MicroBatchGradNorms, micro_batch_grad_sq, small_batch_grad_sq, squared_norm
 
 logger = logging.getLogger("hf_accum.trainer")
 
@@ -45,15 +45,17 @@ class TrainerWindow:
 
     def __init__(self, accelerator: Any, control: TrainingControl, guard: NonFiniteGuard, deepspeed: bool,
                  fsdp: bool, noise_scale: bool = False, clips: bool = True, normalization: str = "token",
-                 extra_terms: tuple[str, ...] = (), unit: str = "target") -> None:
+                 extra_terms: tuple[str, ...] = (), unit: str = "target", noise_micro_batches: str = "every") -> None:
         self.accelerator = accelerator
         self.deepspeed = deepspeed
         self.fsdp = fsdp
         self.boundary = UpdateBoundary(
             accelerator, control, guard, logger, count_source="loss_sum_and_count", steps_in_backward=deepspeed,
             no_targets_note=_DEEPSPEED_NO_TARGETS if deepspeed else "", noise_scale=noise_scale,
-            extra_terms=extra_terms,
+            extra_terms=extra_terms, noise_micro_batches=noise_micro_batches,
         )
+        self.micro_norms: MicroBatchGradNorms | None = None
+        """Noise scale from every micro-batch: the hooks measuring each backward's own gradient."""
         self.clips = clips
         self.normalization = normalization
         """``token`` or ``sequence``: the unit the window is counted in (:mod:`hf_accum.sequence_norm`)."""
@@ -99,6 +101,8 @@ class TrainerWindow:
         self.run_totals = WindowTotals()
         if self.fp32_sums is not None:
             self.fp32_sums.clear()
+        if self.micro_norms is not None:
+            self.micro_norms.reset()
 
     # -- before and during the window ---------------------------------------------------------------------
     def count(self, batches: list[dict[str, Any]], count_units: UnitCounter) -> int:
@@ -139,18 +143,27 @@ class TrainerWindow:
         return 2.0 ** round(math.log2(window_scale))
 
     def after_backward(self, model: torch.nn.Module) -> None:
-        """Noise scale: the window's first micro-batch is alone in this rank's buffers now (Trainer runs it in
-        ``no_sync``). They hold ``loss_factor * grad(loss_sum)`` (Trainer's Accelerator has K = 1, so backward
-        adds no ``1 / K``; fp16 adds the GradScaler's scale), so dividing by that factor times ``n_1`` gives its
-        per-target mean gradient. A window of one micro-batch on this rank measures nothing."""
-        if self.boundary.noise is None or not self.first_pending:
-            return
-        self.first_pending = False
-        if self.accelerator.sync_gradients:
+        """Noise scale. A micro-batch's gradient (as the hooks summed it, or alone in the buffers) is
+        ``loss_factor * grad(loss_sum)`` (Trainer's Accelerator has K = 1, so backward adds no ``1 / K``; fp16 adds
+        the GradScaler's scale), so dividing by that factor times ``n_k`` gives its per-target mean gradient.
+        ``"every"``: each micro-batch, from the hooks (:meth:`attach_noise_hooks`). ``"first"``: the window's first
+        micro-batch, alone in this rank's buffers (Trainer runs it in ``no_sync``); a window of one micro-batch on
+        this rank measures nothing."""
+        if self.boundary.noise is None:
             return
         scale = self.loss_factor(self.targets)
         if self.accelerator.scaler is not None:
             scale *= float(self.accelerator.scaler.get_scale())
+        if self.micro_norms is not None:
+            grad_sq = micro_batch_grad_sq(self.micro_norms.take(), scale, self.micro_batch_targets,
+                                          self.accelerator.device)
+            self.boundary.add_micro_batch_small(self.micro_batch_targets, grad_sq)
+            return
+        if not self.first_pending:
+            return
+        self.first_pending = False
+        if self.accelerator.sync_gradients:
+            return
         buffers = [p.grad for p in model.parameters()]
         if self.fp32_sums is not None:  # bf16 weights: the micro-batch's gradient sits in the fp32 sums
             buffers += self.fp32_sums.pending_sums()
@@ -223,6 +236,16 @@ class TrainerWindow:
                         "single-process only)")
             return
         self.fp32_sums = Fp32GradientAccumulator(p for p in model.parameters() if p.requires_grad)
+
+    def attach_noise_hooks(self, model: torch.nn.Module) -> None:
+        """Noise scale from every micro-batch: hooks on the trainable parameters, for the whole ``train()``."""
+        if self.boundary.noise_every and self.micro_norms is None:
+            self.micro_norms = MicroBatchGradNorms(model.parameters(), self.accelerator.device)
+
+    def detach_noise_hooks(self) -> None:
+        if self.micro_norms is not None:
+            self.micro_norms.remove()
+            self.micro_norms = None
 
     def detach_fp32_sums(self) -> None:
         if self.fp32_sums is not None:

@@ -1,7 +1,8 @@
 """The gradient noise scale measured inside real runs, both engines, 1 and 2 processes.
 
 The exactness check: the raw estimates a run logs (``grad_sq``, ``trace_cov``) equal those computed from an
-independent float64 gradient of each window's first micro-batch alone and of the whole update (1e-10). Then a
+independent float64 gradient of each micro-batch alone (mode ``every``; ``first``: each window's first
+micro-batch) and of the whole update (1e-10), with uneven targets per micro-batch. Then a
 short real run reports a finite positive noise scale for most updates after the first few.
 """
 
@@ -28,28 +29,36 @@ def _mostly_positive(scales: list, skip: int = 4, share: float = 0.7) -> bool:
 
 @pytest.mark.parametrize("engine", ["loop", "trainer"])
 @pytest.mark.parametrize("max_grad_norm", [0.0, 1e6])  # the norm measured apart / reused from the clip
-def test_measured_estimates_equal_independent_gradients(engine, max_grad_norm, tmp_path):
+@pytest.mark.parametrize("mode", ["every", "first"])
+def test_measured_estimates_equal_independent_gradients(engine, max_grad_norm, mode, tmp_path):
     # 18 micro-batches, K=4: windows of 4, 4, 4, 4 and a short 2.
-    case = scenario(rows=36, max_grad_norm=max_grad_norm)
+    case = scenario(rows=36, max_grad_norm=max_grad_norm, mode=mode)
     updates, model, _ = run_engine(engine, case, str(tmp_path))
-    expected = expected_estimates(model, case.collator.batches, case.accumulation)
+    expected = expected_estimates(model, case.collator.batches, case.accumulation, mode)
+    if mode == "every":
+        assert [e["micro_batches"] for e in expected] == [4, 4, 4, 4, 2]
     errors = relative_errors(updates, expected)
     assert len(errors) == 2 * len(updates) == 10
     assert max(errors) < EXACT, errors
 
 
 @pytest.mark.parametrize("engine", ["loop", "trainer"])
-def test_a_wrong_scale_fails_the_same_check(engine, tmp_path):
-    """Negative control: the reference with the first micro-batch's gradient off by Accelerate's 1/K."""
-    case = scenario(rows=16)
-    updates, model, _ = run_engine(engine, case, str(tmp_path))
-    expected = expected_estimates(model, case.collator.batches, case.accumulation)
-    for reference in expected:
-        n, grad_sq = reference["small"][0]
-        from hf_accum.noise_scale import SmallBatch, update_estimates
+@pytest.mark.parametrize("mode", ["every", "first"])
+def test_a_wrong_scale_fails_the_same_check(engine, mode, tmp_path):
+    """Negative control: the reference with the micro-batch gradients off by Accelerate's 1/K."""
+    from hf_accum.noise_scale import SmallBatch, pooled_estimate, update_estimates
 
-        wrong = update_estimates([SmallBatch(n, grad_sq / case.accumulation ** 2)], reference["big_targets"],
-                                 reference["big_grad_sq"])
+    case = scenario(rows=16, mode=mode)
+    updates, model, _ = run_engine(engine, case, str(tmp_path))
+    expected = expected_estimates(model, case.collator.batches, case.accumulation, mode)
+    off = case.accumulation ** 2
+    for reference in expected:
+        big = reference["big_targets"], reference["big_grad_sq"]
+        if mode == "every":
+            wrong = pooled_estimate(reference["micro_batches"], reference["weighted_grad_sq"] / off, *big)
+        else:
+            n, grad_sq = reference["small"][0]
+            wrong = update_estimates([SmallBatch(n, grad_sq / off)], *big)
         reference.update(grad_sq=wrong.grad_sq, trace_cov=wrong.trace_cov)
     assert max(relative_errors(updates, expected)) > 1e-3
 
@@ -82,10 +91,13 @@ def ddp_report(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["loop", "trainer"])
-def test_two_ranks_gather_every_first_micro_batch(ddp_report, engine):
+def test_two_ranks_gather_every_small_batch(ddp_report, engine):
     assert ddp_report["world_size"] == 2
-    assert ddp_report[f"{engine}_small_batches"] == [2, 2, 2]  # both ranks' first micro-batches, every window
-    assert max(ddp_report[f"{engine}_errors"]) < EXACT, ddp_report[f"{engine}_errors"]
+    # every: each rank's 3, 3 and 2 micro-batches (the synced last one too); first: both ranks' first ones.
+    assert ddp_report[f"{engine}_every_small_batches"] == [6, 6, 4]
+    assert ddp_report[f"{engine}_first_small_batches"] == [2, 2, 2]
+    for mode in ("every", "first"):
+        assert max(ddp_report[f"{engine}_{mode}_errors"]) < EXACT, ddp_report[f"{engine}_{mode}_errors"]
     assert _mostly_positive(ddp_report[f"{engine}_noise_scales"]), ddp_report[f"{engine}_noise_scales"]
 
 

@@ -360,7 +360,9 @@ def test_noise_scale_section_times_both_sides(tmp_path):
                  "--output-dir", str(out)]) == 0
     section = json.loads((out / "bench.json").read_text())["sections"]["noise_scale"]
     assert len(section["ratios"]) == 2 and all(_positive_finite(r) for r in section["ratios"])
+    assert len(section["first_ratios"]) == 2 and all(_positive_finite(r) for r in section["first_ratios"])
     assert _positive_finite(section["tracked_seconds_per_update"])
+    assert _positive_finite(section["first_seconds_per_update"])
 
 
 @pytest.mark.slow
