@@ -10,6 +10,7 @@ from hf_accum.auto_ramp import AutoRampError, AutoRampSettings, is_auto
 from hf_accum.control import DEFAULT_MAX_CONSECUTIVE_NONFINITE
 from hf_accum.errors import InputError
 from hf_accum.loss import LossKind
+from hf_accum.peak_flops import check_peak_flops
 from hf_accum.sequence_norm import check_normalization
 
 _STRATEGIES = ("no", "steps", "epoch")
@@ -86,6 +87,10 @@ fixed ``1 / K`` of ``Accelerator.backward`` is undone at the boundary as always)
     """Track the gradient noise scale (``UpdateLog.noise_scale``, ``grad_sq``, ``trace_cov``; an end-of-run line
     on the batch size): the first micro-batch of each window is the small batch, the update the big one
     (:mod:`hf_accum.noise_probe`). Needs >= 2 micro-batches per update and rank; not under DeepSpeed."""
+    peak_flops: float | None = None
+    """One device's peak FLOP/s for the model's compute dtype, the denominator of MFU (``UpdateLog.mfu``); None:
+    ``$HF_ACCUM_PEAK_FLOPS``, else a GPU's data-sheet peak by name, else a GEMM measured on the CPU
+    (:mod:`hf_accum.peak_flops`)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -118,6 +123,8 @@ fixed ``1 / K`` of ``Accelerator.backward`` is undone at the boundary as always)
             raise LoopConfigError(str(error)) from None
         if not isinstance(self.noise_scale, bool):
             raise LoopConfigError(f"LoopConfig.noise_scale={self.noise_scale!r} must be True or False")
+        if (problem := check_peak_flops(self.peak_flops, "LoopConfig.peak_flops")) is not None:
+            raise LoopConfigError(problem)
         if self.eval_steps is not None and self.eval_strategy == "steps":  # unused by the other strategies
             _in_range(self, "eval_steps", 0.0, float("inf"), "None or > 0", open_below=True)
         self._validate_windows()
@@ -192,7 +199,7 @@ fixed ``1 / K`` of ``Accelerator.backward`` is undone at the boundary as always)
         names = {f.name for f in fields(cls)} - {
             "label_smoothing", "loss_kind", "fp32_grad_accumulation", "warmup_ratio", "fused_loss",
             "max_consecutive_nonfinite", "stop_on_signals", "rampup_batch_size", "tokens_per_update",
-            "noise_scale", "normalization", "rampup_auto",
+            "noise_scale", "normalization", "rampup_auto", "peak_flops",
         }
         return names | {"label_smoothing_factor"}
 
