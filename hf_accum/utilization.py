@@ -172,24 +172,32 @@ class UtilizationMeter:
     def total_peak(self) -> float | None:
         return self.peak.flops * self.world_size if self.peak.flops else None
 
+    @property
+    def started(self) -> bool:
+        return self._last is not None
+
     def start(self) -> None:
         """Training starts now (the first update's time runs from here)."""
         self._last = self.clock()
 
     def observe(self, update: Any) -> None:
         """``update`` (an :class:`~hf_accum.records.UpdateLog`) just closed: its time, FLOP/s and MFU."""
+        for name, value in self.lap(update.flops).items():
+            setattr(update, name, value)
+
+    def lap(self, flops: float | None) -> dict[str, float | None]:
+        """An update of ``flops`` model FLOPs closed now: ``{"seconds", "flops_per_second", "mfu"}`` since the
+        last lap (or :meth:`start`; empty before it)."""
         now = self.clock()
         if self._last is None:
             self._last = now
-            return
+            return {}
         seconds, self._last = now - self._last, now
-        update.seconds = seconds
-        if update.flops is None or seconds <= 0:
-            return
-        update.flops_per_second = update.flops / seconds
-        update.mfu = self.mfu(update.flops_per_second)
-        self._interval[0] += update.flops
+        if flops is None or seconds <= 0:
+            return {"seconds": seconds}
+        self._interval[0] += flops
         self._interval[1] += seconds
+        return {"seconds": seconds, "flops_per_second": flops / seconds, "mfu": self.mfu(flops / seconds)}
 
     def mfu(self, flops_per_second: float) -> float | None:
         peak = self.total_peak

@@ -19,6 +19,7 @@ from typing import Any
 
 from hf_accum.auto_ramp import AutoRampSettings, BatchController, is_auto
 from hf_accum.errors import InputError
+from hf_accum.peak_flops import check_peak_flops
 from hf_accum.planned_windows import refuse_planned_windows
 from hf_accum.rampup import RampUp
 from hf_accum.sequence_norm import NORMALIZATIONS
@@ -36,6 +37,8 @@ def check_accumulation_section(section: Any, config: Any) -> None:
     if section.normalization not in NORMALIZATIONS:
         raise AccumulationError(f"accumulation.normalization={section.normalization!r}; allowed: "
                                 f"{', '.join(NORMALIZATIONS)}")
+    if (problem := check_peak_flops(section.peak_flops, "accumulation.peak_flops")) is not None:
+        raise AccumulationError(problem)
     if section.noise_scale and t.get("deepspeed"):
         raise AccumulationError("accumulation.noise_scale=true is not available with training.deepspeed (the engine "
                                 "keeps the micro-batch gradients); allowed: false, or drop training.deepspeed")

@@ -101,11 +101,15 @@ class AccumulationSection:
     normalization: str = "token"
     """token: the update's loss is the mean over its target tokens; sequence: the mean over its sequences of each
     sequence's mean token loss (long answers do not dominate; packed rows count each sequence)."""
+    peak_flops: float | None = None
+    """One device's peak FLOP/s for the compute dtype, the denominator of MFU; null: a GPU's data-sheet peak by
+    name, or a GEMM measured on the CPU (:mod:`hf_accum.peak_flops`)."""
 
     def loop_settings(self) -> dict[str, Any]:
         """The :class:`~hf_accum.loop.LoopConfig` fields this section sets (``AccumTrainer`` takes the last two)."""
         return {"rampup_batch_size": self.rampup_batch_size, "tokens_per_update": self.tokens_per_update,
-                "noise_scale": self.noise_scale, "normalization": self.normalization, "rampup_auto": self.rampup_auto}
+                "noise_scale": self.noise_scale, "normalization": self.normalization, "rampup_auto": self.rampup_auto,
+                "peak_flops": self.peak_flops}
 
 
 class TrainingSection(dict):
