@@ -78,7 +78,7 @@ def gpu_peak_flops(device_name: str, dtype: torch.dtype, tf32: bool = False) -> 
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cpu_gemm_peak(dtype: torch.dtype = torch.float32, threads: int | None = None, budget_s: float = 0.25) -> float:
     """FLOP/s of the best of repeated ``n x n`` GEMMs in ``dtype`` on ``threads`` threads (default: torch's
     current count), measured for about ``budget_s`` seconds after one warm-up; cached per process.

@@ -165,7 +165,7 @@ class UtilizationMeter:
     @classmethod
     def for_run(cls, model: torch.nn.Module, device: Any, mixed_precision: str | None, world_size: int,
                 configured: float | None, key: str) -> UtilizationMeter:
-        """The meter of a run on ``world_size`` processes of ``device`` (the peak of one, :mod:`hf_accum.peak_flops`)."""
+        """A run on ``world_size`` processes of ``device`` (the peak of one: :mod:`hf_accum.peak_flops`)."""
         return cls(device_peak_flops(device, compute_dtype(model, mixed_precision), configured, key), world_size)
 
     @property
