@@ -129,7 +129,7 @@ def device_peak_flops(device: torch.device | str, dtype: torch.dtype, configured
         return PeakFlops(peak, f"{gpu} dense {'tf32' if tf32 else name} data-sheet peak", name)
     if device.type == "cpu":
         threads = torch.get_num_threads()
-        return PeakFlops(cpu_gemm_peak(dtype, threads), f"{name} GEMM measured on {threads} thread(s)", name)
+        return PeakFlops(cpu_gemm_peak(dtype, threads), f"GEMM measured on {threads} thread(s)", name)
     return PeakFlops(None, f"no peak known for device type {device.type!r}; set {key}", name)
 
 
