@@ -134,6 +134,41 @@ def real_tokens(examples: Sequence[dict]) -> int:
     return sum(len(e["input_ids"]) for e in examples)
 
 
+# ----------------------------------------------------------------------------------------------
+# Model FLOPs and MFU: hf_accum.utilization's count, so a table's MFU is the one a run's log line prints
+# ----------------------------------------------------------------------------------------------
+
+
+def batch_flops(model: torch.nn.Module, batches: Iterable[dict]) -> float:
+    """Model FLOPs of training ``model`` on the collated causal-LM ``batches`` (forward + backward, the head on
+    the targets: :class:`hf_accum.utilization.ModelFlops`); the same for every front-end given these rows."""
+    from hf_accum.accumulation import batch_shape_counts, squared_sequence_lengths
+    from hf_accum.loss import count_targets
+    from hf_accum.utilization import ModelFlops
+
+    flops = ModelFlops.of(model)
+    total = 0.0
+    for batch in batches:
+        _, tokens, _ = batch_shape_counts(batch)
+        targets = count_targets(batch["labels"], "causal_lm")
+        total += flops.update_flops(int(tokens), int(targets), int(squared_sequence_lengths(batch)))
+    return total
+
+
+def device_peak(device: torch.device | str, model: torch.nn.Module) -> Any:
+    """One device's peak FLOP/s for ``model``'s compute dtype (:func:`hf_accum.peak_flops.device_peak_flops`:
+    ``$HF_ACCUM_PEAK_FLOPS``, a GPU's data-sheet peak, or a GEMM measured on this CPU with the current threads)."""
+    from hf_accum.peak_flops import device_peak_flops
+    from hf_accum.utilization import compute_dtype
+
+    return device_peak_flops(device, compute_dtype(model))
+
+
+def mfu(flops: float, seconds: float, peak: float | None) -> float | None:
+    """Model FLOPs utilization of ``flops`` done in ``seconds`` on a device of ``peak`` FLOP/s (None: unknown)."""
+    return flops / seconds / peak if peak and seconds > 0 else None
+
+
 @dataclass
 class Bench:
     """What a section's ``measure(bench, options)`` gets: the common options, the shared model, progress."""

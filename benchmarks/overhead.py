@@ -15,9 +15,10 @@ import torch
 from transformers.hf_argparser import HfArg
 
 from benchmarks.harness import (
-    PER_UPDATE_SETTINGS, Bench, Timing, Workload, padded_loader, real_tokens, run_ours, timed, token_rows,
+    PER_UPDATE_SETTINGS, Bench, Timing, Workload, batch_flops, device_peak, mfu, padded_loader, real_tokens, run_ours,
+    timed, token_rows,
 )
-from benchmarks.report import SectionResult, judge, median_interval, require_positive, summary_row, verdict
+from benchmarks.report import SectionResult, judge, median_interval, percent, require_positive, summary_row, verdict
 from benchmarks.sweep import require_divisors
 
 if TYPE_CHECKING:
@@ -57,6 +58,12 @@ class OverheadResult(SectionResult):
     ours_tokens_per_s: float
     bare_tokens_per_s: float
     """Median wall-clock real tokens/s of each loop."""
+    ours_mfu: float | None = None
+    bare_mfu: float | None = None
+    """Model FLOPs utilization of each loop at its median wall time (:mod:`hf_accum.utilization`: the same model
+    FLOPs on both sides) against ``peak``."""
+    peak: str = ""
+    """The peak FLOP/s MFU is measured against, and where it came from."""
 
     @property
     def interval(self) -> tuple[float, float]:
@@ -72,7 +79,8 @@ class OverheadResult(SectionResult):
             f"wall-clock ours {self.ours_tokens_per_s:.0f} tokens/s, bare {self.bare_tokens_per_s:.0f} tokens/s\n"
             f"  ours/bare by {self.clock} time: median {self.ratio:.3f} (~95% interval {self.interval[0]:.3f}-"
             f"{self.interval[1]:.3f}); per pair {', '.join(f'{r:.3f}' for r in self.ratios)}\n"
-            f"  ours/bare by wall time: median {self.wall_ratio:.3f}"
+            f"  ours/bare by wall time: median {self.wall_ratio:.3f}\n"
+            f"  MFU (wall time): ours {percent(self.ours_mfu)}, bare {percent(self.bare_mfu)} ({self.peak})"
         )
 
     def summary(self) -> list[dict]:
@@ -80,7 +88,8 @@ class OverheadResult(SectionResult):
         return [summary_row(
             f"loop overhead: ours / bare tokens/s (K={self.accumulation_steps}, micro-batch {self.micro_batch})",
             f"{self.ratio:.3f} by {self.clock} time (median of {len(self.ratios)} pairs, ~95% interval "
-            f"{low:.3f}-{high:.3f}; wall {self.wall_ratio:.3f})",
+            f"{low:.3f}-{high:.3f}; wall {self.wall_ratio:.3f}; MFU ours {percent(self.ours_mfu)}, bare "
+            f"{percent(self.bare_mfu)})",
             f">= {TARGET:.2f}", verdict(self.passed, "INCONCLUSIVE"),
         )]
 
@@ -134,7 +143,11 @@ def measure(bench: Bench, options: Options) -> OverheadResult:
     # Equal tokens on both sides: the tokens/s ratio is the inverse ratio of times.
     ratios = [b.on(bench.clock) / o.on(bench.clock) for o, b in zip(ours, bare)]
     wall_ratios = [b.wall / o.wall for o, b in zip(ours, bare)]
+    flops = batch_flops(work.model, padded_loader(examples, micro, work.pad_token_id))
+    peak = device_peak(work.device, work.model)
+    ours_wall, bare_wall = statistics.median(o.wall for o in ours), statistics.median(b.wall for b in bare)
     return OverheadResult(
         k, micro, bench.clock, statistics.median(ratios), ratios, statistics.median(wall_ratios),
-        tokens / statistics.median(o.wall for o in ours), tokens / statistics.median(b.wall for b in bare),
+        tokens / ours_wall, tokens / bare_wall, mfu(flops, ours_wall, peak.flops), mfu(flops, bare_wall, peak.flops),
+        peak.describe(),
     )

@@ -42,6 +42,11 @@ def mib(n: int) -> str:
     return f"{n / MiB:.1f} MiB"
 
 
+def percent(value: float | None) -> str:
+    """An MFU (or any fraction) as ``12.3%``; ``n/a`` when unknown."""
+    return "n/a" if value is None else f"{value:.1%}"
+
+
 # ----------------------------------------------------------------------------------------------
 # Statistics of interleaved ratios
 # ----------------------------------------------------------------------------------------------

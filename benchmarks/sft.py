@@ -41,8 +41,11 @@ from transformers import TrainerCallback
 from transformers.hf_argparser import HfArg
 
 from benchmarks.harness import Bench, LossPathLog, synchronize
-from benchmarks.report import BenchError, SectionResult, judge, median_interval, mib, require_positive, summary_row
+from benchmarks.report import (
+    BenchError, SectionResult, judge, median_interval, mib, percent, require_positive, summary_row,
+)
 from benchmarks.workers import Workers, peak_memory, reset_peak
+from hf_accum.peak_flops import device_peak_flops
 
 if TYPE_CHECKING:
     from benchmarks.options import BenchOptions
@@ -232,6 +235,11 @@ class RunResult:
     """Positions with a loss target."""
     path: str
     """hf_accum front-ends: 'fused' or 'logits' (from hf_accum's log); '-' for the others."""
+    flops: float = 0.0
+    """Model FLOPs of the epoch (:mod:`hf_accum.utilization`: the same for every front-end on the same rows)."""
+    mfu: float | None = None
+    """``flops / seconds`` over the peak of ``peak`` (None: no peak known)."""
+    peak: str = ""
 
 
 class _Counting:
@@ -239,10 +247,13 @@ class _Counting:
 
     def __init__(self, collate: Callable):
         self.collate = collate
-        self.real = self.positions = self.targets = 0
+        self.real = self.positions = self.targets = self.squared_lengths = 0
 
     def __call__(self, examples):
+        from hf_accum.accumulation import squared_sequence_lengths
+
         batch = self.collate(examples)
+        self.squared_lengths += int(squared_sequence_lengths(batch))  # attention's share of the model FLOPs
         ids, mask = batch["input_ids"], batch.get("attention_mask")
         self.positions += ids.numel()
         self.real += int(mask.sum()) if mask is not None else ids.numel()  # padding-free: every position is real
@@ -393,7 +404,19 @@ def run_here(**spec: Any) -> RunResult:
         counting = RUNNERS[spec["variant"]](spec, meter, tmp)
     seconds = meter.cpu if device.type == "cpu" else meter.wall
     path = path_log.path if spec["variant"] in HF_ACCUM_VARIANTS else "-"
-    return RunResult(seconds, meter.wall, meter.peak, counting.real, counting.positions, counting.targets, path)
+    flops, peak = _model_flops(spec, counting), device_peak_flops(device, torch.float32)
+    return RunResult(seconds, meter.wall, meter.peak, counting.real, counting.positions, counting.targets, path,
+                     flops, flops / seconds / peak.flops if peak.flops and seconds > 0 else None, peak.describe())
+
+
+def _model_flops(spec: dict, counting: _Counting) -> float:
+    """The epoch's model FLOPs, from the model's shapes (built on the meta device: no memory, no time)."""
+    from hf_accum.utilization import ModelFlops
+
+    with torch.device("meta"):
+        model, _ = llama_with_lora(word_tokenizer(spec["vocab_size"]), spec["hidden_size"], spec["layers"],
+                                   spec["seed"], spec["lora_r"], wrap=True)
+    return ModelFlops.of(model).update_flops(counting.real, counting.targets, counting.squared_lengths)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -421,6 +444,10 @@ class SftRow:
 
     def path(self, name: str) -> str:
         return "/".join(sorted({r.path for r in self.runs[name]}))
+
+    def median_mfu(self, name: str) -> float | None:
+        measured = [r.mfu for r in self.runs[name] if r.mfu is not None]
+        return statistics.median(measured) if measured else None
 
 
 @dataclass
@@ -456,6 +483,8 @@ class SftResult(SectionResult):
         ]
         for row in self.rows:
             lines += self._table(row)
+        peaks = {r.peak for row in self.rows for runs in row.runs.values() for r in runs if r.peak}
+        lines += [f"  MFU: model FLOPs (hf_accum.utilization) / {self.clock} time / {', '.join(sorted(peaks))}"]
         return "\n".join(lines)
 
     def _table(self, row: SftRow) -> list[str]:
@@ -467,9 +496,11 @@ class SftResult(SectionResult):
         if len(set(seen.values())) > 1:  # a front-end dropped or truncated rows: say so next to its rate
             lines.append(f"    real tokens differ between front-ends: {seen}")
         for what, unit in (("speed", "real tokens/s"), ("memory", "peak memory")):
-            lines.append(f"    {'front-end':<36} {'path':<7} {unit:>14}{head}")
+            mfu_head = f" {'MFU':>6}" if what == "speed" else ""
+            lines.append(f"    {'front-end':<36} {'path':<7} {unit:>14}{mfu_head}{head}")
             for name, runs in row.runs.items():
-                value = (f"{statistics.median(row.rates(name)):14.0f}" if what == "speed"
+                mfu = f" {percent(row.median_mfu(name)):>6}"
+                value = (f"{statistics.median(row.rates(name)):14.0f}{mfu}" if what == "speed"
                          else f"{mib(int(statistics.median(r.peak_bytes for r in runs))):>14}")
                 cells = "".join(f" {_spread(row.ratios(name, b, what)):>22}" for b in bases)
                 lines.append(f"    {VARIANTS[name]:<36} {row.path(name):<7} {value}{cells}")
@@ -490,6 +521,7 @@ class SftResult(SectionResult):
                 ratios = row.ratios(ours, base, "memory")
                 checks.append(judge(median_interval(ratios), memory, at_least=False))
                 measured.append(f"memory {_spread(ratios)}")
+                measured.append(f"MFU {percent(row.median_mfu(ours))} vs {percent(row.median_mfu(base))}")
                 thresholds.append(f"memory <= {memory:.2f}")
                 judged = row.vocab_size >= JUDGED_FROM_VOCAB
                 out.append(summary_row(f"sft vocab {row.vocab_size}: {VARIANTS[ours]} / {VARIANTS[base]}",

@@ -167,6 +167,9 @@ class WindowTotals:
     sequences: int = 0
     real_tokens: int = 0
     total_tokens: int = 0
+    squared_lengths: int = 0
+    """Sum over the window's sequences of their squared lengths: the attention part of its model FLOPs
+    (:func:`squared_sequence_lengths`, :mod:`hf_accum.utilization`)."""
     micro_batches: int = 0
     nonfinite_losses: int = 0
     """Micro-batches whose summed loss was inf/NaN."""
@@ -331,6 +334,7 @@ class WindowTally:
             sequences=sequences,
             real_tokens=real_tokens,
             total_tokens=float(total_tokens),
+            squared_lengths=squared_sequence_lengths(batch),
             micro_batches=1.0,
             nonfinite_losses=nonfinite.to(torch.float64),  # stays on the device: no sync
             **terms,
@@ -424,3 +428,21 @@ def batch_shape_counts(batch: Mapping[str, Any]) -> tuple[int | torch.Tensor, in
     real = mask.sum() if mask is not None else total
     return int(input_ids.shape[0]), real, total
 
+
+def squared_sequence_lengths(batch: Mapping[str, Any]) -> int | torch.Tensor:
+    """Sum over a collated micro-batch's sequences of (real length)^2, the same sequences as
+    :func:`batch_shape_counts` (padded rows: the attention mask's ones; padding-free packed rows: each restart of
+    ``position_ids``). On the device, no host sync."""
+    input_ids = batch.get("input_ids")
+    if input_ids is None:
+        labels = batch["labels"]
+        return int(labels.shape[0]) * (int(labels.shape[-1]) if labels.dim() > 1 else 1) ** 2
+    mask = batch.get("attention_mask")
+    position_ids = batch.get("position_ids")
+    if mask is None and position_ids is not None and input_ids.shape[0] == 1:
+        sequence = packed_sequence_starts(position_ids).reshape(-1).cumsum(0) - 1
+        return torch.bincount(sequence).pow(2).sum()
+    if mask is not None and mask.dim() == 2:
+        return mask.sum(-1).pow(2).sum()
+    rows, length = (int(input_ids.shape[0]), int(input_ids.shape[-1])) if input_ids.dim() > 1 else (1, len(input_ids))
+    return rows * length**2

@@ -157,6 +157,9 @@ class UpdateBoundary:
         self.tally = WindowTally(device=accelerator.device, small_batch_slots=slots, extra_terms=extra_terms,
                                  pooled_small_batches=self.noise_every)
         self.noise: NoiseScaleTracker | None = NoiseScaleTracker() if noise_scale else None
+        self.model_flops: Callable[[WindowTotals], float] | None = None
+        """The front-end's ``totals -> model FLOPs`` (:meth:`hf_accum.utilization.ModelFlops.window_flops`); each
+        record carries the update's count (None: not counted)."""
 
     def add(self, loss_sum: torch.Tensor, n_targets: torch.Tensor, batch: Mapping[str, Any],
             aux_sum: torch.Tensor | None = None) -> None:
@@ -251,6 +254,7 @@ class UpdateBoundary:
             nonfinite=totals.nonfinite, eval_loss=eval_loss,
             aux_loss=totals.mean_aux_loss if totals.aux_loss_sum else None,
             noise_scale=noise.noise_scale, grad_sq=noise.grad_sq, trace_cov=noise.trace_cov,
+            flops=self.model_flops(totals) if self.model_flops is not None else None,
         )
 
 

@@ -44,6 +44,14 @@ class UpdateLog:
     batch_change: str | None = None
     """``rampup_batch_size='auto'``: the change this update's reading decided (the next update's batch), with its
     reason (:meth:`hf_accum.auto_ramp.BatchChange.reason`); None when the batch stays."""
+    flops: float | None = None
+    """Model FLOPs of this update on all ranks (forward + backward, no recompute: :mod:`hf_accum.utilization`)."""
+    seconds: float | None = None
+    """Wall time from the previous update's end (the run's start for the first) to this one's."""
+    flops_per_second: float | None = None
+    """Achieved model FLOP/s of this update, all ranks: ``flops / seconds``."""
+    mfu: float | None = None
+    """Model FLOPs utilization: ``flops_per_second`` over the peak of all ranks' devices (None: peak unknown)."""
 
     def tracked(self) -> dict[str, float]:
         """The numbers an experiment tracker gets for this update (names as Trainer logs them)."""
@@ -56,7 +64,7 @@ class UpdateLog:
             values["eval/loss"] = self.eval_loss
         if self.aux_loss is not None:
             values["train/aux_loss"] = self.aux_loss
-        for name in ("noise_scale", "grad_sq", "trace_cov"):
+        for name in ("noise_scale", "grad_sq", "trace_cov", "flops_per_second", "mfu"):
             if getattr(self, name) is not None:
                 values[f"train/{name}"] = getattr(self, name)
         return values
@@ -68,6 +76,8 @@ class UpdateLog:
         state += f" | aux_loss {self.aux_loss:.4f}" if self.aux_loss is not None else ""
         state += f" | noise_scale {self.noise_scale:.0f}" if self.noise_scale is not None else ""
         state += f" | {self.batch_change}" if self.batch_change else ""
+        state += f" | {self.flops_per_second / 1e9:,.1f} GFLOP/s" if self.flops_per_second is not None else ""
+        state += f" | MFU {self.mfu:.1%}" if self.mfu is not None else ""
         return (
             f"update {self.step} | epoch {self.epoch:.2f} | loss {self.loss:.4f} | lr {self.learning_rate:.3e} | "
             f"grad_norm {grad} | tokens {self.targets} | seqs {self.sequences} | "
@@ -84,6 +94,8 @@ class TrainResult:
     """The last checkpoint this call wrote."""
     noise_scale_advice: str | None = None
     """With noise-scale tracking: the end-of-run line (:func:`hf_accum.noise_scale.batch_size_advice`)."""
+    utilization: dict | None = None
+    """The run's model FLOPs per update, achieved FLOP/s and MFU (:func:`hf_accum.utilization.summarize`)."""
 
     def as_dicts(self) -> list[dict]:
         """Every update as a dict (what a checkpoint keeps of the log, and what a resumed run continues)."""

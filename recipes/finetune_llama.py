@@ -107,6 +107,7 @@ def train_with_loop(model, tokenizer, data, collator, args, record, resume, laun
         tracker.finish()                  # ZeRO-3 save and the final barriers below still need it
     record.updates = result.as_dicts()  # a resumed run's result holds the updates before the checkpoint too
     record.noise_scale_advice = result.noise_scale_advice
+    record.utilization = result.utilization  # model FLOPs per update, FLOP/s, MFU
     return accelerator.unwrap_model(model), result.batch_plan
 
 
@@ -117,11 +118,13 @@ def train_with_trainer(model, tokenizer, data, collator, args, record, resume, l
         model=model, args=args, train_dataset=data.train.examples, data_collator=collator, processing_class=tokenizer,
         eval_dataset=data.held_out.examples if data.held_out else None,
         noise_scale=record.config.accumulation.noise_scale, normalization=record.config.accumulation.normalization,
+        peak_flops=record.config.accumulation.peak_flops,
     )
     check_engine(trainer.accelerator, launch)  # what was asked is what runs (DeepSpeed, processes)
     trainer.train(resume_from_checkpoint=resume)
     record.updates = [asdict(update) for update in trainer.updates]  # a resumed run's include the earlier ones
     record.noise_scale_advice = trainer.noise_scale_advice
+    record.utilization = trainer.utilization
     barrier()
     return trainer.model, trainer.batch_plan
 
@@ -242,6 +245,7 @@ def run(config):
     out = save_outputs(record, model, tokenizer)
     say(f"{len(record.updates)} updates in {train_seconds:.0f}s; wall time {record.wall_seconds:.0f}s "
         f"(from process start); {describe_peak_memory(peak)}")
+    say(record.utilization_line())  # model FLOPs per update, achieved FLOP/s, MFU against the device's peak
     say(f"held-out {objective.metric}: before {objective.score(before)} -> after {objective.score(after)}  "
         f"(outputs in {out})")
     if record.noise_scale_advice:

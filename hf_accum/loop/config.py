@@ -11,6 +11,7 @@ from hf_accum.control import DEFAULT_MAX_CONSECUTIVE_NONFINITE
 from hf_accum.errors import InputError
 from hf_accum.loss import LossKind
 from hf_accum.noise_probe import check_micro_batch_mode
+from hf_accum.peak_flops import check_peak_flops
 from hf_accum.sequence_norm import check_normalization
 
 _STRATEGIES = ("no", "steps", "epoch")
@@ -91,6 +92,10 @@ fixed ``1 / K`` of ``Accelerator.backward`` is undone at the boundary as always)
     """With ``noise_scale``: ``"every"`` micro-batch of the window is a small batch (hooks on the parameters, no
     extra memory; ~18x fewer updates to the same precision at K=4), or only each window's ``"first"`` per rank
     (one norm per update; works with reentrant checkpointing of shared parameters)."""
+    peak_flops: float | None = None
+    """One device's peak FLOP/s for the model's compute dtype, the denominator of MFU (``UpdateLog.mfu``); None:
+    ``$HF_ACCUM_PEAK_FLOPS``, else a GPU's data-sheet peak by name, else a GEMM measured on the CPU
+    (:mod:`hf_accum.peak_flops`)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -127,6 +132,8 @@ fixed ``1 / K`` of ``Accelerator.backward`` is undone at the boundary as always)
             check_micro_batch_mode(self.noise_scale_micro_batches, "LoopConfig.noise_scale_micro_batches")
         except ValueError as error:
             raise LoopConfigError(str(error)) from None
+        if (problem := check_peak_flops(self.peak_flops, "LoopConfig.peak_flops")) is not None:
+            raise LoopConfigError(problem)
         if self.eval_steps is not None and self.eval_strategy == "steps":  # unused by the other strategies
             _in_range(self, "eval_steps", 0.0, float("inf"), "None or > 0", open_below=True)
         self._validate_windows()
@@ -201,7 +208,7 @@ fixed ``1 / K`` of ``Accelerator.backward`` is undone at the boundary as always)
         names = {f.name for f in fields(cls)} - {
             "label_smoothing", "loss_kind", "fp32_grad_accumulation", "warmup_ratio", "fused_loss",
             "max_consecutive_nonfinite", "stop_on_signals", "rampup_batch_size", "tokens_per_update",
-            "noise_scale", "normalization", "rampup_auto", "noise_scale_micro_batches",
+            "noise_scale", "normalization", "rampup_auto", "noise_scale_micro_batches", "peak_flops",
         }
         return names | {"label_smoothing_factor"}
 

@@ -31,6 +31,7 @@ from hf_accum.records import TrainResult, UpdateLog
 from hf_accum.run_lock import locks_output_dir
 from hf_accum.schedule import create_update_scheduler
 from hf_accum.sequence_norm import refuse_custom_loss
+from hf_accum.utilization import UtilizationMeter, meter_run, summarize
 
 logger = logging.getLogger("hf_accum.loop")
 
@@ -79,6 +80,7 @@ def train(
     checkpointer, resume_path = build_checkpointer(config, accelerator, resume_from_checkpoint, model, optimizer,
                                                    scheduler, train_dataloader, plan)
     result = TrainResult(batch_plan=plan.batch)
+    meter = _utilization(model, accelerator, config, micro_batch_loss, stepper)
     supervisor = Supervisor(config, accelerator, stepper, result, plan, checkpointer)
     progress = tqdm(total=plan.total_updates, desc="updates",
                     disable=config.disable_tqdm or not accelerator.is_main_process)
@@ -87,6 +89,7 @@ def train(
     keep_4bit_training_layout(model)  # held-out forwards must not repack 4-bit weights (hf_accum.compat)
     model.train()
     remaining = max(0, plan.total_updates - len(result.updates))
+    meter.start()
     with _cache_disabled(model), stepper.running(), StopSignals(control, config.stop_on_signals), \
             contextlib.closing(progress):
         # The one exit: islice stops pulling updates once the planned number is reached.
@@ -96,6 +99,7 @@ def train(
                 epoch=epoch + (consumed / plan.micro_batches if plan.micro_batches else 0.0), grad_norm=step.grad_norm,
                 noise=step.noise,
             )
+            meter.observe(update)  # its time, FLOP/s and MFU (evaluation and checkpoints count in the next one)
             if plan.auto is not None:  # the next window's size, decided before checkpoint and report
                 update.batch_change = _observe(plan, update, accelerator)
             # The auto ramp's last update is known when it closes (total_updates is only its upper bound).
@@ -107,6 +111,7 @@ def train(
             _report(update, progress, accelerator, on_update)
             supervisor.halt_if_decided(update, step.decision, checkpoint)
     result.noise_scale_advice = stepper.boundary.noise_advice(result.updates)
+    result.utilization = summarize(result.updates, meter.peak, accelerator.num_processes)
     if result.noise_scale_advice and accelerator.is_main_process:
         logger.info("%s", result.noise_scale_advice)
     return result
@@ -166,6 +171,15 @@ def _boundary(accelerator: Accelerator, config: LoopConfig, control: TrainingCon
                           noise_micro_batches=config.noise_scale_micro_batches)
 
 
+def _utilization(model: torch.nn.Module, accelerator: Accelerator, config: LoopConfig,
+                 micro_batch_loss: MicroBatchLoss, stepper: Stepper) -> UtilizationMeter:
+    """Model FLOPs at the boundary, and the meter of time and MFU (the peak: ``config.peak_flops``, else
+    :mod:`hf_accum.peak_flops`)."""
+    return meter_run(stepper.boundary, model, micro_batch_loss.term_names[0], device=accelerator.device,
+                     mixed_precision=accelerator.mixed_precision, world_size=accelerator.num_processes,
+                     configured=config.peak_flops, key="LoopConfig.peak_flops")
+
+
 def _micro_batch_loss(model: torch.nn.Module, config: LoopConfig, loss_sum_fn: LossSumFn | None,
                       accelerator: Accelerator) -> MicroBatchLoss:
     """Forward + summed loss per micro-batch: fused for causal LMs unless a custom loss needs the logits.
@@ -212,7 +226,8 @@ def _default_scheduler(config: LoopConfig) -> Callable[[torch.optim.Optimizer, i
 def _report(update: UpdateLog, progress: Any, accelerator: Accelerator,
             on_update: Callable[[UpdateLog], None] | None) -> None:
     progress.update(1)
-    progress.set_postfix(loss=f"{update.loss:.4f}", lr=f"{update.learning_rate:.2e}", refresh=False)
+    mfu = {"mfu": f"{update.mfu:.1%}"} if update.mfu is not None else {}
+    progress.set_postfix(loss=f"{update.loss:.4f}", lr=f"{update.learning_rate:.2e}", **mfu, refresh=False)
     if accelerator.is_main_process:
         logger.debug(update.line())  # the caller decides what to print (on_update); the bar shows progress
     if on_update is not None:

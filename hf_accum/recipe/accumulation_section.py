@@ -25,6 +25,7 @@ from typing import Any
 
 from hf_accum.auto_ramp import AutoRampSettings, BatchController, is_auto
 from hf_accum.errors import InputError
+from hf_accum.peak_flops import check_peak_flops
 from hf_accum.planned_windows import refuse_planned_windows
 from hf_accum.rampup import RampUp
 from hf_accum.schedule import plan_global_batch
@@ -51,6 +52,9 @@ class AccumulationSection:
     normalization: str = "token"
     """token: the update's loss is the mean over its target tokens; sequence: the mean over its sequences of each
     sequence's mean token loss (long answers do not dominate; packed rows count each sequence)."""
+    peak_flops: float | None = None
+    """One device's peak FLOP/s for the compute dtype, the denominator of MFU; null: a GPU's data-sheet peak by
+    name, or a GEMM measured on the CPU (:mod:`hf_accum.peak_flops`)."""
 
     def loop_settings(self) -> dict[str, Any]:
         """The :class:`~hf_accum.loop.LoopConfig` fields this section sets: all of them."""
@@ -96,6 +100,8 @@ def check_accumulation_section(section: AccumulationSection, config: Any) -> Non
     if section.normalization not in NORMALIZATIONS:
         raise AccumulationError(f"accumulation.normalization={section.normalization!r}; allowed: "
                                 f"{', '.join(NORMALIZATIONS)}")
+    if (problem := check_peak_flops(section.peak_flops, "accumulation.peak_flops")) is not None:
+        raise AccumulationError(problem)
     if section.noise_scale and t.get("deepspeed"):
         raise AccumulationError("accumulation.noise_scale=true is not available with training.deepspeed (the engine "
                                 "keeps the micro-batch gradients); allowed: false, or drop training.deepspeed")

@@ -148,6 +148,9 @@ class RunRecord:
     facts: dict[str, Any] = field(default_factory=dict)
     noise_scale_advice: str | None = None
     """``accumulation.noise_scale``: the end-of-run line on the batch size (also in metrics.json)."""
+    utilization: dict[str, Any] | None = None
+    """Either engine's :func:`hf_accum.utilization.summarize`: ``flops_per_update``, ``flops_per_second``,
+    ``mfu``, the peak and its source (top-level keys of metrics.json; each update's own are in ``updates``)."""
 
     def keep_update(self, update: Any) -> None:  # an hf_accum.UpdateLog
         """``on_update``: keep every update for ``metrics.json`` and the plot."""
@@ -177,8 +180,15 @@ class RunRecord:
 
     def metrics(self) -> dict[str, Any]:
         advice = {"noise_scale_advice": self.noise_scale_advice} if self.noise_scale_advice else {}
-        return {"engine": self.config.engine, **self.facts, **advice, "wall_seconds": self.wall_seconds,
-                "updates": self.updates}
+        return {"engine": self.config.engine, **self.facts, **advice, **(self.utilization or {}),
+                "wall_seconds": self.wall_seconds, "updates": self.updates}
+
+    def utilization_line(self) -> str:
+        """The end line's utilization: model FLOPs per update, achieved FLOP/s, MFU and the peak it is measured
+        against (:func:`hf_accum.utilization.describe`)."""
+        from hf_accum.utilization import describe
+
+        return describe(self.utilization or {})
 
 
 def save_outputs(record: RunRecord, model: Any, tokenizer: Any) -> str:

@@ -42,6 +42,7 @@ from hf_accum.micro_batch import MicroBatchLoss
 from hf_accum.model_loss import resolve_loss_kind
 from hf_accum.noise_probe import NOT_UNDER_DEEPSPEED, NOT_UNDER_FSDP, check_micro_batch_mode
 from hf_accum.noise_scale import NoiseScaleTracker
+from hf_accum.peak_flops import check_peak_flops
 from hf_accum.planned_windows import refuse_planned_windows
 from hf_accum.records import UpdateLog
 from hf_accum.run_lock import locks_output_dir
@@ -53,6 +54,7 @@ from hf_accum.trainer.checkpoints import TrainerCheckpoints
 from hf_accum.trainer.evaluation import without_repeated_eval_rows
 from hf_accum.trainer.updates import UpdateRecorder
 from hf_accum.trainer.window import TrainerWindow
+from hf_accum.utilization import meter_run, summarize
 
 logger = logging.getLogger("hf_accum.trainer")
 # Trainer's hooks keep Trainer's own parameter types; ``trial`` (optuna's Trial or a dict) is Any, as the
@@ -111,6 +113,7 @@ class AccumTrainer(Trainer):
         noise_scale: bool = False,
         normalization: str = "token",
         noise_scale_micro_batches: str = "every",
+        peak_flops: float | None = None,
         **kwargs: Any,
     ) -> None:
         refuse_planned_windows("AccumTrainer: ", rampup_batch_size, tokens_per_update)  # the loop engine has them
@@ -119,6 +122,9 @@ class AccumTrainer(Trainer):
         if not isinstance(noise_scale, bool):
             raise ValueError(f"AccumTrainer(noise_scale={noise_scale!r}): must be True or False")
         check_micro_batch_mode(noise_scale_micro_batches, "AccumTrainer(noise_scale_micro_batches)")
+        if (problem := check_peak_flops(peak_flops, "AccumTrainer(peak_flops)")) is not None:
+            raise ValueError(problem)
+        self._peak_flops = peak_flops
         super().__init__(*args, **kwargs)
         _refuse_unverifiable_settings(self)
         if noise_scale and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
@@ -144,6 +150,9 @@ class AccumTrainer(Trainer):
                                      noise_micro_batches=noise_scale_micro_batches)
         self.noise_scale_advice: str | None = None
         """With ``noise_scale=True``: the end-of-run line on the batch size (also logged)."""
+        self.utilization: dict[str, Any] | None = None
+        """After ``train``: model FLOPs per update, achieved FLOP/s and MFU (:func:`hf_accum.utilization.summarize`;
+        every update's own are in ``updates``, and the log lines carry ``flops_per_second`` and ``mfu``)."""
         self._records = UpdateRecorder(self._window.boundary, on_update)
         self._checkpoints = TrainerCheckpoints(self)
         self._planner = BatchPlanner(self)
@@ -220,6 +229,7 @@ class AccumTrainer(Trainer):
                           device: torch.device) -> tuple[list[Any], int]:
         """Fetch the window's micro-batches and return its global target count as ``num_items_in_batch``."""
         batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._records.window_opened()  # the first window starts the utilization clock
         if batch_samples and self._micro_batch_loss.kind is None:
             # Before the first window is counted: the class's layout, else the one the model's own loss shows.
             batch = prepare_inputs(self, batch_samples[0])
@@ -298,6 +308,7 @@ class AccumTrainer(Trainer):
         if "loss" in logs:
             logs.update(self._window.take_interval_logs())
             logs.update(self._records.noise_logs())
+            logs.update(self._records.utilization_logs())
         if "train_loss" in logs and self._window.run_totals.targets:
             # Trainer's final train_loss is a mean of per-update means; ours weighs every target alike.
             logs["train_loss"] = self._window.run_totals.mean_loss
@@ -333,11 +344,17 @@ class AccumTrainer(Trainer):
         self._window.new_run()
         self.run_control.reset()
         assert self.model is not None  # set by Trainer.__init__
+        self._records.meter = meter_run(
+            self._window.boundary, self.model, self._micro_batch_loss.term_names[0], device=self.args.device,
+            mixed_precision=self.accelerator.mixed_precision, world_size=self.args.world_size,
+            configured=self._peak_flops, key="AccumTrainer(peak_flops)",
+        )
         keep_4bit_training_layout(self.model)  # evaluations must not repack 4-bit weights (hf_accum.compat)
         with StopSignals(self.run_control, self._stop_on_signals):
             output = super().train(checkpoint, *args, **kwargs)
         self._checkpoints.raise_if_halted(self._window.halting, self._window.boundary.guard)
         self.noise_scale_advice = self._window.boundary.noise_advice(self.updates)
+        self.utilization = summarize(self.updates, self._records.meter.peak, self.args.world_size)
         if self.noise_scale_advice and self.args.process_index == 0:
             logger.info("%s", self.noise_scale_advice)
         if "train_loss" in output.metrics:  # set by log() above: the per-target mean of the whole run

@@ -16,6 +16,7 @@ import torch
 from hf_accum.boundary import Decision, UpdateBoundary
 from hf_accum.noise_scale import NoiseScaleReading
 from hf_accum.records import UpdateLog
+from hf_accum.utilization import UtilizationMeter
 
 
 class UpdateRecorder:
@@ -31,10 +32,23 @@ class UpdateRecorder:
         """The exact held-out loss an evaluation of the update being closed found."""
         self.noise: NoiseScaleReading | None = None
         """The noise-scale reading of the update being closed (None when not tracked)."""
+        self.meter: UtilizationMeter | None = None
+        """Times every update and fills its FLOP/s and MFU (set by ``AccumTrainer.train``)."""
+        self._timing: dict[str, float | None] = {}
+        """The closing update's time, FLOP/s and MFU (taken when it starts closing, before Trainer logs)."""
+
+    def window_opened(self) -> None:
+        """A window's micro-batches were fetched: the first one starts the meter's clock."""
+        if self.meter is not None and not self.meter.started:
+            self.meter.start()
+
+    def utilization_logs(self) -> dict[str, float]:
+        """FLOP/s and MFU over the updates since the last log line, for Trainer's log line."""
+        return self.meter.take_interval() if self.meter is not None else {}
 
     def start(self, resumed: list[dict]) -> None:
         self.updates = [UpdateLog(**update) for update in resumed]
-        self._closing = None
+        self._closing, self._timing = None, {}
 
     def window_closed(self, decision: Decision) -> None:
         """The boundary decided on the window Trainer is about to step (or skip)."""
@@ -50,6 +64,14 @@ class UpdateRecorder:
         if self._closing is not None:
             big = grad_norm ** 2 if grad_norm is not None else unclipped_grad_sq
             self.noise = self.boundary.measure_noise(self._closing, big)
+            self._lap(self._closing)
+
+    def _lap(self, decision: Decision) -> None:
+        """Time the closing update now (its optimizer step is done), so Trainer's log line can carry its MFU."""
+        if self.meter is None:
+            return
+        count = self.boundary.model_flops
+        self._timing = self.meter.lap(count(decision.totals) if count is not None else None)
 
     def noise_logs(self) -> dict[str, float]:
         """The noise-scale numbers of the update being closed, for Trainer's log line."""
@@ -64,13 +86,16 @@ class UpdateRecorder:
         if self._closing is None:
             return None
         learning_rate = self._learning_rate if self._learning_rate is not None else current_lr()
-        return self.boundary.record(self._closing, step=step, epoch=epoch, learning_rate=learning_rate,
-                                    grad_norm=self._grad_norm, eval_loss=self.eval_loss, noise=self.noise)
+        update = self.boundary.record(self._closing, step=step, epoch=epoch, learning_rate=learning_rate,
+                                      grad_norm=self._grad_norm, eval_loss=self.eval_loss, noise=self.noise)
+        for name, value in self._timing.items():
+            setattr(update, name, value)
+        return update
 
     def commit(self, step: int, epoch: float, current_lr: Callable[[], float]) -> None:
         """Record the update Trainer just closed, and hand it to ``on_update``."""
         update = self.closing_update(step, epoch, current_lr)
-        self._closing = None
+        self._closing, self._timing = None, {}
         if update is not None:
             self.updates.append(update)
             if self.on_update is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 
 import pytest
@@ -18,6 +19,7 @@ from benchmarks.harness import SavedActivations, measure_memory
 from benchmarks.report import judge, median_interval
 from hf_accum import cli
 from hf_accum.cli import main
+from hf_accum.peak_flops import PEAK_FLOPS_ENV
 
 TINY = [
     "bench", "--global-batch-size", "4", "--accumulation-steps", "1", "2", "4", "--updates", "1",
@@ -73,6 +75,11 @@ def test_bench_writes_table_plot_and_json(tmp_path, capsys):
     assert all(f"=> {line}" in printed for line in conclusion)
 
     assert _positive_finite(sections["overhead"]["ratio"]) and len(sections["overhead"]["ratios"]) == 2
+    overhead = sections["overhead"]  # MFU beside the ratio: the same model FLOPs over each loop's wall time
+    assert _positive_finite(overhead["ours_mfu"]) and _positive_finite(overhead["bare_mfu"])
+    assert overhead["ours_mfu"] / overhead["bare_mfu"] == pytest.approx(overhead["ours_tokens_per_s"]
+                                                                        / overhead["bare_tokens_per_s"])
+    assert re.search(r"MFU \(wall time\): ours \d+\.\d%, bare \d+\.\d%", printed)
     memory = sections["memory"]
     assert _positive_finite(memory["single_bytes"]) and _positive_finite(memory["accumulated_bytes"])
     assert _positive_finite(memory["ratio"])
@@ -288,6 +295,8 @@ def test_sft_section_prints_every_front_end_and_ratio(tmp_path, capsys):
         assert len(runs) == 2, name  # one run per round
         for run in runs:
             assert _positive_finite(run["seconds"]) and _positive_finite(run["peak_bytes"]), (name, run)
+            assert _positive_finite(run["flops"]) and run["mfu"] == pytest.approx(
+                run["flops"] / run["seconds"] / float(os.environ[PEAK_FLOPS_ENV]))  # tests/conftest.py sets it
             assert run["path"] in ({"fused", "logits"} if name in ("accum_trainer", "accum_sft_padding_free",
                                                                    "accum_sft_packing", "loop_packing") else {"-"})
     ratios = sft["ratios"]["64"]
@@ -298,7 +307,7 @@ def test_sft_section_prints_every_front_end_and_ratio(tmp_path, capsys):
             assert all(_positive_finite(r) for r in by_baseline["tokens_per_s"] + by_baseline["memory"])
 
     # Two tables (tokens/s, memory), each with a row per front-end and a ratio column per baseline.
-    for header in ("real tokens/s", "peak memory"):
+    for header in ("real tokens/s\\s+MFU", "peak memory"):
         assert re.search(rf"front-end\s+path\s+{header}\s+/ stock Trainer\s+/ TRL padding-free\s+/ TRL packing",
                          printed)
     for label in SFT_LABELS:

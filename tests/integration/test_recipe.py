@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import tempfile
 
@@ -42,6 +43,10 @@ def check_outputs(out, metrics: dict, lora: bool = True) -> None:
     assert os.path.getsize(os.path.join(out, run_outputs.PLOT_NAME)) > 1000
     assert metrics["eval_before"]["examples"] == 8 and metrics["eval_after"]["examples"] == 8
     assert metrics["data"]["train_examples"] == 240
+    # Utilization (hf_accum.utilization): model FLOPs of every update, the run's FLOP/s and MFU against the peak.
+    assert all(u["flops"] > 0 for u in metrics["updates"])
+    assert metrics["flops_per_update"] > 0 and metrics["flops_per_second"] > 0 and metrics["mfu"] > 0
+    assert metrics["mfu"] == pytest.approx(metrics["flops_per_second"] / metrics["peak_flops"])
 
 
 @pytest.mark.slow
@@ -74,6 +79,8 @@ def test_loop_engine_one_process_end_to_end(tmp_path):
     assert stdout.count("resolved config:") == 1
     assert "update 16 | epoch" in stdout
     assert "wall time" in stdout and "(from process start)" in stdout
+    assert re.search(r"model FLOPs \S+/update, [\d.,]+ GFLOP/s, MFU \d+\.\d%", stdout)  # the end line
+    assert re.search(r"update 16 \|.* \| MFU \d+\.\d%", stdout)  # each logged update
     assert "updates: 100%" in proc.stderr  # the tqdm progress bar
 
 
@@ -83,8 +90,10 @@ def test_trainer_engine_one_process_end_to_end(tmp_path):
     assert os.path.isfile(core), "AccumTrainer (hf_accum/trainer/core.py) is missing"
     out = tmp_path / "trainer1"
     temp_before = set(os.listdir(tempfile.gettempdir()))
-    run_script(PYTHON, out, "engine=trainer", "training.max_steps=6", "training.logging_steps=5")
+    proc = run_script(PYTHON, out, "engine=trainer", "training.max_steps=6", "training.logging_steps=5")
     metrics = read_metrics(out)
+    assert re.search(r"model FLOPs \S+/update, [\d.,]+ GFLOP/s, MFU \d+\.\d%", proc.stdout)  # the end line
+    assert "'mfu':" in proc.stdout  # Trainer's log line every logging_steps
     check_outputs(out, metrics)
     assert (metrics["engine"], metrics["world_size"], metrics["accumulation_steps"]) == ("trainer", 1, 4)
     # Every update is in metrics.json, not only the logged ones (logging_steps=5).
@@ -213,6 +222,7 @@ def test_two_processes_without_use_cpu_on_a_cpu_machine_stop_before_loading(tmp_
         (["trainig.seed=1"], "unknown section 'trainig'"),
         (["model.dtype=float8"], "model.dtype='float8'"),
         (["data.max_length=1"], "data.max_length=1 must be >= 2"),
+        (["accumulation.peak_flops=-5"], "accumulation.peak_flops=-5"),
         (["model.name_or_path=/nonexistent/model"], "no such directory"),
         (["training.resume_from_checkpoint=/nonexistent/checkpoint-9"], "no such checkpoint directory"),
         (["--config", "/nonexistent/config.yaml"], "config file not found"),
