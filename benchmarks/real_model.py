@@ -67,7 +67,7 @@ class Options:
     real_micro_batch: int = HfArg(default=1, help="rows per micro-batch (per_device_train_batch_size)")
     real_accumulation: int = HfArg(default=4, help="micro-batches per update (gradient_accumulation_steps)")
     real_seq_length: int = HfArg(default=256, help="tokens per row (every row has this length: no padding)")
-    real_updates: int = HfArg(default=3, help="optimizer updates per run, warm-up included")
+    real_updates: int = HfArg(default=2, help="optimizer updates per run, warm-up included")
     real_warmup_updates: int = HfArg(default=1, help="first updates of a run left out of tokens/s")
     real_rounds: int = HfArg(default=2, help="rounds: every trainer runs once per round, in its own process, the order "
                                              "rotated between rounds")
