@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import TrainerCallback
+from transformers import PrinterCallback, TrainerCallback
 
 from benchmarks.workers import peak_memory, proc_status_bytes, reset_peak
 
@@ -171,7 +171,7 @@ def run_here(**spec: Any) -> dict:
     meter = _Meter()
     with tempfile.TemporaryDirectory(prefix="hf_accum_bench_") as tmp, LossPathLog.watching() as path_log:
         trainer = _build_trainer(spec, tmp)
-        trainer.remove_callback(__import__("transformers").PrinterCallback)
+        trainer.remove_callback(PrinterCallback)  # no log lines in the child's output
         trainer.add_callback(meter)
         trainer.train()
     path = path_log.path if spec["trainer"] == "accum_trainer" else "-"
