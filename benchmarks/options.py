@@ -22,7 +22,8 @@ from transformers import HfArgumentParser
 from transformers.hf_argparser import HfArg
 
 from benchmarks import (
-    fsdp_fused, loss, memory, noise_scale, overhead, padding, rampup_auto, sft, softcap, sweep, token_budget, vocab,
+    fsdp_fused, loss, memory, noise_scale, overhead, padding, rampup_auto, real_model, sft, softcap, sweep, token_budget,
+    vocab,
 )
 from benchmarks.report import BenchError, require_positive
 
@@ -39,7 +40,10 @@ SECTIONS = {
     "token_budget": token_budget,
     "fsdp_fused": fsdp_fused,
     "rampup-auto": rampup_auto,
+    "real-model": real_model,
 }
+OPT_IN = ("real-model",)
+"""Sections run only when named with --only (real pretrained models: minutes, packages of their own)."""
 
 
 @dataclass
@@ -59,8 +63,9 @@ class BenchOptions:
     max_length: int = HfArg(default=256, help="longest random row in tokens (sweep, overhead, padding; every "
                                               "row of the memory section has this length)")
     sections: list[str] = HfArg(
-        default_factory=lambda: list(SECTIONS), aliases=["--only"], metadata={"choices": list(SECTIONS), "metavar": "SECTION"},
-        help="sections to run")
+        default_factory=lambda: [name for name in SECTIONS if name not in OPT_IN], aliases=["--only"],
+        metadata={"choices": list(SECTIONS), "metavar": "SECTION"},
+        help=f"sections to run (default: all but {', '.join(OPT_IN)}, which run only when named)")
     output_dir: str = HfArg(default="bench_out", help="bench.json (and the sweep's PNG) go here")
     seed: int = HfArg(default=0, help="seed of the weights and the random rows")
     threads: int | None = HfArg(
