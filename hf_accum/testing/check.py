@@ -91,7 +91,7 @@ class _CheckedModel:
     name: str
     config: Any = None
     """The (cut) config the check builds, None for the built-in tiny model."""
-    layers: str = "all"
+    layers: str = "all layers"
     """What was kept, e.g. '2 of 30 layers'."""
     settings: FineTuneSettings = FineTuneSettings()
     freeze_vocabulary: bool = False
@@ -295,7 +295,7 @@ class CheckCost:
 
     def describe(self, checked: _CheckedModel) -> str:
         return (f"checking {checked.name}, {checked.layers}, {checked.settings.describe()}{_frozen_note(checked)}: "
-                f"{self.parameters / 1e6:.1f}M parameters in float64, {self.trainable / 1e6:.2f}M audited; "
+                f"{self.parameters / 1e6:.3g}M parameters in float64, {self.trainable / 1e6:.3g}M audited; "
                 f"estimated peak ~{self.peak_bytes / 2**30:.1f} GiB, ~{self.seconds:.0f} s of CPU"
                 f"{'' if checked.layers == 'all layers' else ' (every layer and parameter: --full)'}")
 

@@ -18,9 +18,10 @@ The check then audits exactly the parameters this leaves trainable.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -101,9 +102,27 @@ def quantize_linear_weights(model: torch.nn.Module, config: Any) -> list[str]:
 def quantized_values(weight: torch.Tensor, config: Any) -> torch.Tensor:
     """``weight`` as ``config``'s quantizer stores it, dequantized, in ``weight``'s dtype. Quantized from float32
     (bitsandbytes takes float16/bfloat16/float32), as a checkpoint stored in float32 would be."""
+    with _plain_float32():
+        return _round_trip(weight.detach(), config).to(weight.dtype).reshape(weight.shape)
+
+
+@contextlib.contextmanager
+def _plain_float32() -> Iterator[None]:
+    """Outside :func:`hf_accum.testing.float64.float64_arithmetic` (which the model is built inside): the
+    quantizer's own float32 requests and default-dtype tensors (its code tables) must stay float32."""
+    previous = torch.get_default_dtype()
+    with torch._C.DisableTorchFunction():
+        torch.set_default_dtype(torch.float32)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(previous)
+
+
+def _round_trip(weight: torch.Tensor, config: Any) -> torch.Tensor:
     import bitsandbytes.functional as bnb
 
-    source = weight.detach().to(torch.float32)
+    source = weight.to(torch.float32)
     if getattr(config, "load_in_4bit", False):
         packed, state = bnb.quantize_4bit(source, blocksize=64, quant_type=config.bnb_4bit_quant_type,
                                           compress_statistics=config.bnb_4bit_use_double_quant)
@@ -113,4 +132,4 @@ def quantized_values(weight: torch.Tensor, config: Any) -> torch.Tensor:
         values = bnb.int8_vectorwise_dequant(rows, scales)
     else:
         raise ValueError(f"quantization {config}: neither load_in_4bit nor load_in_8bit is set")
-    return values.to(weight.dtype).reshape(weight.shape)
+    return values
