@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -213,6 +214,7 @@ def _run_check(args: argparse.Namespace) -> int:
         raise ValueError(f"--layers {args.layers} and --full: give one (--full checks every layer)")
     model, settings = _check_settings(args)
     layers = None if args.full else (DEFAULT_LAYERS if args.layers is None else args.layers)
+    started = time.perf_counter()
     try:
         report = check_model(
             model, args.micro_batch_size, args.accumulation_steps, args.examples, tolerance=args.tolerance,
@@ -223,6 +225,10 @@ def _run_check(args: argparse.Namespace) -> int:
         return EXIT_CANNOT_RUN
     print(report.table())
     print(report.verdict())
+    from hf_accum.peak_memory import peak_rss_bytes
+
+    print(f"took {time.perf_counter() - started:.0f} s ({time.process_time():.0f} s of CPU), peak memory "
+          f"{peak_rss_bytes() / 2**30:.2f} GiB RSS")
     return EXIT_OK if report.passed else EXIT_FAILED
 
 

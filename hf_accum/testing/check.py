@@ -21,7 +21,16 @@ weights for those layers, embeddings and head (safetensors are read lazily, so t
 real vocabulary (random rows draw from all of it) and the real tokenizer's pad token. What accumulation can get
 wrong is in the loss normalisation across micro-batches and the vocabulary-sized logits, not in the depth, so
 the cut checks the same arithmetic at a cost independent of depth; ``layers=None`` (``--full``) runs the whole
-model. :func:`estimate_cost` states the time and memory before anything is loaded.
+model. In full fine-tuning the bounded check also freezes the embedding and output head: they still compute every
+logit over the real vocabulary (the gradients it audits flow through them), but their own gradients, which at a
+262144 vocabulary are 1.3 GB each in float64 and make up most of the memory, are not audited (``--full`` audits
+them). Rows are shortened for large vocabularies so that one update's logits stay within 256 MiB. The
+reference recomputes on the live weights themselves (no copy). :func:`estimate_cost` states the time and memory
+before anything is loaded. Measured on one CPU thread (docs/real-models.md): SmolLM2-135M 1.19 GiB peak RSS and
+15 s of CPU; Gemma 3 270M (vocabulary 262144) 2.76 GiB and 33 s.
+
+**The user's settings** (:class:`hf_accum.testing.check_settings.FineTuneSettings`): LoRA adapters and the
+quantized base values, as the user trains them; the check audits exactly the parameters they leave trainable.
 
 Outcomes: :class:`CheckReport` (PASS / FAIL), :class:`hf_accum.errors.InputError` for a ``--model``
 that is not a readable model directory, :class:`ModelCannotRun` for one the check cannot train (not
@@ -300,10 +309,10 @@ class CheckCost:
                 f"{'' if checked.layers == 'all layers' else ' (every layer and parameter: --full)'}")
 
 
-# Calibrated on SmolLM2-135M and Gemma 3 270M cut to 2 layers, one CPU thread (docs/real-models.md): an order of
-# magnitude, no more.
+# Calibrated on SmolLM2-135M (measured 1.19 GiB, 15 s of CPU) and Gemma 3 270M (2.76 GiB, 33 s) cut to 2 layers, one
+# CPU thread (docs/real-models.md): estimates within ~20%, an order of magnitude and no more elsewhere.
 _BASELINE_BYTES = 600 * 2**20  # Python, torch, transformers, accelerate, peft
-_FLOPS_PER_SECOND = 4e9
+_FLOPS_PER_SECOND = 1.5e10  # effective: a frozen head needs no weight gradient, a tied embedding's lookup is free
 _FIXED_SECONDS = 10.0  # imports, reading the checkpoint, building the model twice
 
 
@@ -312,13 +321,12 @@ def estimate_cost(checked: _CheckedModel, micro_batch: int, accumulation: int, n
     """Rough time and memory of a check, from the parameter counts (on the meta device) and one update's logits.
 
     Memory: every parameter once in float64 (the reference shares them), plus three float64 copies of the
-    audited ones (the accumulated gradient, the reference's, a transient while comparing), the loading copy of
-    the largest matrix, and about four logits-sized tensors of the reference's big batch (logits, log-softmax,
-    their gradients). Time: two runs (exact, naive), each a forward and backward per token for training and
+    audited ones (the accumulated gradient, the reference's, a transient while comparing), the largest matrix as
+    read from a float32 checkpoint, and two logits-sized tensors of the reference's big batch. Time: two runs (exact, naive), each a forward and backward per token for training and
     again for the reference: 4 x 6 flops per parameter per token."""
     parameters, trainable, largest = _parameter_counts(checked)
     update_tokens = micro_batch * accumulation * row_length
-    peak = (8 * parameters + 3 * 8 * trainable + 8 * largest + 4 * update_tokens * checked.vocab_size * 8
+    peak = (8 * parameters + 3 * 8 * trainable + 4 * largest + 2 * update_tokens * checked.vocab_size * 8
             + _BASELINE_BYTES)
     tokens = n_examples * (row_length + 3) / 2
     seconds = _FIXED_SECONDS + 4 * 6 * parameters * tokens / _FLOPS_PER_SECOND
