@@ -162,7 +162,7 @@ def _recipe_plan(args: argparse.Namespace, processes: int) -> BatchPlan:
     return BatchPlan(micro, config.training.get("gradient_accumulation_steps", 1), processes, args.nodes)
 
 
-def _recipe_ramp(args: argparse.Namespace, key: str = "rampup_batch_size"):
+def _recipe_ramp(args: argparse.Namespace, key: str = "rampup_batch_size") -> Any:
     from hf_accum.recipe import config as C
 
     path, overrides = C.parse_overrides(["--config", args.config, *args.overrides])
@@ -272,7 +272,9 @@ def _recipe_check_settings(args: argparse.Namespace) -> tuple[str, Any]:
     if model == TINY_MODEL:
         model = "tiny"
     elif args.model is None and config.model.gguf_file:
-        model = gguf.converted_dir(gguf.gguf_source(model, config.model.gguf_file))
+        source = gguf.gguf_source(model, config.model.gguf_file)
+        assert source is not None  # a gguf_file always names a GGUF source (or raises)
+        model = gguf.converted_dir(source)
     return model, FineTuneSettings(config.lora_config(), config.bnb_config())
 
 
@@ -318,7 +320,7 @@ def benchmarks_location() -> Path | None:
     return None
 
 
-def _import_benchmarks(location: Path):
+def _import_benchmarks(location: Path) -> Any:
     """Import ``benchmarks.run`` from ``location``: the package is found by path, not on ``sys.path``
     (an editable install exposes only ``hf_accum``)."""
     import importlib
@@ -329,10 +331,12 @@ def _import_benchmarks(location: Path):
         spec = importlib.util.spec_from_file_location(
             "benchmarks", location / "__init__.py", submodule_search_locations=[str(location)]
         )
+        if spec is None or spec.loader is None:
+            raise ValueError(f"{location}: not an importable benchmarks package")
         loaded = importlib.util.module_from_spec(spec)
         sys.modules["benchmarks"] = loaded
         spec.loader.exec_module(loaded)
-    if Path(loaded.__file__).resolve().parent != location.resolve():
+    if Path(str(loaded.__file__)).resolve().parent != location.resolve():
         raise ValueError(f"another package named 'benchmarks' is already imported ({loaded.__file__})")
     return importlib.import_module("benchmarks.run")
 

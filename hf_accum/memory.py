@@ -259,12 +259,13 @@ def training_step_peak(model: torch.nn.Module, device: torch.device, micro_batch
     from hf_accum.batching import PaddingCollator
     from hf_accum.loop import LoopConfig, train
 
-    vocab = model.get_input_embeddings().num_embeddings
     generator = torch.Generator().manual_seed(seed)
-    vocab = int(getattr(model.get_input_embeddings(), "num_embeddings"))  # noqa: B009 (a Module attribute)
+    embeddings: Any = model.get_input_embeddings()  # type: ignore[operator]  # a transformers model's method
+    vocab = int(embeddings.num_embeddings)
     rows = [{"input_ids": torch.randint(3, vocab, (max_length,), generator=generator).tolist()}
             for _ in range(2 * micro_batch)]
-    loader = DataLoader(rows, batch_size=micro_batch, collate_fn=PaddingCollator(0))
+    dataset: Any = rows  # a list is a map-style dataset to DataLoader (typed as Dataset)
+    loader: DataLoader[Any] = DataLoader(dataset, batch_size=micro_batch, collate_fn=PaddingCollator(0))
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=learning_rate)
     # Its own Accelerator, so that nothing of this step outlives it.

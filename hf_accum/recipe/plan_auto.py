@@ -89,8 +89,9 @@ class ProbeWatch:
         """The planner's inputs from the config (a ``ValueError`` with the child's one line for bad input)."""
         returncode, out, err, reached = self._run({"resolve": spec})
         if reached is not None or (returncode != 0 and self._out_of_memory(err)):
-            raise MemoryBudgetError(f"the budget of {format_bytes(self.budget or 0)} does not even hold the planner "
-                                    f"reading the config ({format_bytes(reached or self.peak)} reached)")
+            raise MemoryBudgetError(f"no micro-batch fits the budget of {format_bytes(self.budget or 0)}: it does not "
+                                    f"even hold the planner reading the config (stopped at "
+                                    f"{format_bytes(reached or self.peak)}); no probe was run")
         answer = self._answer(returncode, out, err, "reading the config")
         if "error" in answer:
             raise ValueError(answer["error"])

@@ -44,7 +44,7 @@ import gc
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -244,7 +244,7 @@ def vocabulary_matrices(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return list(found.values())
 
 
-def cut_layers(config, layers: int, name: str = "the model") -> str:
+def cut_layers(config: Any, layers: int, name: str = "the model") -> str:
     """Keep the first ``layers`` decoder layers of ``config`` (in place): ``num_hidden_layers`` and every
     per-layer list (``layer_types`` and the like: a list as long as the layer count). More layers than the
     model has: the whole model. Returns what was kept, e.g. '2 of 30 layers'."""
@@ -269,7 +269,7 @@ def _gguf_as_directory(model: str) -> str:
     return converted_dir(gguf_source(model))
 
 
-def _pad_token_id(model: str, config, vocab_size: int) -> int:
+def _pad_token_id(model: str, config: Any, vocab_size: int) -> int:
     """The real tokenizer's pad token (else its eos), when the directory has a tokenizer; else the config's."""
     from transformers import AutoTokenizer
 
@@ -285,7 +285,7 @@ def _pad_token_id(model: str, config, vocab_size: int) -> int:
 
 
 @contextlib.contextmanager
-def _quiet_unused_weights():
+def _quiet_unused_weights() -> Iterator[None]:
     logger = logging.getLogger("transformers.modeling_utils")
     level = logger.level
     logger.setLevel(logging.ERROR)
@@ -322,8 +322,9 @@ def estimate_cost(checked: _CheckedModel, micro_batch: int, accumulation: int, n
 
     Memory: every parameter once in float64 (the reference shares them), plus three float64 copies of the
     audited ones (the accumulated gradient, the reference's, a transient while comparing), the largest matrix as
-    read from a float32 checkpoint, and two logits-sized tensors of the reference's big batch. Time: two runs (exact, naive), each a forward and backward per token for training and
-    again for the reference: 4 x 6 flops per parameter per token."""
+    read from a float32 checkpoint, and two logits-sized tensors of the reference's big batch. Time: two runs
+    (exact, naive), each a forward and backward per token for training and again for the reference: 4 x 6 flops
+    per parameter per token, at an effective rate measured here."""
     parameters, trainable, largest = _parameter_counts(checked)
     update_tokens = micro_batch * accumulation * row_length
     peak = (8 * parameters + 3 * 8 * trainable + 4 * largest + 2 * update_tokens * checked.vocab_size * 8
@@ -351,7 +352,7 @@ def _parameter_counts(checked: _CheckedModel) -> tuple[int, int, int]:
     return sum(n for n, _ in counts), sum(n for n, grad in counts if grad), max(n for n, _ in counts)
 
 
-def _without_dropout(config) -> None:
+def _without_dropout(config: Any) -> None:
     """Dropout off, by every config field that sets it (``*dropout*``, GPT-2's ``*_pdrop``), before the model
     is built: a training forward draws new masks that the big-batch reference cannot repeat. (Modules copy these
     values when built, e.g. ``attention_dropout``; ``nn.Dropout`` modules are zeroed after loading too.)"""
