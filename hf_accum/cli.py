@@ -249,6 +249,11 @@ def _check_settings(args: argparse.Namespace) -> tuple[str, Any]:
         return args.model or "tiny", FineTuneSettings()
     quantization = None
     if args.quantization is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ValueError(f"--quantization {args.quantization} needs bitsandbytes (its quantizer gives the base "
+                             "weights their values): pip install 'hf_accum[qlora]'")
         from transformers import BitsAndBytesConfig
 
         quantization = (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",

@@ -85,6 +85,7 @@ def test_bad_layer_values_are_refused_before_loading(model_dir, capsys, extra, m
 
 
 def test_the_users_lora_and_quantization_are_what_is_audited(model_dir):
+    pytest.importorskip("bitsandbytes")
     from transformers import BitsAndBytesConfig
 
     quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
@@ -105,6 +106,7 @@ def test_the_users_lora_and_quantization_are_what_is_audited(model_dir):
 
 
 def test_the_settings_from_the_command_line_and_a_recipe_config(model_dir, tmp_path, capsys):
+    pytest.importorskip("bitsandbytes")
     common = ["check", "--model", model_dir, "--micro-batch-size", "2", "--accumulation-steps", "3", "--examples", "8"]
     assert cli.main([*common, "--lora-r", "2", "--lora-target-modules", "q_proj", "--quantization", "8bit"]) == EXIT_OK
     out = capsys.readouterr().out
