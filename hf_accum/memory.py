@@ -21,11 +21,12 @@ import gc
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from hf_accum.errors import InputError
+
+if TYPE_CHECKING:  # torch is imported where it is used: hf-accum plan --auto's planner process never loads it
+    import torch
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -49,12 +50,25 @@ def parse_bytes(text: str, key: str = "--memory-budget") -> int:
 
 
 def format_bytes(value: float) -> str:
-    return f"{value / 2**30:.2f} GiB" if value >= 2**30 else f"{value / 2**20:.1f} MiB"
+    text = f"{value / 2**30:.2f} GiB" if value >= 2**30 else f"{value / 2**20:.1f} MiB"
+    return f"> {text} (stopped)" if isinstance(value, OverBudget) else text
+
+
+class OverBudget(int):
+    """A measurement that was stopped before the end, at this many bytes, because it was crossing the budget:
+    the true peak is larger, and it does not fit whatever its value (formatted ``> 1.10 GiB (stopped)``)."""
+
+
+def within(peak: float, budget: int) -> bool:
+    """Whether a measured (or predicted) peak fits the budget; a stopped measurement never does."""
+    return not isinstance(peak, OverBudget) and peak <= budget
 
 
 def default_budget(device: torch.device, margin: float = 0.1) -> int:
     """The device's free memory minus a margin: CUDA's free bytes, else the machine's available RAM."""
     if device.type == "cuda":
+        import torch
+
         free, _ = torch.cuda.mem_get_info(device)
     else:
         import psutil
@@ -74,6 +88,7 @@ class MemoryReading:
 @contextlib.contextmanager
 def measure_memory(device: torch.device) -> Iterator[MemoryReading]:
     """Yield a :class:`MemoryReading`, filled in when the block ends (see the module docstring)."""
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
     reading = MemoryReading()
@@ -113,14 +128,14 @@ def _quiet_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-def profiler_peak(prof, device: torch.device) -> tuple[int, int | None]:
+def profiler_peak(prof: Any, device: torch.device) -> tuple[int, int | None]:
     """(peak of the running allocation total, largest single allocation) for ``device``'s memory events."""
     events = [
         e for e in prof.profiler.kineto_results.events()
         if e.name() == "[memory]" and e.device_type().name.lower() == device.type
     ]
     current = peak = 0
-    largest = None
+    largest: int | None = None
     for event in sorted(events, key=lambda e: e.start_ns()):
         size = event.nbytes()
         current += size
@@ -164,9 +179,12 @@ class MemoryPlan:
             measured = self.measured.get(m)
             peak = measured if measured is not None else self.predicted(m)
             chosen = "  <- chosen" if m == self.micro_batch else ""
+            skipped = measured is None and any(k < m and not within(v, self.budget_bytes)
+                                               for k, v in self.measured.items())
+            verdict = "no (not probed: a smaller one is over)" if skipped else (
+                "yes" if within(peak, self.budget_bytes) else "no")
             rows.append(f"{m:>6} {self.per_process_batch // m:>4} {format_bytes(self.predicted(m)):>12} "
-                        f"{format_bytes(measured) if measured is not None else '-':>12}  "
-                        f"{'yes' if peak <= self.budget_bytes else 'no'}{chosen}")
+                        f"{format_bytes(measured) if measured is not None else '-':>12}  {verdict}{chosen}")
         return "\n".join(rows)
 
 
@@ -193,15 +211,24 @@ def plan_micro_batch(
     than the per-process batch are skipped. Raises :class:`MemoryBudgetError` when even 1 does not fit.
     """
     plan = MemoryPlan(budget_bytes, per_process_batch)
+
+    def over(m: int) -> bool:
+        """Known not to fit: ``m`` or a smaller micro-batch measured over the budget (peaks grow with ``m``)."""
+        return any(k <= m and not within(v, budget_bytes) for k, v in plan.measured.items())
+
     for m in sorted({p for p in probes if p <= per_process_batch} or {1}):
+        if over(m):  # a smaller probe is already over: this one is skipped (it would only cost time and memory)
+            break
         plan.measured[m] = measure(m)
     plan.intercept, plan.slope = fit_line(plan.measured)
     candidates = divisors(per_process_batch)
 
     def fits(m: int) -> bool:
+        if over(m):
+            return False
         if m not in plan.measured:
             plan.measured[m] = measure(m)
-        return plan.measured[m] <= budget_bytes
+        return within(plan.measured[m], budget_bytes)
 
     predicted_fit = [m for m in candidates if plan.predicted(m) <= budget_bytes] or [1]
     index = candidates.index(predicted_fit[-1])
@@ -210,7 +237,8 @@ def plan_micro_batch(
     if index < 0:
         raise MemoryBudgetError(
             f"no micro-batch fits the budget of {format_bytes(budget_bytes)}: micro-batch 1 needs "
-            f"{format_bytes(plan.measured[1])} (shorten --max-length, quantize, or use LoRA)"
+            f"{format_bytes(plan.measured[1])}; larger micro-batches not probed (shorten --max-length, quantize, or "
+            "use LoRA)"
         )
     while index + 1 < len(candidates) and fits(candidates[index + 1]):  # pessimistic: step up
         index += 1
@@ -224,17 +252,20 @@ def training_step_peak(model: torch.nn.Module, device: torch.device, micro_batch
     through :func:`hf_accum.train`: the real loss path (fused for causal LMs), gradients, and AdamW state
     (it exists from the second update on, as in any real run). Every row is full length: the worst case
     a micro-batch of the planned size meets."""
+    import torch
     from accelerate import Accelerator
     from torch.utils.data import DataLoader
 
     from hf_accum.batching import PaddingCollator
     from hf_accum.loop import LoopConfig, train
 
-    vocab = model.get_input_embeddings().num_embeddings
     generator = torch.Generator().manual_seed(seed)
+    embeddings: Any = model.get_input_embeddings()  # type: ignore[operator]  # a transformers model's method
+    vocab = int(embeddings.num_embeddings)
     rows = [{"input_ids": torch.randint(3, vocab, (max_length,), generator=generator).tolist()}
             for _ in range(2 * micro_batch)]
-    loader = DataLoader(rows, batch_size=micro_batch, collate_fn=PaddingCollator(0))
+    dataset: Any = rows  # a list is a map-style dataset to DataLoader (typed as Dataset)
+    loader: DataLoader[Any] = DataLoader(dataset, batch_size=micro_batch, collate_fn=PaddingCollator(0))
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=learning_rate)
     # Its own Accelerator, so that nothing of this step outlives it.

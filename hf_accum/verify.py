@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -62,35 +62,48 @@ class BigBatchAuditor:
     router_loss: str = "none"
     """``"none"``, ``"big_batch"`` or ``"per_micro_batch"``: how the reference adds a MoE model's
     ``router_aux_loss_coef * aux_loss`` (see the module docstring)."""
+    share_weights: bool = False
+    """The reference copy holds the live model's parameter tensors themselves instead of copies (modules and
+    buffers are still copied): no second copy of the weights and no reload per update, for checks whose memory
+    matters (``hf-accum check`` at real sizes). Only where the reference computes in the live dtype, and only
+    where the live parameters stay the same objects through training (not FSDP, which replaces them)."""
     records: list[AuditRecord] = field(default_factory=list)
-    _pending: deque = field(default_factory=deque, repr=False)
+    _pending: deque[dict[str, torch.Tensor]] = field(default_factory=deque, repr=False)
     _forwards: int = field(default=0, repr=False)
 
     # -- wiring ---------------------------------------------------------------------------
     def wrap_collator(self, collate_fn: Callable[[Sequence[Any]], dict]) -> Callable[[Sequence[Any]], dict]:
-        def recording_collate(examples):
+        def recording_collate(examples: Sequence[Any]) -> dict:
             batch = collate_fn(examples)
             self._pending.append({k: v.detach().clone() for k, v in batch.items() if torch.is_tensor(v)})
             return batch
 
         return recording_collate
 
-    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, reference_model=None) -> None:
+    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               reference_model: torch.nn.Module | None = None) -> None:
         self._live = _unwrap_ddp(model)
+        share = self.share_weights and reference_model is None
+        if share and self.reference_dtype not in (None, *{p.dtype for p in self._live.parameters()}):
+            # Converting shared parameters would convert the live model's.
+            raise ValueError(f"share_weights with reference_dtype={self.reference_dtype}: the reference can share "
+                             "the live weights only in their own dtype")
         # Copy before registering hooks: a deep copy would otherwise copy the hooks (and us).
-        self._reference = reference_model if reference_model is not None else _reference_copy(self._live)
-        if self.reference_dtype is not None:
+        if reference_model is None:
+            reference_model = _reference_copy(self._live, share)
+        self._reference = reference_model
+        if self.reference_dtype is not None and not share:
             self._reference.to(self.reference_dtype)
         # On the unwrapped module: fires once per micro-batch whether or not DDP wraps it later.
         self._live.register_forward_pre_hook(self._count_forward)
         _inner_optimizer(optimizer).register_step_pre_hook(self._audit_step)
 
-    def _count_forward(self, module, args):
+    def _count_forward(self, module: torch.nn.Module, args: Any) -> None:
         if module.training:
             self._forwards += 1
 
     # -- the check ------------------------------------------------------------------------
-    def _audit_step(self, optimizer, args, kwargs) -> None:
+    def _audit_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         window = [self._pending.popleft() for _ in range(self._forwards)]
         self._forwards = 0
         window = _gather_windows(window)
@@ -106,8 +119,8 @@ class BigBatchAuditor:
     def reference_gradient(self, micro_batches: list[dict]) -> tuple[dict[str, torch.Tensor], int, float]:
         """Gradient and value of the mean loss over all targets of ``micro_batches`` taken as one batch."""
         reference = self._reference
-        reference.load_state_dict(self._live.state_dict())
-        reference.zero_grad(set_to_none=True)
+        if not self.share_weights:
+            reference.load_state_dict(self._live.state_dict())
         big = _concatenate(micro_batches, self.pad_token_id)
         labels = big.pop("labels")
         device = next(reference.parameters()).device
@@ -117,8 +130,12 @@ class BigBatchAuditor:
         if targets == 0:
             return {n: torch.zeros_like(p) for n, p in reference.named_parameters() if p.requires_grad}, 0, float("nan")
         loss = loss + self._router_term(outputs, micro_batches, targets)
-        loss.backward()
-        grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters() if p.requires_grad}
+        del outputs, logits  # the big batch's logits: only the graph keeps what backward needs
+        # autograd.grad, not backward: the parameters' .grad stays untouched (with share_weights it is the live
+        # model's accumulated gradient), and no copy of the gradients is made.
+        trainable = [(n, p) for n, p in reference.named_parameters() if p.requires_grad]
+        values = torch.autograd.grad(loss, [p for _, p in trainable], allow_unused=True)
+        grads = {n: torch.zeros_like(p) if g is None else g for (n, p), g in zip(trainable, values)}
         return grads, targets, float(loss.detach())
 
     def _router_term(self, big_outputs: Any, micro_batches: list[dict], targets: int) -> torch.Tensor | float:
@@ -149,20 +166,21 @@ class BigBatchAuditor:
         return max((r.relative_error for r in self.records), default=float("nan"))
 
 
-def _shift(logits: torch.Tensor, labels: torch.Tensor, kind: str):
+def _shift(logits: torch.Tensor, labels: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits and the labels they predict, aligned position by position."""
     return REFERENCE_LAYOUTS[kind].align(logits, labels)
 
 
-def _next_token(logits: torch.Tensor, labels: torch.Tensor):
+def _next_token(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return logits[:, :-1, :], labels[:, 1:]
 
 
-def _same_positions(logits: torch.Tensor, labels: torch.Tensor):
+def _same_positions(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return logits, labels
 
 
-def _cross_entropy_mean(auditor: BigBatchAuditor, logits: torch.Tensor, labels: torch.Tensor):
+def _cross_entropy_mean(auditor: BigBatchAuditor, logits: torch.Tensor, labels: torch.Tensor
+                        ) -> tuple[torch.Tensor, int]:
     targets = int(labels.ne(-100).sum())
     if targets == 0:
         return logits.sum() * 0, 0
@@ -176,7 +194,7 @@ def _cross_entropy_mean(auditor: BigBatchAuditor, logits: torch.Tensor, labels: 
     return loss, targets
 
 
-def _sequence_mean(auditor: BigBatchAuditor, logits: torch.Tensor, labels: torch.Tensor):
+def _sequence_mean(auditor: BigBatchAuditor, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
     """transformers' three problem types of a sequence-classification head."""
     problem = auditor.problem_type
     if problem is None:
@@ -246,7 +264,7 @@ def _relative_error(live: list[torch.Tensor | None], reference: list[torch.Tenso
     return (diff / norm) ** 0.5 if norm > 0 else (0.0 if diff == 0 else float("inf"))
 
 
-def _norm(tensors) -> float:
+def _norm(tensors: Iterable[torch.Tensor]) -> float:
     return sum(float(t.double().pow(2).sum()) for t in tensors) ** 0.5
 
 
@@ -266,12 +284,14 @@ def _unwrap_ddp(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
-def _inner_optimizer(optimizer):
+def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return getattr(optimizer, "optimizer", optimizer)
 
 
-def _reference_copy(model: torch.nn.Module) -> torch.nn.Module:
-    reference = copy.deepcopy(model)
+def _reference_copy(model: torch.nn.Module, share_weights: bool = False) -> torch.nn.Module:
+    """A deep copy of ``model`` to recompute with; with ``share_weights``, holding the same parameter objects."""
+    memo: dict[int, Any] = {id(p): p for p in model.parameters()} if share_weights else {}
+    reference = copy.deepcopy(model, memo)
     base = getattr(reference, "get_base_model", lambda: reference)()
     # The yardstick recomputes nothing (transformers >= 5.2x renamed the switch).
     disable = getattr(base, "activation_checkpointing_disable", None) or getattr(

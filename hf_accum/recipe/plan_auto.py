@@ -6,12 +6,16 @@ of a training step at a few micro-batch sizes of ``--max-length``-token rows, an
 micro-batch that divides the per-process batch and fits the budget, with its accumulation steps, as a
 table (:func:`hf_accum.memory.plan_micro_batch` holds the method).
 
-**The planner stays inside its own budget**: it never builds the model itself. Each probe runs in a child
-process (:mod:`hf_accum.recipe.plan_probe`) that this process watches; on CPU, where the budget is this
-machine's RAM, the child is stopped as soon as the two processes' resident memory together would cross the
-budget, and that micro-batch counts as not fitting (its "measured" value is the memory it had reached). A
-probe's measured peak is the larger of its tensor peak and (on CPU) its whole-process peak RSS: what a training
-process at that micro-batch really needs. When even micro-batch 1 does not fit, the command says so and exits 2.
+**The planner stays inside its own budget**: this process never imports torch, never reads the model and never
+builds it (about 40 MB). Everything else runs in child processes (:mod:`hf_accum.recipe.plan_probe`), one at a
+time, that this process watches: one reads and checks the config, then one per probe. On CPU, where the budget is
+this machine's RAM, a child is stopped as soon as the two processes' resident memory together would cross 95% of
+the budget, and that micro-batch counts as not fitting (the table shows the memory it had reached, ``> ...
+(stopped)``, and a line says which probe was stopped). Two backstops for a loaded machine, where this process may
+not be scheduled in time: each child starts with its private memory capped (``RLIMIT_DATA``) at what the budget
+leaves, and a probe, once its imports are done, caps its own further growth at what is left of it. A probe's
+measured peak is the larger of its tensor peak and (on CPU) its whole-process peak RSS: what a training process at
+that micro-batch really needs. When even micro-batch 1 does not fit, the command says so and exits 2.
 """
 
 from __future__ import annotations
@@ -21,42 +25,38 @@ import json
 import subprocess
 import sys
 import time
+from typing import Any, Callable
 
 import psutil
-import torch
 
-from hf_accum.memory import MemoryBudgetError, default_budget, format_bytes, parse_bytes, plan_micro_batch
+from hf_accum.memory import MemoryBudgetError, OverBudget, format_bytes, parse_bytes, plan_micro_batch
 from hf_accum.schedule import BatchPlan
 
-_POLL_SECONDS = 0.01
+_POLL_SECONDS = 0.005
 _SAFETY = 0.95
-"""Stop a probe at 95% of the budget: memory can grow between two polls (10 ms)."""
+"""Stop a child at 95% of the budget: memory can grow between two polls."""
 
 
 def run_auto_plan(args: argparse.Namespace, processes: int) -> int:
-    # The CLI is a front door to the recipe kit: the model is built as the recipe builds it.
-    from hf_accum.recipe import config as recipe_config
-    from hf_accum.recipe import modeling
-
-    config, argv = _config(args, recipe_config)
-    max_length = args.max_length or config.data.max_length
-    if max_length < 2:
-        raise ValueError(f"--max-length {max_length}: needs at least 2 tokens (one prediction target)")
-    per_process = _per_process_batch(args, config, processes)
-    device = torch.device("cuda" if torch.cuda.is_available() and not config.training.get("use_cpu") else "cpu")
-    budget = parse_bytes(args.memory_budget) if args.memory_budget else default_budget(device)
-    modeling.check_model_section(config.model)  # a missing model: one line, before any probe starts
-    precision = "bf16" if config.training.get("bf16") else "fp16" if config.training.get("fp16") else "no"
-    print(f"measuring {config.model.name_or_path} on {device} ({max_length}-token rows, {precision} mixed "
-          f"precision), budget {format_bytes(budget)} per process ...", flush=True)
-    watch = ProbeWatch(budget if device.type == "cpu" else None)
-    spec = {"argv": argv, "max_length": max_length, "device": str(device), "precision": precision}
+    given_budget = parse_bytes(args.memory_budget) if args.memory_budget else None
+    argv = _recipe_argv(args)
+    watch = ProbeWatch(given_budget, announce=lambda line: print(line, flush=True))
+    # The config is read in a child too: the recipe's config kit imports torch.
+    setup = watch.resolve({"argv": argv, "max_length": args.max_length,
+                           "global_batch_size": args.global_batch_size, "processes": processes})
+    budget = given_budget or int(setup["default_budget"])
+    watch.budget = budget if setup["device"] == "cpu" else None  # a GPU budget is the GPU's memory, not RAM
+    print(f"measuring {setup['model']} on {setup['device']} ({setup['max_length']}-token rows, "
+          f"{setup['precision']} mixed precision), budget {format_bytes(budget)} per process ...", flush=True)
+    spec = {key: setup[key] for key in ("device", "precision", "max_length")}
+    spec["argv"] = argv
     try:
-        plan = plan_micro_batch(lambda m: watch.measure(dict(spec, micro_batch=m)), per_process, budget)
+        plan = plan_micro_batch(lambda m: watch.measure(dict(spec, micro_batch=m)), setup["per_process"], budget)
     except MemoryBudgetError as error:
         raise MemoryBudgetError(f"{error}; planner peak {format_bytes(watch.peak)} (probe included)") from None
     print(plan.table())
     print(f"planner peak {format_bytes(watch.peak)} (this process + its probe), budget {format_bytes(budget)}")
+    assert plan.micro_batch is not None and plan.accumulation_steps is not None
     chosen = BatchPlan(plan.micro_batch, plan.accumulation_steps, processes, args.nodes)
     print(f"{chosen.describe()}: measured peak {format_bytes(plan.measured[plan.micro_batch])} <= "
           f"{format_bytes(budget)}")
@@ -65,46 +65,84 @@ def run_auto_plan(args: argparse.Namespace, processes: int) -> int:
     return 0
 
 
-def _config(args: argparse.Namespace, recipe_config):
-    overrides_argv = (["--config", args.config] if args.config else []) + list(args.overrides or [])
-    path, overrides = recipe_config.parse_overrides(overrides_argv)
+def _recipe_argv(args: argparse.Namespace) -> list[str]:
+    """The recipe's ``--config``/overrides argv, ``--model`` as ``model.name_or_path``."""
+    argv = (["--config", args.config] if args.config else []) + list(args.overrides or [])
     if args.model:
-        overrides["model.name_or_path"] = args.model
-        overrides_argv.append(f"model.name_or_path={args.model}")
-    return recipe_config.load_config(path, overrides), overrides_argv
-
-
-def _per_process_batch(args: argparse.Namespace, config, processes: int) -> int:
-    """Sequences per process per update: the target global batch over the processes (must divide)."""
-    if args.global_batch_size is not None:
-        global_batch = args.global_batch_size
-    elif config.global_batch_size is not None:
-        global_batch = config.global_batch_size
-    else:
-        t = config.training
-        global_batch = t.get("per_device_train_batch_size", 8) * t.get("gradient_accumulation_steps", 1) * processes
-    if global_batch < 1 or global_batch % processes:
-        raise ValueError(f"global batch {global_batch} is not a positive multiple of {processes} processes")
-    return global_batch // processes
+        argv.append(f"model.name_or_path={args.model}")
+    return argv
 
 
 _OUT_OF_MEMORY = ("OutOfMemory", "out of memory", "MemoryError", "can't allocate memory", "Cannot allocate memory")
 
 
 class ProbeWatch:
-    """Runs probes in child processes; with a ``budget`` (CPU), stops a child before this process and it together
-    cross ``_SAFETY`` x budget. ``peak``: the largest sum of both resident sizes seen."""
+    """Runs the planner's children one at a time; with a ``budget`` (CPU), stops a child before this process and
+    it together cross ``_SAFETY`` x budget. ``peak``: the largest sum of both resident sizes seen."""
 
-    def __init__(self, budget: int | None):
+    def __init__(self, budget: int | None, announce: Callable[[str], None] = print) -> None:
         self.budget = budget
         self.peak = 0
+        self.announce = announce
 
-    def measure(self, spec: dict) -> int:
+    def resolve(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """The planner's inputs from the config (a ``ValueError`` with the child's one line for bad input)."""
+        returncode, out, err, reached = self._run({"resolve": spec})
+        if reached is not None or (returncode != 0 and self._out_of_memory(err)):
+            raise MemoryBudgetError(f"no micro-batch fits the budget of {format_bytes(self.budget or 0)}: it does not "
+                                    f"even hold the planner reading the config (stopped at "
+                                    f"{format_bytes(reached or self.peak)}); no probe was run")
+        answer = self._answer(returncode, out, err, "reading the config")
+        if "error" in answer:
+            raise ValueError(answer["error"])
+        return answer
+
+    def measure(self, spec: dict[str, Any]) -> int:
+        """Peak bytes of one probe at ``spec['micro_batch']``; an :class:`OverBudget` lower bound when stopped."""
+        if self.budget is not None:
+            spec = dict(spec, rss_headroom=self._child_allowance())
+        returncode, out, err, reached = self._run({"probe": spec})
+        micro_batch = spec["micro_batch"]
+        if reached is not None:
+            self.announce(f"probe at micro-batch {micro_batch} stopped at {format_bytes(reached)} (this process + "
+                          f"probe), over {_SAFETY:.0%} of the budget: counted as not fitting")
+            return OverBudget(reached)
+        if returncode != 0 and self._out_of_memory(err):
+            # An allocation refused (the memory cap, or a device out of memory) before it could report.
+            self.announce(f"probe at micro-batch {micro_batch} ran out of the memory the budget leaves it: counted "
+                          "as not fitting")
+            return OverBudget(self._child_allowance())
+        result = self._answer(returncode, out, err, f"probe at micro-batch {micro_batch}")
+        rss = result["rss_peak"] if spec["device"] == "cpu" else 0
+        return max(int(result["tensor_peak"]), int(rss))
+
+    def _out_of_memory(self, err: str) -> bool:
+        # Stopped by the data limit before it could say anything (empty stderr), or an out-of-memory message.
+        return any(sign in err for sign in _OUT_OF_MEMORY) or (self.budget is not None and not err.strip())
+
+    @staticmethod
+    def _answer(returncode: int, out: str, err: str, what: str) -> dict[str, Any]:
+        if returncode != 0:
+            last = (err.strip().splitlines() or ["(no output)"])[-1]
+            raise RuntimeError(f"plan --auto: {what} failed: {last}")
+        answer: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+        return answer
+
+    def _child_allowance(self) -> int:
+        """Resident bytes a child may reach: the safe part of the budget less this process."""
+        assert self.budget is not None
+        return max(int(_SAFETY * self.budget) - psutil.Process().memory_info().rss, 1)
+
+    def _run(self, spec: dict[str, Any]) -> tuple[int, str, str, int | None]:
+        """Run one child to its end, or stop it over the budget: (returncode, stdout, stderr, the tree's resident
+        bytes when it was stopped, else None)."""
         me = psutil.Process()
+        limit = self._child_allowance() if self.budget is not None else None
         child = subprocess.Popen([sys.executable, "-m", "hf_accum.recipe.plan_probe", json.dumps(spec)],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                 preexec_fn=self._data_limit(me.memory_info().rss))
+                                 preexec_fn=None if limit is None else _data_limit(limit))
         watched = psutil.Process(child.pid)
+        reached = None
         while child.poll() is None:
             try:
                 total = me.memory_info().rss + watched.memory_info().rss
@@ -113,31 +151,21 @@ class ProbeWatch:
             self.peak = max(self.peak, total)
             if self.budget is not None and total > _SAFETY * self.budget:
                 child.kill()
-                child.wait()
-                return max(total, self.budget + 1)  # over: at least what it had reached
+                reached = total
+                break
             time.sleep(_POLL_SECONDS)
         out, err = child.communicate()
-        if child.returncode != 0:
-            last = (err.strip().splitlines() or ["(no output)"])[-1]
-            # Stopped by the data limit before it could report (empty stderr), or a device OOM: over budget.
-            if any(sign in err for sign in _OUT_OF_MEMORY) or (self.budget is not None and not err.strip()):
-                return 2**62
-            raise RuntimeError(f"plan --auto probe at micro-batch {spec['micro_batch']} failed: {last}")
-        result = json.loads(out.strip().splitlines()[-1])
-        rss = result["rss_peak"] if spec["device"] == "cpu" else 0
-        return max(result["tensor_peak"], rss)
+        return child.returncode, out, err, reached
 
-    def _data_limit(self, parent_rss: int):
-        """A hard backstop for when this process is not scheduled in time to stop the child (a loaded machine):
-        the child's private writable memory (RLIMIT_DATA, what tensors and the Python heap use) is capped at
-        what the budget leaves after this process; an allocation beyond it fails and the size counts as over."""
-        if self.budget is None:
-            return None
-        limit = max(int(_SAFETY * self.budget) - parent_rss, 1)
 
-        def apply() -> None:
-            import resource
+def _data_limit(limit: int) -> Callable[[], None]:
+    """A hard backstop for when the watcher is not scheduled in time to stop the child (a loaded machine): the
+    child's private writable memory (RLIMIT_DATA, what tensors and the Python heap use) is capped at what the
+    budget leaves after the watcher; an allocation beyond it fails and the size counts as over."""
 
-            resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+    def apply() -> None:
+        import resource
 
-        return apply
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+    return apply

@@ -21,7 +21,16 @@ weights for those layers, embeddings and head (safetensors are read lazily, so t
 real vocabulary (random rows draw from all of it) and the real tokenizer's pad token. What accumulation can get
 wrong is in the loss normalisation across micro-batches and the vocabulary-sized logits, not in the depth, so
 the cut checks the same arithmetic at a cost independent of depth; ``layers=None`` (``--full``) runs the whole
-model. :func:`estimate_cost` states the time and memory before anything is loaded.
+model. In full fine-tuning the bounded check also freezes the embedding and output head: they still compute every
+logit over the real vocabulary (the gradients it audits flow through them), but their own gradients, which at a
+262144 vocabulary are 1.3 GB each in float64 and make up most of the memory, are not audited (``--full`` audits
+them). Rows are shortened for large vocabularies so that one update's logits stay within 256 MiB. The
+reference recomputes on the live weights themselves (no copy). :func:`estimate_cost` states the time and memory
+before anything is loaded. Measured on one CPU thread (docs/real-models.md): SmolLM2-135M 1.19 GiB peak RSS and
+15 s of CPU; Gemma 3 270M (vocabulary 262144) 2.76 GiB and 33 s.
+
+**The user's settings** (:class:`hf_accum.testing.check_settings.FineTuneSettings`): LoRA adapters and the
+quantized base values, as the user trains them; the check audits exactly the parameters they leave trainable.
 
 Outcomes: :class:`CheckReport` (PASS / FAIL), :class:`hf_accum.errors.InputError` for a ``--model``
 that is not a readable model directory, :class:`ModelCannotRun` for one the check cannot train (not
@@ -35,12 +44,13 @@ import gc
 import logging
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from hf_accum.batching import PaddingCollator
 from hf_accum.errors import InputError
+from hf_accum.testing.check_settings import FineTuneSettings
 from hf_accum.testing.data import random_rows
 from hf_accum.testing.float64 import float64_arithmetic
 from hf_accum.testing.models import PAD, VOCAB, tiny_causal_lm
@@ -88,29 +98,38 @@ class _CheckedModel:
     pad_token_id: int
     router_loss: bool
     name: str
-    config: object = None
+    config: Any = None
     """The (cut) config the check builds, None for the built-in tiny model."""
-    layers: str = "all"
+    layers: str = "all layers"
     """What was kept, e.g. '2 of 30 layers'."""
+    settings: FineTuneSettings = FineTuneSettings()
+    freeze_vocabulary: bool = False
+    """Bounded full fine-tuning: the embedding and output head take part, frozen (see the module docstring)."""
 
 
 DEFAULT_LAYERS = 2
 MAX_ROW_LENGTH = 32
+_LOGITS_BUDGET = 256 * 2**20
+"""Bytes of one update's float64 logits the reference may hold (its big batch forwards at once): rows are shortened
+for large vocabularies (Gemma 3's 262144: 16 tokens), never below 8."""
 
 
 def check_model(
     model: str, micro_batch: int, accumulation: int, n_examples: int, tolerance: float = 1e-8, seed: int = 0,
     layers: int | None = DEFAULT_LAYERS, announce: Callable[[str], None] | None = None,
+    settings: FineTuneSettings | None = None,
 ) -> CheckReport:
     """Audit a few updates of ``model`` ('tiny', a local directory or a GGUF model) in float64, on its first
-    ``layers`` layers (None: all). ``announce`` receives the estimated cost before the model loads."""
+    ``layers`` layers (None: all), trained as ``settings`` say (LoRA, quantization; default: full fine-tuning).
+    ``announce`` receives the estimated cost before the model loads."""
     if layers is not None and layers < 1:
         raise InputError(f"--layers {layers}: must be >= 1 (or use --full for the whole model)")
-    checked = _checked_model(model, layers)
+    checked = _checked_model(model, layers, settings or FineTuneSettings())
+    row_length = row_length_for(checked.vocab_size, micro_batch * accumulation)
     if announce is not None:
-        announce(estimate_cost(checked, micro_batch, accumulation, n_examples).describe(checked))
+        announce(estimate_cost(checked, micro_batch, accumulation, n_examples, row_length).describe(checked))
     examples = random_rows(
-        n_examples, seed=seed, min_len=3, max_len=MAX_ROW_LENGTH, prompt_masking=True, vocab_size=checked.vocab_size,
+        n_examples, seed=seed, min_len=3, max_len=row_length, prompt_masking=True, vocab_size=checked.vocab_size,
         pad_token_id=checked.pad_token_id, lowest_id=0,
     )
     scenario = Scenario(
@@ -118,12 +137,13 @@ def check_model(
         accumulation=accumulation, pad_token_id=checked.pad_token_id,
         router_loss="per_micro_batch" if checked.router_loss else "none",
         optimizer="sgd",  # no optimizer state (2 x the parameters at real sizes); the gradients are what is audited
+        share_weights=True,  # the reference recomputes on the live weights themselves: no second copy
     )
     try:
         with float64_arithmetic():
             result, exact = run_exact(scenario)
             exact_errors, targets = [r.relative_error for r in exact.records], [u.targets for u in result.updates]
-            del result, exact  # the first run's model, optimizer state and reference copy: freed before the second
+            del result, exact  # the first run's model and reference: freed before the second is built
             gc.collect()
             naive_errors = [r.relative_error for r in run_naive(scenario).records]
     except ModelCannotRun:
@@ -131,14 +151,30 @@ def check_model(
     except Exception as error:  # whatever stops the model is reported as exit 4
         raise ModelCannotRun(f"{checked.name}: {type(error).__name__}: {_first_line(error)}") from error
     return CheckReport(
-        model=f"{model} ({checked.layers})", exact_errors=exact_errors, naive_errors=naive_errors, targets=targets,
-        tolerance=tolerance, router_loss=checked.router_loss,
+        model=f"{model} ({checked.layers}, {checked.settings.describe()}{_frozen_note(checked)})",
+        exact_errors=exact_errors, naive_errors=naive_errors, targets=targets, tolerance=tolerance,
+        router_loss=checked.router_loss,
     )
 
 
-def _checked_model(model: str, layers: int | None = None) -> _CheckedModel:
+def row_length_for(vocab_size: int, rows_per_update: int) -> int:
+    """The longest synthetic row: :data:`MAX_ROW_LENGTH`, shortened so that one update's float64 logits stay
+    within :data:`_LOGITS_BUDGET` (at least 8 tokens: rows of uneven length remain)."""
+    return max(8, min(MAX_ROW_LENGTH, _LOGITS_BUDGET // (rows_per_update * vocab_size * 8)))
+
+
+def _frozen_note(checked: _CheckedModel) -> str:
+    return ", embedding and head frozen" if checked.freeze_vocabulary else ""
+
+
+def _checked_model(model: str, layers: int | None = None,
+                   settings: FineTuneSettings = FineTuneSettings()) -> _CheckedModel:
     if model == "tiny":  # already 2 layers: --layers does not apply
-        return _CheckedModel(tiny_causal_lm, VOCAB, PAD, False, "the built-in tiny Llama")
+
+        def tiny() -> torch.nn.Module:
+            return _as_trained(tiny_causal_lm(), settings, freeze_vocabulary=False)
+
+        return _CheckedModel(tiny, VOCAB, PAD, False, "the built-in tiny Llama", settings=settings)
     model = _gguf_as_directory(model)
     if not os.path.isdir(model):
         raise InputError(
@@ -158,6 +194,9 @@ def _checked_model(model: str, layers: int | None = None) -> _CheckedModel:
 
     _without_dropout(config)
     kept = cut_layers(config, layers, name) if layers is not None else "all layers"
+    # Bounded and full fine-tuning: the vocabulary-sized matrices (a 262144 x 640 embedding is 1.3 GB in
+    # float64, and its gradient twice more) run in every forward but are not audited; --full audits them.
+    freeze_vocabulary = layers is not None and settings.full_fine_tuning
 
     def load() -> torch.nn.Module:
         try:
@@ -168,10 +207,7 @@ def _checked_model(model: str, layers: int | None = None) -> _CheckedModel:
                 )
         except ValueError as error:
             raise ModelCannotRun(f"{name}: not a causal LM transformers can build ({_first_line(error)})") from None
-        for module in loaded.modules():
-            if isinstance(module, torch.nn.Dropout):
-                module.p = 0.0
-        return loaded
+        return _as_trained(loaded, settings, freeze_vocabulary)
 
     coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
     # MoE checkpoints ship with output_router_logits=False (inference); fine-tuning turns it on, so does the check.
@@ -182,10 +218,33 @@ def _checked_model(model: str, layers: int | None = None) -> _CheckedModel:
     if not vocab_size:
         raise ModelCannotRun(f"{name}: its config names no vocab_size (the check trains a text causal LM)")
     pad = _pad_token_id(model, config, int(vocab_size))
-    return _CheckedModel(load, int(vocab_size), int(pad), router_loss, name, config, kept)
+    return _CheckedModel(load, int(vocab_size), int(pad), router_loss, name, config, kept, settings, freeze_vocabulary)
 
 
-def cut_layers(config, layers: int, name: str = "the model") -> str:
+def _as_trained(model: torch.nn.Module, settings: FineTuneSettings, freeze_vocabulary: bool) -> torch.nn.Module:
+    """The loaded float64 model as the check trains it: vocabulary matrices frozen (bounded full fine-tuning),
+    the user's quantization and LoRA applied, every dropout module off."""
+    if freeze_vocabulary:
+        for matrix in vocabulary_matrices(model):
+            matrix.requires_grad_(False)
+    model = settings.apply(model)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+def vocabulary_matrices(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The input embedding's and the output head's weights (one when tied)."""
+    found: dict[int, torch.nn.Parameter] = {}
+    for module in (model.get_input_embeddings(), model.get_output_embeddings()):  # type: ignore[operator]
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.nn.Parameter):
+            found[id(weight)] = weight
+    return list(found.values())
+
+
+def cut_layers(config: Any, layers: int, name: str = "the model") -> str:
     """Keep the first ``layers`` decoder layers of ``config`` (in place): ``num_hidden_layers`` and every
     per-layer list (``layer_types`` and the like: a list as long as the layer count). More layers than the
     model has: the whole model. Returns what was kept, e.g. '2 of 30 layers'."""
@@ -207,10 +266,12 @@ def _gguf_as_directory(model: str) -> str:
 
     if not names_gguf(model):
         return model
-    return converted_dir(gguf_source(model))
+    source = gguf_source(model)
+    assert source is not None  # names_gguf(model) above
+    return converted_dir(source)
 
 
-def _pad_token_id(model: str, config, vocab_size: int) -> int:
+def _pad_token_id(model: str, config: Any, vocab_size: int) -> int:
     """The real tokenizer's pad token (else its eos), when the directory has a tokenizer; else the config's."""
     from transformers import AutoTokenizer
 
@@ -226,7 +287,7 @@ def _pad_token_id(model: str, config, vocab_size: int) -> int:
 
 
 @contextlib.contextmanager
-def _quiet_unused_weights():
+def _quiet_unused_weights() -> Iterator[None]:
     logger = logging.getLogger("transformers.modeling_utils")
     level = logger.level
     logger.setLevel(logging.ERROR)
@@ -239,41 +300,61 @@ def _quiet_unused_weights():
 @dataclass(frozen=True)
 class CheckCost:
     parameters: int
+    trainable: int
     peak_bytes: int
     seconds: float
 
     def describe(self, checked: _CheckedModel) -> str:
-        return (f"checking {checked.name}, {checked.layers}, {self.parameters / 1e6:.1f}M parameters in float64: "
-                f"estimated peak ~{self.peak_bytes / 2**30:.1f} GiB, ~{self.seconds:.0f} s of CPU "
-                "(the whole model: --full)")
+        return (f"checking {checked.name}, {checked.layers}, {checked.settings.describe()}{_frozen_note(checked)}: "
+                f"{self.parameters / 1e6:.3g}M parameters in float64, {self.trainable / 1e6:.3g}M audited; "
+                f"estimated peak ~{self.peak_bytes / 2**30:.1f} GiB, ~{self.seconds:.0f} s of CPU"
+                f"{'' if checked.layers == 'all layers' else ' (every layer and parameter: --full)'}")
 
 
-# Calibrated on SmolLM2-135M cut to 2 layers on one CPU thread (see docs/check.md); an order of magnitude, no more.
-# Measured there: peak RSS 2.32 GiB, 44 s of CPU (docs/check.md).
-_BYTES_PER_PARAMETER = 40  # model, gradients, the reference copy and its gradients (8 B each; SGD keeps no state),
-# plus the transient gradient of a tied embedding summed from its two uses
-_BASELINE_BYTES = 500 * 2**20  # Python, torch, transformers, accelerate
-_FLOPS_PER_SECOND = 4e9
+# Calibrated on SmolLM2-135M (measured 1.19 GiB, 15 s of CPU) and Gemma 3 270M (2.76 GiB, 33 s) cut to 2 layers, one
+# CPU thread (docs/real-models.md): estimates within ~20%, an order of magnitude and no more elsewhere.
+_BASELINE_BYTES = 600 * 2**20  # Python, torch, transformers, accelerate, peft
+_FLOPS_PER_SECOND = 1.5e10  # effective: a frozen head needs no weight gradient, a tied embedding's lookup is free
+_FIXED_SECONDS = 10.0  # imports, reading the checkpoint, building the model twice
 
 
-def estimate_cost(checked: _CheckedModel, micro_batch: int, accumulation: int, n_examples: int) -> CheckCost:
-    """Rough time and memory of a check, from the parameter count (counted on the meta device) and the size of
-    one update's logits: float64 state per parameter, three vocabulary-wide tensors per token of the big batch."""
+def estimate_cost(checked: _CheckedModel, micro_batch: int, accumulation: int, n_examples: int,
+                  row_length: int = MAX_ROW_LENGTH) -> CheckCost:
+    """Rough time and memory of a check, from the parameter counts (on the meta device) and one update's logits.
+
+    Memory: every parameter once in float64 (the reference shares them), plus three float64 copies of the
+    audited ones (the accumulated gradient, the reference's, a transient while comparing), the largest matrix as
+    read from a float32 checkpoint, and two logits-sized tensors of the reference's big batch. Time: two runs
+    (exact, naive), each a forward and backward per token for training and again for the reference: 4 x 6 flops
+    per parameter per token, at an effective rate measured here."""
+    parameters, trainable, largest = _parameter_counts(checked)
+    update_tokens = micro_batch * accumulation * row_length
+    peak = (8 * parameters + 3 * 8 * trainable + 4 * largest + 2 * update_tokens * checked.vocab_size * 8
+            + _BASELINE_BYTES)
+    tokens = n_examples * (row_length + 3) / 2
+    seconds = _FIXED_SECONDS + 4 * 6 * parameters * tokens / _FLOPS_PER_SECOND
+    return CheckCost(parameters, trainable, int(peak), seconds)
+
+
+def _parameter_counts(checked: _CheckedModel) -> tuple[int, int, int]:
+    """(all parameters, the audited ones, the largest matrix) of the model as checked, counted without weights."""
     if checked.config is None:
-        parameters = sum(p.numel() for p in checked.factory().parameters())
+        model = checked.factory()
     else:
         from transformers import AutoModelForCausalLM
 
         with torch.device("meta"):
-            parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(checked.config).parameters())
-    update_tokens = micro_batch * accumulation * MAX_ROW_LENGTH
-    peak = parameters * _BYTES_PER_PARAMETER + 3 * update_tokens * checked.vocab_size * 8 + _BASELINE_BYTES
-    # Two runs (exact, naive), each: forward + backward (6 flops per parameter per token), the reference 6 more.
-    seconds = 2 * 12 * parameters * n_examples * MAX_ROW_LENGTH / 2 / _FLOPS_PER_SECOND
-    return CheckCost(parameters, peak, seconds)
+            model = AutoModelForCausalLM.from_config(checked.config)
+            if checked.freeze_vocabulary:
+                for matrix in vocabulary_matrices(model):
+                    matrix.requires_grad_(False)
+            # Quantization changes values, not counts: only LoRA is applied here.
+            model = FineTuneSettings(lora=checked.settings.lora).apply(model)
+    counts = [(p.numel(), p.requires_grad) for p in model.parameters()]
+    return sum(n for n, _ in counts), sum(n for n, grad in counts if grad), max(n for n, _ in counts)
 
 
-def _without_dropout(config) -> None:
+def _without_dropout(config: Any) -> None:
     """Dropout off, by every config field that sets it (``*dropout*``, GPT-2's ``*_pdrop``), before the model
     is built: a training forward draws new masks that the big-batch reference cannot repeat. (Modules copy these
     values when built, e.g. ``attention_dropout``; ``nn.Dropout`` modules are zeroed after loading too.)"""

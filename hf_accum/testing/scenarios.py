@@ -55,11 +55,13 @@ class Scenario:
     sizes; the audit compares gradients, which the optimizer does not change)."""
     router_loss: str = "none"
     """MoE models: how the audit's reference adds the router loss (:class:`hf_accum.verify.BigBatchAuditor`)."""
+    share_weights: bool = False
+    """The audit's reference recomputes on the live weights, not a copy (:class:`hf_accum.verify.BigBatchAuditor`)."""
 
     def auditor(self) -> BigBatchAuditor:
         return BigBatchAuditor(
             loss_kind=self.loss_kind, label_smoothing=self.label_smoothing, pad_token_id=self.pad_token_id,
-            reference_dtype=self.reference_dtype, router_loss=self.router_loss,
+            reference_dtype=self.reference_dtype, router_loss=self.router_loss, share_weights=self.share_weights,
         )
 
     def big_batch_learning_rates(self, total_updates: int) -> list[float]:

