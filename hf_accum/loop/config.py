@@ -13,6 +13,10 @@ from hf_accum.loss import LossKind
 from hf_accum.sequence_norm import check_normalization
 
 _STRATEGIES = ("no", "steps", "epoch")
+_COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# TrainingArguments field -> the LoopConfig field it sets (torch.compile's settings).
+_COMPILE_ARGUMENTS = {"torch_compile": "compile", "torch_compile_backend": "compile_backend",
+                      "torch_compile_mode": "compile_mode"}
 
 
 class LoopConfigError(InputError):
@@ -87,6 +91,19 @@ fixed ``1 / K`` of ``Accelerator.backward`` is undone at the boundary as always)
     on the batch size): the first micro-batch of each window is the small batch, the update the big one
     (:mod:`hf_accum.noise_probe`). Needs >= 2 micro-batches per update and rank; not under DeepSpeed."""
 
+    compile: bool = False
+    """``torch.compile`` the model's repeated blocks (decoder layers) in place before training
+    (:mod:`hf_accum.compile`: embeddings, the head and the fused loss stay eager, evaluation runs eager; the
+    gradients stay exact). ``TrainingArguments.torch_compile``."""
+    compile_backend: str = "inductor"
+    """``torch.compile``'s backend (``TrainingArguments.torch_compile_backend``)."""
+    compile_mode: str | None = None
+    """``torch.compile``'s mode, e.g. ``"max-autotune-no-cudagraphs"`` (``TrainingArguments.torch_compile_mode``)."""
+    compile_dynamic: bool | None = None
+    """``torch.compile``'s ``dynamic``: None compiles the first length statically and one dynamic-length graph at
+    the second (bounded recompiles with variable lengths); True starts dynamic; False compiles one graph per
+    length (pair it with a collator's ``pad_to_multiple_of``)."""
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -121,7 +138,24 @@ fixed ``1 / K`` of ``Accelerator.backward`` is undone at the boundary as always)
         if self.eval_steps is not None and self.eval_strategy == "steps":  # unused by the other strategies
             _in_range(self, "eval_steps", 0.0, float("inf"), "None or > 0", open_below=True)
         self._validate_windows()
+        self._validate_compile()
         return self
+
+    def _validate_compile(self) -> None:
+        if not isinstance(self.compile, bool):
+            raise LoopConfigError(f"LoopConfig.compile={self.compile!r} must be True or False")
+        if not any(self.compile_dynamic is allowed for allowed in (None, True, False)):
+            raise LoopConfigError(f"LoopConfig.compile_dynamic={self.compile_dynamic!r} must be None, True or False")
+        if self.compile_mode not in _COMPILE_MODES:
+            raise LoopConfigError(f"LoopConfig.compile_mode={self.compile_mode!r}; allowed: "
+                                  f"{', '.join(repr(mode) for mode in _COMPILE_MODES)}")
+        if self.compile:  # the registry is read only when compiling (importing Dynamo costs a second)
+            import torch._dynamo
+
+            backends = torch._dynamo.list_backends(exclude_tags=())
+            if self.compile_backend not in backends:
+                raise LoopConfigError(f"LoopConfig.compile_backend={self.compile_backend!r}; allowed: "
+                                      f"{', '.join(repr(name) for name in backends)}")
 
     def _validate_windows(self) -> None:
         ramp, budget = self.rampup_batch_size, self.tokens_per_update
@@ -171,7 +205,8 @@ fixed ``1 / K`` of ``Accelerator.backward`` is undone at the boundary as always)
     @classmethod
     def from_training_arguments(cls, args: Any, **changes: Any) -> LoopConfig:
         """The loop settings a ``transformers.TrainingArguments`` holds (same names, except that
-        ``label_smoothing_factor`` is ``label_smoothing`` and a ``warmup_steps`` below 1 is a ratio)."""
+        ``label_smoothing_factor`` is ``label_smoothing``, ``torch_compile*`` are ``compile*`` and a ``warmup_steps``
+        below 1 is a ratio)."""
         warmup = args.warmup_steps
         values = {name: getattr(args, name) for name in cls.training_argument_names() if hasattr(args, name)}
         for strategy in ("eval_strategy", "save_strategy"):  # TrainingArguments holds enums
@@ -184,6 +219,10 @@ fixed ``1 / K`` of ``Accelerator.backward`` is undone at the boundary as always)
             label_smoothing=args.label_smoothing_factor,
         )
         values.pop("label_smoothing_factor", None)
+        for argument, name in _COMPILE_ARGUMENTS.items():
+            if argument in values:
+                values[name] = values.pop(argument)
+        values["compile_backend"] = values.get("compile_backend") or "inductor"  # TrainingArguments: None unless set
         return cls(**{**values, **changes})
 
     @classmethod
@@ -192,9 +231,9 @@ fixed ``1 / K`` of ``Accelerator.backward`` is undone at the boundary as always)
         names = {f.name for f in fields(cls)} - {
             "label_smoothing", "loss_kind", "fp32_grad_accumulation", "warmup_ratio", "fused_loss",
             "max_consecutive_nonfinite", "stop_on_signals", "rampup_batch_size", "tokens_per_update",
-            "noise_scale", "normalization", "rampup_auto",
+            "noise_scale", "normalization", "rampup_auto", "compile_dynamic", *_COMPILE_ARGUMENTS.values(),
         }
-        return names | {"label_smoothing_factor"}
+        return names | {"label_smoothing_factor", *_COMPILE_ARGUMENTS}
 
 
 def _is_int(value: Any, minimum: int) -> bool:
