@@ -24,6 +24,7 @@ from transformers.hf_argparser import HfArg
 from benchmarks import (
     fsdp_fused, loss, memory, noise_scale, overhead, padding, rampup_auto, sft, softcap, sweep, token_budget, vocab,
 )
+from benchmarks import compile as torch_compile
 from benchmarks.report import BenchError, require_positive
 
 SECTIONS = {
@@ -39,6 +40,7 @@ SECTIONS = {
     "token_budget": token_budget,
     "fsdp_fused": fsdp_fused,
     "rampup-auto": rampup_auto,
+    "compile": torch_compile,
 }
 
 
