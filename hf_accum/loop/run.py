@@ -188,7 +188,8 @@ def _compiled(model: torch.nn.Module, config: LoopConfig, accelerator: Accelerat
     """``config.compile``: the model's blocks compiled in place (:mod:`hf_accum.compile`). A model that
     ``Accelerator(dynamo_backend=...)`` compiled whole is unwrapped and compiled the same way, with the
     Accelerator's settings: the fused loss would break a whole-model graph at every micro-batch."""
-    settings = {"backend": config.compile_backend, "mode": config.compile_mode, "dynamic": config.compile_dynamic}
+    settings: dict[str, Any] = {"backend": config.compile_backend, "mode": config.compile_mode,
+                                "dynamic": config.compile_dynamic}
     if whole_model_compiled(model):
         plugin = accelerator.state.dynamo_plugin.to_kwargs()
         settings = {"backend": plugin.get("backend"), "mode": plugin.get("mode"), "dynamic": plugin.get("dynamic")}
