@@ -57,10 +57,26 @@ def _run_compiled_loop(backend: str, model_factory=tiny_causal_lm, **changes):
     assert [u.micro_batches for u in result.updates] == [3, 3, 1]
     assert auditor.max_relative_error < EXACT, [r.relative_error for r in auditor.records]
     assert compiled_blocks(captured["model"]) == 2  # both decoder layers, in place
+    assert compiled_blocks(auditor._reference) == 0  # the big-batch reference ran eager (copied before compiling)
+    return auditor
 
 
 def test_loop_compiled_gradient_equals_big_batch(fresh_dynamo):
     _run_compiled_loop("aot_eager")
+    assert not fresh_dynamo["graph_break"], dict(fresh_dynamo["graph_break"])
+    assert 1 <= fresh_dynamo["stats"]["unique_graphs"] <= MAX_GRAPHS, dict(fresh_dynamo["stats"])
+
+
+def test_loop_replaces_accelerates_whole_model_compile(fresh_dynamo):
+    """``Accelerator(dynamo_backend=...)`` compiles the whole model in ``prepare``: the loop compiles its blocks
+    instead, with the Accelerator's backend (a whole-model graph breaks at the fused head every micro-batch)."""
+    captured: dict = {}
+    scenario = _uneven_scenario(model_factory=_compiled_model_factory(captured),
+                                accelerator_kwargs={"dynamo_backend": "eager"})
+    result, auditor = run_exact(scenario, on_model=lambda model: captured.update(prepared=model))
+    assert isinstance(captured["prepared"], torch._dynamo.eval_frame.OptimizedModule)
+    assert auditor.max_relative_error < EXACT, [r.relative_error for r in auditor.records]
+    assert compiled_blocks(captured["model"]) == 2
     assert not fresh_dynamo["graph_break"], dict(fresh_dynamo["graph_break"])
     assert 1 <= fresh_dynamo["stats"]["unique_graphs"] <= MAX_GRAPHS, dict(fresh_dynamo["stats"])
 
