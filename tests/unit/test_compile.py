@@ -160,6 +160,18 @@ def test_training_arguments_map_to_loop_config(tmp_path):
     assert {"torch_compile", "torch_compile_backend", "torch_compile_mode"} <= LoopConfig.training_argument_names()
 
 
+def test_recipe_key_reaches_both_engines(tmp_path):
+    """``training.torch_compile=true``: a TrainingArguments key (the trainer engine's), which the loop engine reads
+    into LoopConfig (the recipe's LOOP_READS is LoopConfig.training_argument_names(): no "ignores" note)."""
+    from hf_accum.recipe.config import load_recipe_config
+
+    config = load_recipe_config(["training.torch_compile=true", f"training.output_dir={tmp_path}"],
+                                engines=["loop", "trainer"])
+    args = config.training_arguments()
+    assert args.torch_compile is True
+    assert LoopConfig.from_training_arguments(args, **config.accumulation.loop_settings()).compile is True
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("compile", "yes", "LoopConfig.compile='yes' must be True or False"),
     ("compile_dynamic", 1, "LoopConfig.compile_dynamic=1 must be None, True or False"),
