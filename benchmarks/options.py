@@ -25,6 +25,7 @@ from benchmarks import (
     fsdp_fused, loss, memory, noise_scale, overhead, padding, rampup_auto, real_model, sft, softcap, sweep, token_budget,
     vocab,
 )
+from benchmarks import compile as torch_compile
 from benchmarks.report import BenchError, require_positive
 
 SECTIONS = {
@@ -41,6 +42,7 @@ SECTIONS = {
     "fsdp_fused": fsdp_fused,
     "rampup-auto": rampup_auto,
     "real-model": real_model,
+    "compile": torch_compile,
 }
 OPT_IN = ("real-model",)
 """Sections run only when named with --only (real pretrained models: minutes, packages of their own)."""

@@ -106,6 +106,23 @@ def force_fsdp_distributed_type(accelerator: Any, plugin: Any) -> None:
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
 
+def keep_accelerate_from_compiling(accelerator: Any) -> None:
+    """Stop ``Accelerator.prepare`` from wrapping the whole model in ``torch.compile``.
+
+    transformers 5.23 hands ``TrainingArguments.torch_compile`` to Accelerate (a ``TorchDynamoPlugin``), whose
+    ``prepare_model`` (1.15) compiles the whole model when ``state.dynamo_plugin.backend`` is not ``NO``.
+    AccumTrainer compiles the model's blocks in place instead (:mod:`hf_accum.compile`: the fused loss breaks a
+    whole-model graph at every micro-batch); this sets exactly that field, before any ``prepare``.
+    """
+    from accelerate.utils import DynamoBackend
+
+    plugin = getattr(accelerator.state, "dynamo_plugin", None)
+    if plugin is None or not hasattr(plugin, "backend"):
+        raise RuntimeError("accelerate's AcceleratorState has no dynamo_plugin.backend any more: hf_accum cannot "
+                           "keep it from compiling the whole model (checked: accelerate 1.15)")
+    plugin.backend = DynamoBackend.NO
+
+
 # --------------------------------------------------------------------------------------------------
 # transformers (checked: 5.23)
 # --------------------------------------------------------------------------------------------------

@@ -15,6 +15,10 @@ from hf_accum.peak_flops import check_peak_flops
 from hf_accum.sequence_norm import check_normalization
 
 _STRATEGIES = ("no", "steps", "epoch")
+_COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# TrainingArguments field -> the LoopConfig field it sets (torch.compile's settings).
+_COMPILE_ARGUMENTS = {"torch_compile": "compile", "torch_compile_backend": "compile_backend",
+                      "torch_compile_mode": "compile_mode"}
 
 
 class LoopConfigError(InputError):
@@ -97,6 +101,19 @@ fixed ``1 / K`` of ``Accelerator.backward`` is undone at the boundary as always)
     ``$HF_ACCUM_PEAK_FLOPS``, else a GPU's data-sheet peak by name, else a GEMM measured on the CPU
     (:mod:`hf_accum.peak_flops`)."""
 
+    compile: bool = False
+    """``torch.compile`` the model's repeated blocks (decoder layers) in place before training
+    (:mod:`hf_accum.compile`: embeddings, the head and the fused loss stay eager, evaluation runs eager; the
+    gradients stay exact). ``TrainingArguments.torch_compile``."""
+    compile_backend: str = "inductor"
+    """``torch.compile``'s backend (``TrainingArguments.torch_compile_backend``)."""
+    compile_mode: str | None = None
+    """``torch.compile``'s mode, e.g. ``"max-autotune-no-cudagraphs"`` (``TrainingArguments.torch_compile_mode``)."""
+    compile_dynamic: bool | None = None
+    """``torch.compile``'s ``dynamic``: None compiles the first length statically and one dynamic-length graph at
+    the second (bounded recompiles with variable lengths); True starts dynamic; False compiles one graph per
+    length (pair it with a collator's ``pad_to_multiple_of``)."""
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -137,7 +154,24 @@ fixed ``1 / K`` of ``Accelerator.backward`` is undone at the boundary as always)
         if self.eval_steps is not None and self.eval_strategy == "steps":  # unused by the other strategies
             _in_range(self, "eval_steps", 0.0, float("inf"), "None or > 0", open_below=True)
         self._validate_windows()
+        self._validate_compile()
         return self
+
+    def _validate_compile(self) -> None:
+        if not isinstance(self.compile, bool):
+            raise LoopConfigError(f"LoopConfig.compile={self.compile!r} must be True or False")
+        if not any(self.compile_dynamic is allowed for allowed in (None, True, False)):
+            raise LoopConfigError(f"LoopConfig.compile_dynamic={self.compile_dynamic!r} must be None, True or False")
+        if self.compile_mode not in _COMPILE_MODES:
+            raise LoopConfigError(f"LoopConfig.compile_mode={self.compile_mode!r}; allowed: "
+                                  f"{', '.join(repr(mode) for mode in _COMPILE_MODES)}")
+        if self.compile:  # the registry is read only when compiling (importing Dynamo costs a second)
+            import torch._dynamo
+
+            backends = torch._dynamo.list_backends(exclude_tags=())
+            if self.compile_backend not in backends:
+                raise LoopConfigError(f"LoopConfig.compile_backend={self.compile_backend!r}; allowed: "
+                                      f"{', '.join(repr(name) for name in backends)}")
 
     def _validate_windows(self) -> None:
         ramp, budget = self.rampup_batch_size, self.tokens_per_update
@@ -187,7 +221,8 @@ fixed ``1 / K`` of ``Accelerator.backward`` is undone at the boundary as always)
     @classmethod
     def from_training_arguments(cls, args: Any, **changes: Any) -> LoopConfig:
         """The loop settings a ``transformers.TrainingArguments`` holds (same names, except that
-        ``label_smoothing_factor`` is ``label_smoothing`` and a ``warmup_steps`` below 1 is a ratio)."""
+        ``label_smoothing_factor`` is ``label_smoothing``, ``torch_compile*`` are ``compile*`` and a ``warmup_steps``
+        below 1 is a ratio)."""
         warmup = args.warmup_steps
         values = {name: getattr(args, name) for name in cls.training_argument_names() if hasattr(args, name)}
         for strategy in ("eval_strategy", "save_strategy"):  # TrainingArguments holds enums
@@ -200,6 +235,10 @@ fixed ``1 / K`` of ``Accelerator.backward`` is undone at the boundary as always)
             label_smoothing=args.label_smoothing_factor,
         )
         values.pop("label_smoothing_factor", None)
+        for argument, name in _COMPILE_ARGUMENTS.items():
+            if argument in values:
+                values[name] = values.pop(argument)
+        values["compile_backend"] = values.get("compile_backend") or "inductor"  # TrainingArguments: None unless set
         return cls(**{**values, **changes})
 
     @classmethod
@@ -209,8 +248,9 @@ fixed ``1 / K`` of ``Accelerator.backward`` is undone at the boundary as always)
             "label_smoothing", "loss_kind", "fp32_grad_accumulation", "warmup_ratio", "fused_loss",
             "max_consecutive_nonfinite", "stop_on_signals", "rampup_batch_size", "tokens_per_update",
             "noise_scale", "normalization", "rampup_auto", "noise_scale_micro_batches", "peak_flops",
+            "compile_dynamic", *_COMPILE_ARGUMENTS.values(),
         }
-        return names | {"label_smoothing_factor"}
+        return names | {"label_smoothing_factor", *_COMPILE_ARGUMENTS}
 
 
 def _is_int(value: Any, minimum: int) -> bool:

@@ -15,10 +15,12 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
 
 from hf_accum.boundary import UpdateBoundary
 from hf_accum.compat import keep_4bit_training_layout
+from hf_accum.compile import CompileError, compile_blocks, whole_model_compiled
 from hf_accum.control import NonFiniteGuard, StopSignals, TrainingControl
 from hf_accum.loop.config import LoopConfig, LoopConfigError
 from hf_accum.loop.evaluation import evaluate_loss, evaluation_due
@@ -71,6 +73,7 @@ def train(
     """
     config = (config or LoopConfig()).validate()
     check_supported(accelerator, train_dataloader)
+    model = _compiled(model, config, accelerator)
     plan = RunPlan.of(train_dataloader, accelerator, config, model)
     scheduler = _scheduler(plan, config, optimizer, lr_scheduler, accelerator)
     control = control or TrainingControl()
@@ -197,6 +200,29 @@ def _micro_batch_loss(model: torch.nn.Module, config: LoopConfig, loss_sum_fn: L
         fused=config.fused_loss and loss_sum_fn is None,
         normalization=config.normalization,
     )
+
+
+def _compiled(model: torch.nn.Module, config: LoopConfig, accelerator: Accelerator) -> torch.nn.Module:
+    """``config.compile``: the model's blocks compiled in place (:mod:`hf_accum.compile`). A model that
+    ``Accelerator(dynamo_backend=...)`` compiled whole is unwrapped and compiled the same way, with the
+    Accelerator's settings: the fused loss would break a whole-model graph at every micro-batch."""
+    settings: dict[str, Any] = {"backend": config.compile_backend, "mode": config.compile_mode,
+                                "dynamic": config.compile_dynamic}
+    if whole_model_compiled(model):
+        plugin = accelerator.state.dynamo_plugin.to_kwargs()
+        settings = {"backend": plugin.get("backend"), "mode": plugin.get("mode"), "dynamic": plugin.get("dynamic")}
+        model = model._orig_mod
+        logger.info("the model was compiled whole (Accelerator dynamo_backend): its blocks are compiled instead")
+    elif not config.compile:
+        return model
+    if is_deepspeed(accelerator) or accelerator.distributed_type == DistributedType.FSDP:
+        raise LoopConfigError("LoopConfig.compile with DeepSpeed or FSDP: not verified by hf_accum's exactness tests "
+                              "(only single process and DDP are); allowed: compile=False there")
+    try:
+        compile_blocks(model, **settings)
+    except CompileError as error:
+        raise LoopConfigError(str(error)) from None
+    return model
 
 
 @contextlib.contextmanager

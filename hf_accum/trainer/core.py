@@ -35,7 +35,14 @@ from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput, TrainOutput
 
 from hf_accum.accumulation import WindowTally
-from hf_accum.compat import check_trainer_hooks, keep_4bit_training_layout, prepare_inputs, trainer_learning_rate
+from hf_accum.compat import (
+    check_trainer_hooks,
+    keep_4bit_training_layout,
+    keep_accelerate_from_compiling,
+    prepare_inputs,
+    trainer_learning_rate,
+)
+from hf_accum.compile import compile_blocks
 from hf_accum.control import DEFAULT_MAX_CONSECUTIVE_NONFINITE, NonFiniteGuard, StopSignals, TrainingControl
 from hf_accum.loss import LossKind, infer_loss_kind, model_problem_type, token_loss_sum
 from hf_accum.micro_batch import MicroBatchLoss
@@ -72,6 +79,10 @@ class AccumTrainer(Trainer):
     weights sum their micro-batch gradients in fp32; default True, single process),
     ``max_consecutive_nonfinite`` (default 5), ``stop_on_signals`` (default True) and ``on_update``
     (called with every update's :class:`~hf_accum.records.UpdateLog`; all of them are in ``updates``).
+
+    ``TrainingArguments(torch_compile=True)`` compiles the model's repeated blocks in place
+    (:mod:`hf_accum.compile`; with ``torch_compile_backend`` / ``torch_compile_mode``), not the whole model: the
+    head and the fused loss stay eager, and the guarantees below hold compiled.
 
     Guarantees, per optimizer update (window of K micro-batches on each of W ranks):
 
@@ -127,6 +138,8 @@ class AccumTrainer(Trainer):
         self._peak_flops = peak_flops
         super().__init__(*args, **kwargs)
         _refuse_unverifiable_settings(self)
+        if self.args.torch_compile:  # the blocks, in place (hf_accum.compile); Accelerate compiles nothing
+            compile_blocks(self.model, self.args.torch_compile_backend, self.args.torch_compile_mode)
         if noise_scale and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
             reason = NOT_UNDER_DEEPSPEED if self.is_deepspeed_enabled else NOT_UNDER_FSDP
             raise ValueError(f"AccumTrainer(noise_scale=True): {reason}")
@@ -181,6 +194,8 @@ class AccumTrainer(Trainer):
 
         refuse_fsdp1(self.args.fsdp_plugin_args)  # before Accelerate, which fails on CPU with a vaguer message
         super().create_accelerator_and_postprocess()
+        if self.args.torch_compile:
+            keep_accelerate_from_compiling(self.accelerator)  # AccumTrainer compiles the blocks (hf_accum.compile)
         if self.args.fsdp_plugin_args is not None and not self.is_fsdp_enabled:
             from hf_accum.fsdp import force_trainer_fsdp2
 
@@ -371,6 +386,9 @@ def _refuse_unverifiable_settings(trainer: AccumTrainer) -> None:
             f"({type(trainer.optimizer).__name__}) with one built from TrainingArguments.optim / optim_args (or the "
             "DeepSpeed config's 'optimizer' section); choose the optimizer there instead"
         )
+    if trainer.args.torch_compile and (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled):
+        raise ValueError("torch_compile=True with DeepSpeed or FSDP: not verified by hf_accum's exactness tests (only "
+                         "single process and DDP are); train without torch_compile there")
     if trainer.compute_loss_func is not None:
         raise ValueError(
             "AccumTrainer cannot verify that compute_loss_func normalizes exactly; override "
