@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from itertools import islice
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, cast
 
 import torch
 from accelerate import Accelerator
@@ -211,7 +211,7 @@ def _compiled(model: torch.nn.Module, config: LoopConfig, accelerator: Accelerat
     if whole_model_compiled(model):
         plugin = accelerator.state.dynamo_plugin.to_kwargs()
         settings = {"backend": plugin.get("backend"), "mode": plugin.get("mode"), "dynamic": plugin.get("dynamic")}
-        model = model._orig_mod
+        model = cast(torch.nn.Module, model._orig_mod)  # torch.compile's OptimizedModule wraps a Module
         logger.info("the model was compiled whole (Accelerator dynamo_backend): its blocks are compiled instead")
     elif not config.compile:
         return model

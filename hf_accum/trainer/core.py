@@ -139,6 +139,7 @@ class AccumTrainer(Trainer):
         super().__init__(*args, **kwargs)
         _refuse_unverifiable_settings(self)
         if self.args.torch_compile:  # the blocks, in place (hf_accum.compile); Accelerate compiles nothing
+            assert self.model is not None  # set by Trainer.__init__
             compile_blocks(self.model, self.args.torch_compile_backend, self.args.torch_compile_mode)
         if noise_scale and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
             reason = NOT_UNDER_DEEPSPEED if self.is_deepspeed_enabled else NOT_UNDER_FSDP
