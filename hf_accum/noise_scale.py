@@ -102,8 +102,8 @@ def update_estimates(
 ) -> TwoSizeEstimate | None:
     """The mean of the per-micro-batch two-size estimates of one update (None when none is defined:
     one micro-batch on one rank is the whole update)."""
-    estimates = [two_size_estimate(small, big_targets, big_grad_sq) for small in small_batches]
-    estimates = [e for e in estimates if e is not None and math.isfinite(e.grad_sq) and math.isfinite(e.trace_cov)]
+    candidates = [two_size_estimate(small, big_targets, big_grad_sq) for small in small_batches]
+    estimates = [e for e in candidates if e is not None and math.isfinite(e.grad_sq) and math.isfinite(e.trace_cov)]
     if not estimates:
         return None
     return TwoSizeEstimate(
