@@ -492,3 +492,19 @@ def test_bf16_weight_gradient_needs_no_fp32_copy_within_one_chunk(chunks):
         linear_cross_entropy_sum(h, head, targets, chunk_bytes=chunk_bytes).backward()
     assert head.weight.grad.dtype == torch.bfloat16
     assert len(watch.storages) == (0 if chunks == 1 else 1)
+
+
+@pytest.mark.parametrize("dtype,scale", [(torch.float32, 200.0), (torch.float64, 1500.0)])
+def test_a_target_probability_that_underflows_still_gives_the_exact_loss(dtype, scale):
+    """The fast path takes the loss from the target's probability (``-log p_t``); where ``p_t`` underflows (a
+    loss above ~87 in fp32, ~745 in fp64) it recomputes those rows' log-sum-exp -- without that, inf."""
+    h, head, targets = _head_and_inputs("bias", dtype=dtype, rows=16, hidden=8, vocab=50)
+    h = (h.detach() * scale).requires_grad_()
+    head64 = LinearHead(head.weight.detach().double(), head.bias.detach().double())
+    reference = F.cross_entropy(head64.logits(h.detach().double()), targets, reduction="sum")
+    kept = targets.ne(-100)
+    probabilities = torch.softmax(head.logits(h.detach()[kept]).detach(), 1).gather(1, targets[kept, None])
+    assert (probabilities < torch.finfo(dtype).tiny).any()  # the case is really there
+    fused = linear_cross_entropy_sum(h, head, targets)
+    assert torch.isfinite(fused)
+    assert abs(float(fused) / float(reference) - 1) < 1e-5
