@@ -22,7 +22,7 @@ from transformers import HfArgumentParser
 from transformers.hf_argparser import HfArg
 
 from benchmarks import (
-    fsdp_fused, loss, memory, noise_scale, overhead, padding, rampup_auto, sft, softcap, sweep, token_budget, vocab,
+    fsdp_fused, loss, loss_limit, memory, noise_scale, overhead, padding, rampup_auto, sft, softcap, sweep, token_budget, vocab,
 )
 from benchmarks.report import BenchError, require_positive
 
@@ -39,6 +39,7 @@ SECTIONS = {
     "token_budget": token_budget,
     "fsdp_fused": fsdp_fused,
     "rampup-auto": rampup_auto,
+    "loss-limit": loss_limit,
 }
 
 
