@@ -106,10 +106,12 @@ class Inputs:
 
 
 def floor_step(inputs: Inputs) -> Callable[[], float]:
-    """The three GEMMs of a loss step, nothing else, into outputs allocated once (outside the timed call)."""
+    """The three GEMMs of a loss step, nothing else, into outputs allocated and touched here (outside the timed
+    call: their page faults are not the GEMMs' cost). The caller drops the step after timing it, so that the
+    ``[N, V]`` output is not held while the other variants run."""
     h, weight = inputs.hidden.detach(), inputs.weight.detach()
-    logits = h.new_empty(h.shape[0], weight.shape[0])
-    grad_hidden, grad_weight = torch.empty_like(h), torch.empty_like(weight)
+    logits = h.new_zeros(h.shape[0], weight.shape[0])
+    grad_hidden, grad_weight = torch.zeros_like(h), torch.zeros_like(weight)
 
     def step() -> float:
         torch.mm(h, weight.t(), out=logits)
@@ -224,8 +226,7 @@ def measure_config(dtype_name: str, hidden: int, vocab: int, options: Options, s
                 result.absent[name] = peer
             else:
                 steps[name] = peer(inputs)
-    floor = floor_step(inputs)
-    floor()  # warm-up (its outputs are allocated once, outside the steps)
+    floor_step(inputs)()  # warm-up
     for name, step in steps.items():  # warm-up and memory
         result.peak_bytes[name], result.losses[name] = _peak(step)
     rounds = 1 if options.loss_limit_quick else options.loss_limit_rounds
@@ -233,9 +234,11 @@ def measure_config(dtype_name: str, hidden: int, vocab: int, options: Options, s
         names = ["floor", *(n for n in steps if round_index == 0 or n == "ours")]
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:  # rotate the order so a drift in load favours no one
+            step = floor_step(inputs) if name == "floor" else steps[name]
             start = time.perf_counter()
-            (floor if name == "floor" else steps[name])()
+            step()
             elapsed = time.perf_counter() - start
+            del step
             (result.floor_seconds if name == "floor" else result.seconds.setdefault(name, [])).append(elapsed)
         for name in names[1:]:
             result.ratios.setdefault(name, []).append(result.seconds[name][-1] / result.floor_seconds[-1])
