@@ -8,8 +8,8 @@ upcast measured 0.75 s fresh against 0.13 s into a reused buffer, on this 2-core
 
 :class:`GradientSums` -- the gradients of the summed loss, summed over chunks: the hidden states' gradient and the
 small head tensors (bias, LoRA) in at least fp32; the output layer's weight gradient in the weight's own dtype,
-in place (``addmm_``), widened to fp32 from a low-precision micro-batch's second chunk on (the reason is on
-:meth:`GradientSums._widen_weight_sum`).
+in place (``addmm_``), widened to fp32 after a low-precision micro-batch's first
+:data:`LOW_PRECISION_INPLACE_CHUNKS` chunks (the reason is on :meth:`GradientSums._widen_weight_sum`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,10 @@ from __future__ import annotations
 import torch
 
 from hf_accum.loss import compute_dtype
+
+# Chunks a low-precision weight's gradient is summed over in its own dtype, in place, before the sum moves to fp32
+# (the measurement is on GradientSums._widen_weight_sum).
+LOW_PRECISION_INPLACE_CHUNKS = 4
 
 # Rows of the weight gradient per matmul when its product cannot be summed in place (a bf16 product into the
 # fp32 sum): bounds the product's buffer to a slice of the weight's rows instead of the weight's size.
@@ -59,9 +63,9 @@ class GradientSums:
     would run them); rounded to each input's dtype once, in backward.
 
     The output layer's weight gradient -- the one tensor as large as the weight -- starts in the weight's own
-    dtype, i.e. in the tensor autograd hands to ``.grad``: a micro-batch that fits one chunk gets autograd's
-    result with no copy at all (an fp32 copy of a bf16 weight's gradient would triple the memory the weight's
-    gradient needs; where a front-end accumulates bf16 gradients in fp32 over a window it keeps that sum itself:
+    dtype, i.e. in the tensor autograd hands to ``.grad``: a micro-batch of a few chunks needs no copy at all (an
+    fp32 copy of a bf16 weight's gradient would triple the memory the weight's gradient needs; where a front-end
+    accumulates bf16 gradients in fp32 over a window it keeps that sum itself:
     :class:`hf_accum.accumulation.Fp32GradientAccumulator`).
     """
 
@@ -112,16 +116,21 @@ class GradientSums:
             self._add_product_(grad_a, grad_low_rank_input.t(), h.to(self.lora_a.dtype))
 
     def _widen_weight_sum(self) -> None:
-        """Before a second chunk is added: a low-precision weight's gradient sum moves to fp32.
+        """Before chunk ``LOW_PRECISION_INPLACE_CHUNKS + 1``: a low-precision weight's gradient sum moves to fp32.
 
-        Why not sum the chunks in bf16 (one in-place ``addmm_``, no fp32 buffer)? Each chunk then rounds the
-        running sum once more: measured against a float64 reference (N = 4096 targets, H = 256, V = 8192), the
-        weight gradient's RMS error is 1.67e-3 for autograd's single rounding, 2.6e-3 / 3.5e-3 / 5.0e-3 summed in
-        bf16 over 4 / 8 / 16 chunks, and 2.3e-3 for any number of chunks summed in fp32 (each chunk's product
-        rounded once). The fp32 sum costs one buffer the weight's size while the micro-batch is larger than a
-        chunk -- when a full-logits loss would hold several times more."""
+        Up to there the chunks are summed in bf16, in place: ``addmm_`` adds each chunk's product to the sum in the
+        GEMM's fp32 accumulator and rounds once per chunk, with no extra pass over the weight-sized sum. Summing in
+        fp32 instead costs a buffer the weight's size and, per chunk, the product rounded to bf16 then added (one
+        more pass over 6 bytes per weight element: on a bf16 head that pass costs as much as the GEMM). Measured
+        against a float64 reference (N = 4096 targets, H = 256, V = 8192; RMS / max error of the weight gradient,
+        relative): autograd's single rounding 1.67e-3 / 2.26e-3; in place over 2 / 4 / 8 / 16 chunks 2.04e-3 /
+        4.15e-3, 2.63e-3 / 6.57e-3, 3.52e-3 / 8.39e-3, 4.97e-3 / 1.20e-2; the fp32 sum 2.3e-3 / 4.1e-3 at any
+        count. In place is as accurate as the fp32 sum up to 2 chunks and within 1.15x (RMS) up to 4; beyond, the
+        error keeps growing, so the sum moves to fp32 there (a micro-batch that large costs the full-logits path
+        several times more memory than this buffer)."""
         grad_weight = self.head[0]
-        if self._chunks_added == 1 and grad_weight is not None and grad_weight.dtype.itemsize < 4:
+        if (self._chunks_added == LOW_PRECISION_INPLACE_CHUNKS and grad_weight is not None
+                and grad_weight.dtype.itemsize < 4):
             self.head[0] = grad_weight.to(compute_dtype(grad_weight.dtype))  # the bf16 partial is freed
         self._chunks_added += 1
 

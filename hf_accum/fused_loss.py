@@ -21,7 +21,7 @@ This module owns the fused loss itself; the choice between it and the logits pat
    extra loss terms, and optionally :class:`TokenStats` (TRL's metrics) from the same chunks.
 
 Sums are taken in :func:`hf_accum.loss.compute_dtype` (at least fp32; fp64 stays fp64), except a bf16
-output layer's weight gradient within one chunk, summed in bf16 (see
+output layer's weight gradient over its first chunks, summed in bf16 (see
 :class:`~hf_accum.fused_gradients.GradientSums`); the targets are the causal ones of
 :func:`hf_accum.loss.aligned_targets`, so the count is that of :func:`hf_accum.loss.count_targets`; label
 smoothing is torch's definition, as in the logits path.
@@ -47,6 +47,12 @@ from hf_accum.loss import (
 )
 
 logger = logging.getLogger(__name__)
+
+# A 2-byte head's chunks on the fast path: twice the rows (``2 * chunk_bytes`` of fp32 logits plus ``chunk_bytes``
+# of them in the head's dtype). Half as many chunks halve the passes over the weight-sized gradient sum, the one
+# cost of chunking a bf16 head that grows with N (GradientSums._widen_weight_sum); with no fp32 copy of that
+# sum up to 4 chunks, the peak stays below a 256 MiB-chunk run that widens it.
+LOW_PRECISION_CHUNK_FACTOR = 2
 
 # Positions of the probe forward (one row): enough to see what the model does after its head.
 PROBE_POSITIONS = 16
@@ -178,7 +184,8 @@ def linear_cross_entropy_sum(
     ``hidden`` is ``[..., H]`` and ``targets`` holds one entry per position of ``hidden`` (already
     aligned: for a causal LM, :func:`hf_accum.loss.aligned_targets`). Returns a 0-dim tensor in
     :func:`~hf_accum.loss.compute_dtype`; its gradient is exact (no recomputation, no approximation).
-    ``chunk_bytes`` bounds the chunk's logit buffers, in the loss dtype. ``stats``, when given, gets
+    ``chunk_bytes`` bounds the chunk's logit buffers, in the loss dtype (a bf16 head on the fast path: twice,
+    :data:`LOW_PRECISION_CHUNK_FACTOR`). ``stats``, when given, gets
     this call's :class:`TokenStats` added (computed from the same chunks: no extra logits). ``weights``, when
     given (one per position, like ``targets``), makes it ``sum_t w_t * loss_t``: each target row's loss and
     logit gradient are scaled by its weight (per-sequence normalization, :mod:`hf_accum.sequence_norm`).
@@ -198,6 +205,8 @@ def linear_cross_entropy_sum(
     vocab = head.weight.shape[0]
     row_bytes = vocab * compute_dtype(head.weight.dtype).itemsize * head.transform.buffers
     chunk_rows = max(1, chunk_bytes // row_bytes)
+    if head.weight.dtype.itemsize < 4 and _takes_fast_path(flat_hidden, head.weight, head.lora_a, head.transform):
+        chunk_rows *= LOW_PRECISION_CHUNK_FACTOR
     return _LinearCrossEntropySum.apply(
         flat_hidden, flat_targets, head.weight, head.bias, head.lora_a, head.lora_b, head.lora_scale,
         label_smoothing, chunk_rows, head.transform, stats, flat_weights,

@@ -481,17 +481,22 @@ class WeightSizedFp32(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("chunks", [1, 3])
-def test_bf16_weight_gradient_needs_no_fp32_copy_within_one_chunk(chunks):
-    """One chunk: the bf16 weight's gradient is summed in bf16, where autograd hands it to .grad (no
-    fp32 copy the weight's size); from a second chunk on, in fp32 (the negative control: one copy)."""
+@pytest.mark.parametrize("chunks", [1, 4, 6])
+def test_bf16_weight_gradient_needs_no_fp32_copy_within_four_chunks(chunks):
+    """Up to 4 chunks the bf16 weight's gradient is summed in bf16, in place, where autograd hands it to .grad
+    (no fp32 copy the weight's size); from the fifth on, in fp32 (the negative control: one copy)."""
+    from hf_accum.fused_loss import LOW_PRECISION_CHUNK_FACTOR
+
     h, head, targets = _head_and_inputs("plain", dtype=torch.bfloat16, rows=24, hidden=16, vocab=300)
+    targets = targets.clamp_min(0)  # every row a target: 24 rows
     rows = int(targets.ne(-100).sum())
-    chunk_bytes = -(-rows // chunks) * 300 * 4
+    per_chunk = -(-rows // chunks)
+    assert per_chunk % LOW_PRECISION_CHUNK_FACTOR == 0 and -(-rows // per_chunk) == chunks  # exactly `chunks` chunks
+    chunk_bytes = per_chunk // LOW_PRECISION_CHUNK_FACTOR * 300 * 4
     with WeightSizedFp32(head.weight.numel()) as watch:
         linear_cross_entropy_sum(h, head, targets, chunk_bytes=chunk_bytes).backward()
     assert head.weight.grad.dtype == torch.bfloat16
-    assert len(watch.storages) == (0 if chunks == 1 else 1)
+    assert len(watch.storages) == (0 if chunks <= 4 else 1)
 
 
 @pytest.mark.parametrize("dtype,scale", [(torch.float32, 200.0), (torch.float64, 1500.0)])
