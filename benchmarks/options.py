@@ -22,7 +22,7 @@ from transformers import HfArgumentParser
 from transformers.hf_argparser import HfArg
 
 from benchmarks import (
-    fsdp_fused, loss, memory, noise_scale, overhead, padding, rampup_auto, real_model, sft, softcap, sweep, token_budget,
+    fsdp_fused, loss, loss_limit, memory, noise_scale, overhead, padding, rampup_auto, real_model, sft, softcap, sweep, token_budget,
     vocab,
 )
 from benchmarks import compile as torch_compile
@@ -43,6 +43,7 @@ SECTIONS = {
     "rampup-auto": rampup_auto,
     "real-model": real_model,
     "compile": torch_compile,
+    "loss-limit": loss_limit,
 }
 OPT_IN = ("real-model",)
 """Sections run only when named with --only (real pretrained models: minutes, packages of their own)."""

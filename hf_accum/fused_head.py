@@ -249,8 +249,9 @@ class FusedCausalLMLoss:
                 logger.warning("fused linear cross-entropy off, logits path for this run: %s", reason)
             return
         if is_main_process():
-            logger.info("fused linear cross-entropy on (vocabulary %d, at most %d MiB of logits per chunk%s%s)",
-                        vocab, self.chunk_bytes // 2**20, _describe(self.transform), _engine_note(self.head_module))
+            logger.info("fused linear cross-entropy on (vocabulary %d, at most %d MiB of logits per chunk, twice for a "
+                        "bf16 head%s%s)", vocab, self.chunk_bytes // 2**20, _describe(self.transform),
+                        _engine_note(self.head_module))
 
 
 def _describe(transform: LogitTransform) -> str:

@@ -21,9 +21,10 @@ This module owns the fused loss itself; the choice between it and the logits pat
    extra loss terms, and optionally :class:`TokenStats` (TRL's metrics) from the same chunks.
 
 Sums are taken in :func:`hf_accum.loss.compute_dtype` (at least fp32; fp64 stays fp64), except a bf16
-output layer's weight gradient within one chunk, summed in bf16 (see :class:`_GradientSums`); the targets
-are the causal ones of :func:`hf_accum.loss.aligned_targets`, so the count is that of
-:func:`hf_accum.loss.count_targets`; label smoothing is torch's definition, as in the logits path.
+output layer's weight gradient over its first chunks, summed in bf16 (see
+:class:`~hf_accum.fused_gradients.GradientSums`); the targets are the causal ones of
+:func:`hf_accum.loss.aligned_targets`, so the count is that of :func:`hf_accum.loss.count_targets`; label
+smoothing is torch's definition, as in the logits path.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from hf_accum.fused_gradients import ChunkBuffers, GradientSums
 from hf_accum.loss import (
     DEFAULT_CHUNK_BYTES,
     IGNORE_INDEX,
@@ -45,6 +47,12 @@ from hf_accum.loss import (
 )
 
 logger = logging.getLogger(__name__)
+
+# A 2-byte head's chunks on the fast path: twice the rows (``2 * chunk_bytes`` of fp32 logits plus ``chunk_bytes``
+# of them in the head's dtype). Half as many chunks halve the passes over the weight-sized gradient sum, the one
+# cost of chunking a bf16 head that grows with N (GradientSums._widen_weight_sum); with no fp32 copy of that
+# sum up to 4 chunks, the peak stays below a 256 MiB-chunk run that widens it.
+LOW_PRECISION_CHUNK_FACTOR = 2
 
 # Positions of the probe forward (one row): enough to see what the model does after its head.
 PROBE_POSITIONS = 16
@@ -176,7 +184,8 @@ def linear_cross_entropy_sum(
     ``hidden`` is ``[..., H]`` and ``targets`` holds one entry per position of ``hidden`` (already
     aligned: for a causal LM, :func:`hf_accum.loss.aligned_targets`). Returns a 0-dim tensor in
     :func:`~hf_accum.loss.compute_dtype`; its gradient is exact (no recomputation, no approximation).
-    ``chunk_bytes`` bounds the chunk's logit buffers, in the loss dtype. ``stats``, when given, gets
+    ``chunk_bytes`` bounds the chunk's logit buffers, in the loss dtype (a bf16 head on the fast path: twice,
+    :data:`LOW_PRECISION_CHUNK_FACTOR`). ``stats``, when given, gets
     this call's :class:`TokenStats` added (computed from the same chunks: no extra logits). ``weights``, when
     given (one per position, like ``targets``), makes it ``sum_t w_t * loss_t``: each target row's loss and
     logit gradient are scaled by its weight (per-sequence normalization, :mod:`hf_accum.sequence_norm`).
@@ -196,6 +205,8 @@ def linear_cross_entropy_sum(
     vocab = head.weight.shape[0]
     row_bytes = vocab * compute_dtype(head.weight.dtype).itemsize * head.transform.buffers
     chunk_rows = max(1, chunk_bytes // row_bytes)
+    if head.weight.dtype.itemsize < 4 and _takes_fast_path(flat_hidden, head.weight, head.lora_a, head.transform):
+        chunk_rows *= LOW_PRECISION_CHUNK_FACTOR
     return _LinearCrossEntropySum.apply(
         flat_hidden, flat_targets, head.weight, head.bias, head.lora_a, head.lora_b, head.lora_scale,
         label_smoothing, chunk_rows, head.transform, stats, flat_weights,
@@ -225,19 +236,30 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                 transform, stats, row_weights):
         needs = ctx.needs_input_grad
         rows = targets.ne(IGNORE_INDEX).nonzero().squeeze(1)
-        accumulators = _GradientSums(hidden, weight, bias, lora_a, lora_b, needs)
+        accumulators = GradientSums(hidden, weight, bias, lora_a, lora_b, needs)
         total = torch.zeros((), dtype=compute_dtype(weight.dtype), device=hidden.device)
         chunk_stats = TokenStats.zeros(total.dtype, hidden.device) if stats is not None else None
+        buffers = None
+        if _takes_fast_path(hidden, weight, lora_a, transform) and rows.shape[0]:
+            buffers = ChunkBuffers(min(chunk_rows, rows.shape[0]), weight, total.dtype)
         for start in range(0, rows.shape[0], chunk_rows):
             chunk = rows[start : start + chunk_rows]
             h = hidden.index_select(0, chunk)
-            logits, low_rank_input = _chunk_logits(h, weight, bias, lora_a, lora_b, lora_scale, total.dtype)
+            chunk_targets = targets.index_select(0, chunk)
             chunk_weights = None if row_weights is None else row_weights.index_select(0, chunk).to(total.dtype)
-            chunk_loss, grad_logits = _loss_and_logit_gradient(
-                logits, targets.index_select(0, chunk), label_smoothing, transform, chunk_stats, chunk_weights
-            )
+            low_rank_input = None
+            if buffers is not None:
+                logits = buffers.logits_of(h, weight, bias)
+                chunk_loss, grad_logits = _softmax_loss_and_gradient_(
+                    logits, chunk_targets, label_smoothing, chunk_weights, chunk_stats,
+                    functools.partial(_row_logits, h, weight, bias))
+            else:
+                logits, low_rank_input = _chunk_logits(h, weight, bias, lora_a, lora_b, lora_scale, total.dtype)
+                chunk_loss, grad_logits = _loss_and_logit_gradient(
+                    logits, chunk_targets, label_smoothing, transform, chunk_stats, chunk_weights
+                )
             total += chunk_loss
-            accumulators.add_chunk(chunk, h, grad_logits, low_rank_input, lora_scale)
+            accumulators.add_chunk(chunk, h, grad_logits, low_rank_input, lora_scale, buffers)
             del logits, grad_logits  # the next chunk's buffers reuse this memory
         if stats is not None and chunk_stats is not None:
             chunk_stats.targets += rows.shape[0]
@@ -255,6 +277,67 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             )
         return (sums.hidden_grad(grad_total), None, *sums.head_grads(grad_total), None, None, None, None, None,
                 None)
+
+
+def _takes_fast_path(hidden: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor | None,
+                     transform: LogitTransform) -> bool:
+    """The common case -- a plain head in the hidden states' dtype, no logit transform, no autocast --
+    runs :func:`_softmax_loss_and_gradient_` in reused buffers (:class:`~hf_accum.fused_gradients.ChunkBuffers`);
+    the rest the general chunk math (:func:`_loss_and_logit_gradient`)."""
+    return (
+        lora_a is None and transform == IDENTITY and hidden.dtype == weight.dtype
+        and not torch.is_autocast_enabled(hidden.device.type)
+    )
+
+
+def _softmax_loss_and_gradient_(
+    y: torch.Tensor, targets: torch.Tensor, label_smoothing: float, row_weights: torch.Tensor | None,
+    stats: TokenStats | None, recompute: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fast path's chunk math: summed (``row_weights``: weighted) loss and d(loss)/dy, in place in ``y``.
+
+    One softmax op (``torch.softmax(out=y)``: each row's max, exponentials and sum in cache, one read and one
+    write of the chunk) replaces the general path's five passes (max, subtract, exp, sum, divide). The loss comes
+    from the target's probability: ``lse - y_t = -log p_t``, so with smoothing ``loss = -log p_t + eps * y_t -
+    eps / V * sum_c y_c`` (the same as :func:`_loss_and_logit_gradient`'s). ``-log p_t`` is exact to the dtype's
+    precision while ``p_t`` is a normal number; a row whose ``p_t`` underflows (its loss above ~87 in fp32) gets
+    its loss from ``lse`` of its logits recomputed by ``recompute(row_indices)`` (its gradient is right as is).
+    ``stats``: the arg-max hits from the logits, the entropy ``-sum_c p_c log p_c`` from the probabilities.
+    """
+    vocab = y.shape[-1]
+    picked = y.gather(1, targets[:, None]).squeeze(1)
+    smooth_sum = y.sum(1) if label_smoothing else None
+    argmax = y.argmax(1) if stats is not None else None  # the first maximum, as torch.argmax (TRL) counts ties
+    probabilities = torch.softmax(y, 1, out=y)
+    if stats is not None and argmax is not None:
+        stats.top1_hits += argmax.eq(targets).sum()
+        stats.entropy_sum -= _xlogx_sum(probabilities).sum()
+    target_p = probabilities.gather(1, targets[:, None]).squeeze(1)
+    row_loss = -target_p.log()
+    if smooth_sum is not None:
+        row_loss = row_loss + label_smoothing * picked - label_smoothing / vocab * smooth_sum
+    underflow = target_p < torch.finfo(y.dtype).tiny
+    if bool(underflow.any()):
+        rows = underflow.nonzero().squeeze(1)
+        exact = recompute(rows).to(y.dtype)
+        lse = torch.logsumexp(exact, 1)
+        fixed = lse - (1.0 - label_smoothing) * picked[rows]
+        if smooth_sum is not None:
+            fixed = fixed - label_smoothing / vocab * smooth_sum[rows]
+        row_loss[rows] = fixed
+    loss = (row_loss if row_weights is None else row_loss * row_weights).sum()
+    grad = probabilities
+    grad[torch.arange(grad.shape[0], device=grad.device), targets] -= 1.0 - label_smoothing
+    if label_smoothing:
+        grad.sub_(label_smoothing / vocab)
+    if row_weights is not None:
+        grad.mul_(row_weights[:, None])
+    return loss, grad
+
+
+def _row_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+    """Some rows' logits again, as the chunk computed them (the fast path's underflow fallback)."""
+    return F.linear(h.index_select(0, rows), weight, bias)
 
 
 def _chunk_logits(h, weight, bias, lora_a, lora_b, lora_scale, loss_dtype):
@@ -321,96 +404,17 @@ def _exp_dot(x: torch.Tensor) -> torch.Tensor:
     return dots
 
 
-# Rows of the weight gradient per matmul when its product cannot run in place (autocast, mixed
-# dtypes): bounds the temporary to a slice instead of the weight's size.
-_WEIGHT_SLICE_BYTES = 32 * 2**20
-
-
-class _GradientSums:
-    """The gradients of the summed loss, summed over chunks (the matmuls run in the head's own dtype,
-    as autograd would run them); rounded to each input's dtype once, in backward.
-
-    Where they are summed: the hidden states' gradient and the small head tensors (bias, LoRA) in at
-    least fp32. The output layer's weight gradient -- the one tensor as large as the weight -- starts
-    in the weight's own dtype, i.e. in the tensor autograd hands to ``.grad``: a micro-batch that fits
-    one chunk (512 positions at a 128k vocabulary) gets autograd's result with no copy at all (an fp32
-    copy of a bf16 weight's gradient would triple the memory the weight's gradient needs; where a
-    front-end accumulates bf16 gradients in fp32 over a window it keeps that sum itself:
-    :class:`hf_accum.accumulation.Fp32GradientAccumulator`). From a bf16 micro-batch's second chunk
-    on, the chunks are summed in fp32 (summed in bf16, 4 chunks added ~11% and 16 chunks ~40% to the
-    head's bf16 gradient error, measured): that costs one fp32 buffer the weight's size, only while
-    the micro-batch is larger than a chunk -- when a full-logits loss would hold several times more.
-    """
-
-    def __init__(self, hidden, weight, bias, lora_a, lora_b, needs_input_grad):
-        def zeros_if(needed: bool, like: torch.Tensor | None, dtype=None):
-            if not needed or like is None:
-                return None
-            return torch.zeros_like(like, dtype=dtype or compute_dtype(like.dtype))
-
-        self.dtypes = [t.dtype if t is not None else None for t in (hidden, weight, bias, lora_a, lora_b)]
-        self.weight, self.lora_a, self.lora_b = weight, lora_a, lora_b
-        self.hidden = zeros_if(needs_input_grad[0], hidden)
-        self._chunks_added = 0
-        self.head = [
-            zeros_if(needs_input_grad[2], weight, weight.dtype),
-            *[zeros_if(needs_input_grad[i], t) for i, t in zip((3, 4, 5), (bias, lora_a, lora_b))],
-        ]
-
-    def add_chunk(self, rows, h, grad_logits, low_rank_input, lora_scale) -> None:
-        self._widen_weight_sum()
-        grad_weight, grad_bias, grad_a, grad_b = self.head
-        base = grad_logits.to(self.weight.dtype) if grad_logits.dtype != self.weight.dtype else grad_logits
-        if self.hidden is not None:
-            self.hidden.index_copy_(0, rows, torch.mm(base, self.weight).to(self.hidden.dtype))
-        if grad_weight is not None:
-            _add_product_(grad_weight, base.t(), h.to(self.weight.dtype))
-        if grad_bias is not None:
-            grad_bias.add_(grad_logits.sum(0))
-        del base
-        if self.lora_a is None:
-            return
-        low = grad_logits.to(self.lora_b.dtype)
-        grad_low_rank_input = torch.mm(low, self.lora_b) * lora_scale  # d loss / d (h A^T)
-        if self.hidden is not None:
-            self.hidden.index_add_(0, rows, torch.mm(grad_low_rank_input, self.lora_a).to(self.hidden.dtype))
-        if grad_b is not None:
-            _add_product_(grad_b, low.t(), low_rank_input * lora_scale)
-        if grad_a is not None:
-            _add_product_(grad_a, grad_low_rank_input.t(), h.to(self.lora_a.dtype))
-
-    def _widen_weight_sum(self) -> None:
-        """Before a second chunk is added: a low-precision weight's gradient sum moves to fp32."""
-        grad_weight = self.head[0]
-        if self._chunks_added == 1 and grad_weight is not None and grad_weight.dtype.itemsize < 4:
-            self.head[0] = grad_weight.to(compute_dtype(grad_weight.dtype))  # the bf16 partial is freed
-        self._chunks_added += 1
-
-    def hidden_grad(self, grad_total: torch.Tensor) -> torch.Tensor | None:
-        return _scaled(self.hidden, grad_total, self.dtypes[0])
-
-    def head_grads(self, grad_total: torch.Tensor) -> list[torch.Tensor | None]:
-        return [_scaled(g, grad_total, dtype) for g, dtype in zip(self.head, self.dtypes[1:])]
-
-
-def _add_product_(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``total += a @ b`` without a temporary the size of ``total``: in place when the dtypes allow it,
-    else (a bf16 / autocast matmul summed into a wider total) a slice of ``total``'s rows at a time."""
-    if total.dtype == a.dtype == b.dtype and not torch.is_autocast_enabled(total.device.type):
-        total.addmm_(a, b)
-        return
-    rows = max(1, _WEIGHT_SLICE_BYTES // max(1, total.shape[1] * total.element_size()))
-    for start in range(0, total.shape[0], rows):
-        total[start : start + rows].add_(torch.mm(a[start : start + rows], b))
-
-
-def _scaled(grad: torch.Tensor | None, grad_total: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor | None:
-    """``grad * d(output)/d(loss)``, in place in the sum, then rounded once to the input's dtype (a no-op
-    for the weight gradient, summed in the weight's dtype)."""
-    if grad is None:
-        return None
-    # A bf16 sum is multiplied by the fp32 scalar in fp32 arithmetic and rounded once (x * 1 stays x).
-    return grad.mul_(grad_total.to(grad.dtype) if grad.dtype.itemsize >= 4 else grad_total).to(dtype)
+def _xlogx_sum(p: torch.Tensor) -> torch.Tensor:
+    """``sum_c p_c log p_c`` per row (``0 log 0 = 0``), a block of rows at a time into one scratch block (see
+    :func:`_exp_dot`)."""
+    rows = max(1, min(p.shape[0], _ENTROPY_BLOCK_BYTES // (p.shape[1] * p.element_size())))
+    sums = p.new_empty(p.shape[0])
+    scratch = p.new_empty(rows, p.shape[1])
+    for start in range(0, p.shape[0], rows):
+        block = p[start : start + rows]
+        part = torch.special.xlogy(block, block, out=scratch[: block.shape[0]])
+        torch.sum(part, dim=1, out=sums[start : start + block.shape[0]])
+    return sums
 
 
 # -- CUDA: Liger-Kernel -------------------------------------------------------------------------

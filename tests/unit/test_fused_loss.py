@@ -481,14 +481,35 @@ class WeightSizedFp32(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("chunks", [1, 3])
-def test_bf16_weight_gradient_needs_no_fp32_copy_within_one_chunk(chunks):
-    """One chunk: the bf16 weight's gradient is summed in bf16, where autograd hands it to .grad (no
-    fp32 copy the weight's size); from a second chunk on, in fp32 (the negative control: one copy)."""
+@pytest.mark.parametrize("chunks", [1, 4, 6])
+def test_bf16_weight_gradient_needs_no_fp32_copy_within_four_chunks(chunks):
+    """Up to 4 chunks the bf16 weight's gradient is summed in bf16, in place, where autograd hands it to .grad
+    (no fp32 copy the weight's size); from the fifth on, in fp32 (the negative control: one copy)."""
+    from hf_accum.fused_loss import LOW_PRECISION_CHUNK_FACTOR
+
     h, head, targets = _head_and_inputs("plain", dtype=torch.bfloat16, rows=24, hidden=16, vocab=300)
+    targets = targets.clamp_min(0)  # every row a target: 24 rows
     rows = int(targets.ne(-100).sum())
-    chunk_bytes = -(-rows // chunks) * 300 * 4
+    per_chunk = -(-rows // chunks)
+    assert per_chunk % LOW_PRECISION_CHUNK_FACTOR == 0 and -(-rows // per_chunk) == chunks  # exactly `chunks` chunks
+    chunk_bytes = per_chunk // LOW_PRECISION_CHUNK_FACTOR * 300 * 4
     with WeightSizedFp32(head.weight.numel()) as watch:
         linear_cross_entropy_sum(h, head, targets, chunk_bytes=chunk_bytes).backward()
     assert head.weight.grad.dtype == torch.bfloat16
-    assert len(watch.storages) == (0 if chunks == 1 else 1)
+    assert len(watch.storages) == (0 if chunks <= 4 else 1)
+
+
+@pytest.mark.parametrize("dtype,scale", [(torch.float32, 200.0), (torch.float64, 1500.0)])
+def test_a_target_probability_that_underflows_still_gives_the_exact_loss(dtype, scale):
+    """The fast path takes the loss from the target's probability (``-log p_t``); where ``p_t`` underflows (a
+    loss above ~87 in fp32, ~745 in fp64) it recomputes those rows' log-sum-exp -- without that, inf."""
+    h, head, targets = _head_and_inputs("bias", dtype=dtype, rows=16, hidden=8, vocab=50)
+    h = (h.detach() * scale).requires_grad_()
+    head64 = LinearHead(head.weight.detach().double(), head.bias.detach().double())
+    reference = F.cross_entropy(head64.logits(h.detach().double()), targets, reduction="sum")
+    kept = targets.ne(-100)
+    probabilities = torch.softmax(head.logits(h.detach()[kept]).detach(), 1).gather(1, targets[kept, None])
+    assert (probabilities < torch.finfo(dtype).tiny).any()  # the case is really there
+    fused = linear_cross_entropy_sum(h, head, targets)
+    assert torch.isfinite(fused)
+    assert abs(float(fused) / float(reference) - 1) < 1e-5
