@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
 
 from hf_accum.recipe.testing import TEN_UPDATES, TORCHRUN_2, run_script
+from hf_accum.testing.launch import run_torchrun
 
 
 @pytest.fixture(scope="session")
@@ -25,3 +27,12 @@ def ddp_recipe_run(tmp_path_factory) -> Callable[[str], Path]:
         return made[engine]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def deepspeed_report(tmp_path_factory) -> dict[str, Any]:
+    """The report of ONE torchrun launch of deepspeed_worker.py running all its jobs, read by
+    test_deepspeed.py and test_deepspeed_windows.py (the planned-window jobs are among them): DeepSpeed's
+    start-up in 2 processes (~25 CPU-s) dominates a launch, so it is paid once. Read only."""
+    worker = os.path.join(os.path.dirname(__file__), "deepspeed_worker.py")
+    return run_torchrun(worker, tmp_path_factory.mktemp("zero") / "report.json", timeout=900)

@@ -11,10 +11,8 @@ import os
 import pytest
 
 from hf_accum.testing import big_batch_learning_rates
-from hf_accum.testing.launch import run_torchrun
 from hf_accum.testing.logs import fused_on
 
-HERE = os.path.dirname(__file__)
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="pip install 'hf_accum[deepspeed]'"),
@@ -30,9 +28,8 @@ UPDATES = 6  # 2 epochs x windows of 3, 3 and 1 micro-batches per rank
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    return run_torchrun(os.path.join(HERE, "deepspeed_worker.py"), tmp_path_factory.mktemp("zero") / "report.json",
-                        timeout=900)
+def report(deepspeed_report):
+    return deepspeed_report  # one launch of every job, shared with test_deepspeed_windows.py (conftest.py)
 
 
 def test_two_processes_really_ran_deepspeed(report):

@@ -5,13 +5,9 @@ tests/distributed/test_deepspeed.py), the LR horizon the planned number of updat
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 
-from hf_accum.testing.launch import run_torchrun
-
-HERE = os.path.dirname(__file__)
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="pip install 'hf_accum[deepspeed]'"),
@@ -20,9 +16,8 @@ RUNS = ["loop_zero2_rampup", "loop_zero3_tokens"]
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    return run_torchrun(os.path.join(HERE, "deepspeed_worker.py"), tmp_path_factory.mktemp("zero_windows") / "r.json",
-                        timeout=900, extra_args=RUNS)
+def report(deepspeed_report):
+    return deepspeed_report  # the RUNS are jobs of the one launch test_deepspeed.py reads too (conftest.py)
 
 
 @pytest.mark.parametrize("name", RUNS)
