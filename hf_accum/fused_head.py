@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -201,7 +201,7 @@ class FusedCausalLMLoss:
     def forward_loss(
         self, model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor, stats: TokenStats | None = None,
         weights: torch.Tensor | None = None,
-    ):
+    ) -> tuple[Any, torch.Tensor] | None:
         """``(outputs, loss_sum)`` from one forward whose head returned the summed loss, or None.
         ``stats``, when given, gets the micro-batch's :class:`TokenStats` added; ``weights`` (aligned with the
         causal LM's targets, one per position) weigh each target's loss."""
@@ -227,13 +227,17 @@ class FusedCausalLMLoss:
         """Decide for the logits path (e.g. a custom loss needs the logits)."""
         self._decided, self.head_module, self.reason = True, None, reason
 
-    def _loss_of(self, targets: torch.Tensor, stats: TokenStats | None, weights: torch.Tensor | None = None):
+    def _loss_of(
+        self, targets: torch.Tensor, stats: TokenStats | None, weights: torch.Tensor | None = None
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        head_module = self.head_module
+        assert head_module is not None  # decided for the fused path before a loss is built
         def loss(hidden: torch.Tensor) -> torch.Tensor:
             if hidden.shape[:-1] != targets.shape:
                 raise RuntimeError(f"hidden states {tuple(hidden.shape)} do not match labels {tuple(targets.shape)}")
             # Read here, inside the head's forward: a sharding engine has gathered the weights (and the active
             # adapter may change between calls).
-            head = dataclasses.replace(resolve_head(self.head_module), transform=self.transform)
+            head = dataclasses.replace(resolve_head(head_module), transform=self.transform)
             return linear_cross_entropy_sum(hidden, head, targets, self.label_smoothing, self.chunk_bytes, stats,
                                             weights)
 
@@ -320,7 +324,7 @@ def declared_transform(inner: nn.Module) -> LogitTransform:
     config: Any = getattr(inner, "config", None)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
 
-    def number(*owners_and_names) -> float | None:
+    def number(*owners_and_names: tuple[Any, str]) -> float | None:
         for owner, name in owners_and_names:
             value = getattr(owner, name, None)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -342,7 +346,8 @@ def _probe_forward(model: nn.Module, head_module: nn.Module, inputs: dict[str, A
     leaf = linear_leaf(head_module)
     original = leaf.forward
 
-    def record(hidden, *args, **kwargs):
+    def record(hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        expected: torch.Tensor | NotFusable
         output = original(hidden, *args, **kwargs)
         try:
             head = resolve_head(head_module)
@@ -353,7 +358,7 @@ def _probe_forward(model: nn.Module, head_module: nn.Module, inputs: dict[str, A
         calls.append((hidden.detach(), output.detach(), expected))
         return output
 
-    record.is_fused_head = True
+    record.is_fused_head = True  # type: ignore[attr-defined]  # a marker read by linear_leaf's callers
     leaf.forward = record
     try:
         with probing(model):
@@ -382,20 +387,22 @@ def _require_equal(ours: torch.Tensor, theirs: torch.Tensor, message: str) -> No
 
 
 @contextlib.contextmanager
-def _head_returns_loss(head_module: nn.Module, loss: Callable[[torch.Tensor], torch.Tensor]):
+def _head_returns_loss(
+    head_module: nn.Module, loss: Callable[[torch.Tensor], torch.Tensor]
+) -> Iterator[list[torch.Tensor]]:
     """For one forward: the head returns ``loss(hidden_states)`` as a ``[1, 1, 1]`` tensor (the losses
     it computed are in the yielded list)."""
     calls: list[torch.Tensor] = []
     leaf = linear_leaf(head_module)
 
-    def forward(hidden_states, *args, **kwargs):
+    def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if args or kwargs:
             raise RuntimeError(f"the output layer was called with extra arguments {list(kwargs) or len(args)}")
         calls.append(loss(hidden_states))
         # A copy: a model that transforms its logits in place must not change the loss.
         return calls[-1].reshape(1, 1, 1).clone()
 
-    forward.is_fused_head = True
+    forward.is_fused_head = True  # type: ignore[attr-defined]  # a marker read by linear_leaf's callers
     # An instance attribute: nn.Module.__call__ finds it first, after the module's (engine) pre-hooks ran.
     leaf.forward = forward
     try:
@@ -417,12 +424,12 @@ class _ZeroThrough(torch.autograd.Function):
     changes numerically (unlike ``0 * x``, which turns an inf marker into nan)."""
 
     @staticmethod
-    def forward(ctx, marker):
+    def forward(ctx: Any, marker: torch.Tensor) -> torch.Tensor:
         ctx.shape, ctx.dtype = marker.shape, marker.dtype
         return marker.new_zeros(())
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         return grad.new_zeros(ctx.shape, dtype=ctx.dtype)
 
 

@@ -33,7 +33,7 @@ import functools
 import inspect
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -154,7 +154,7 @@ class TokenStats:
 
     @classmethod
     def zeros(cls, dtype: torch.dtype, device: torch.device | str) -> TokenStats:
-        def zero(kind):
+        def zero(kind: torch.dtype) -> torch.Tensor:
             return torch.zeros((), dtype=kind, device=device)
 
         return cls(zero(torch.int64), zero(dtype), zero(torch.int64))
@@ -232,8 +232,10 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, targets, weight, bias, lora_a, lora_b, lora_scale, label_smoothing, chunk_rows,
-                transform, stats, row_weights):
+    def forward(ctx: Any, hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None,
+                lora_scale: float, label_smoothing: float, chunk_rows: int, transform: LogitTransform,
+                stats: TokenStats | None, row_weights: torch.Tensor | None) -> torch.Tensor:
         needs = ctx.needs_input_grad
         rows = targets.ne(IGNORE_INDEX).nonzero().squeeze(1)
         accumulators = GradientSums(hidden, weight, bias, lora_a, lora_b, needs)
@@ -268,7 +270,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         return total
 
     @staticmethod
-    def backward(ctx, grad_total):
+    def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         sums, ctx.gradients = ctx.gradients, None
         if sums is None:
             raise RuntimeError(
@@ -340,12 +342,16 @@ def _row_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return F.linear(h.index_select(0, rows), weight, bias)
 
 
-def _chunk_logits(h, weight, bias, lora_a, lora_b, lora_scale, loss_dtype):
+def _chunk_logits(
+    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor | None,
+    lora_b: torch.Tensor | None, lora_scale: float, loss_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One chunk's output-layer logits in the loss dtype, computed with the same ops (and autocast) as
     the head; also ``h A^T`` when the head has a LoRA adapter (its gradients need it)."""
     logits = F.linear(h, weight, bias)
     if lora_a is None:
         return logits.to(loss_dtype), None
+    assert lora_b is not None  # a LoRA head carries both factors (LinearHead)
     low_rank_input = F.linear(h.to(lora_a.dtype), lora_a)
     logits = logits.to(loss_dtype) + F.linear(low_rank_input, lora_b).to(loss_dtype) * lora_scale
     return logits, low_rank_input
@@ -354,7 +360,7 @@ def _chunk_logits(h, weight, bias, lora_a, lora_b, lora_scale, loss_dtype):
 def _loss_and_logit_gradient(
     z: torch.Tensor, targets: torch.Tensor, label_smoothing: float, transform: LogitTransform,
     stats: TokenStats | None, row_weights: torch.Tensor | None = None,
-):
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed (``row_weights``: weighted) loss of a chunk and d(loss)/dz, computed in place in the chunk's
     buffers (softmax in a few passes, no other temporary of the chunk's size; a soft-cap needs a second buffer,
     which the chunk size accounts for). ``stats``, when given, gets the chunk's entropy and arg-max hits added
@@ -436,7 +442,9 @@ def _use_liger(hidden: torch.Tensor, head: LinearHead) -> bool:
     )
 
 
-def _liger_loss_sum(hidden, head: LinearHead, targets, label_smoothing: float) -> torch.Tensor:
+def _liger_loss_sum(
+    hidden: torch.Tensor, head: LinearHead, targets: torch.Tensor, label_smoothing: float
+) -> torch.Tensor:
     fused = _liger_function()
     assert fused is not None  # _use_liger found it
     options = {}
@@ -456,7 +464,7 @@ _MOVED = {
 }
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     module = _MOVED.get(name)
     if module is None:
         raise AttributeError(f"module 'hf_accum.fused_loss' has no attribute {name!r}")
