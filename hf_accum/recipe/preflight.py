@@ -64,6 +64,7 @@ def build_run_objects(config: RecipeConfig) -> None:
 
     _check_duration(config)
     _check_step_intervals(config)
+    _check_compile(config)
     args = _built(config, "TrainingArguments", training, "training")
     if config.engine == "loop":
         _built(config, "the loop's LoopConfig", lambda: _loop_config(config, args), "training")
@@ -102,6 +103,18 @@ def _check_duration(config: RecipeConfig) -> None:
             f">= 0 (training.max_steps={t.max_steps} sets the length)"
         raise PreflightError(f"training.num_train_epochs={float(t.num_train_epochs)} "
                              f"({config.source('training.num_train_epochs')}) must be {allowed}")
+
+
+def _check_compile(config: RecipeConfig) -> None:
+    """``training.torch_compile`` with DeepSpeed or FSDP: both front-ends refuse it once the model is built (no
+    exactness test covers a compiled model under a sharding engine, hf_accum.compile); here it is refused first."""
+    t = config.training
+    engine = "training.deepspeed" if t.get("deepspeed") else "training.fsdp" if t.get("fsdp") else None
+    if t.get("torch_compile") and engine is not None:
+        raise PreflightError(
+            f"training.torch_compile=true ({config.source('training.torch_compile')}) with {engine} "
+            f"({config.source(engine)}): not verified exact under DeepSpeed or FSDP; use one of them, not both"
+        )
 
 
 def _check_step_intervals(config: RecipeConfig) -> None:

@@ -678,6 +678,11 @@ BAD_VALUES = [
     (["training.seed=-1"], "Seed must be between 0 and 2**32 - 1 [training.seed=-1 (command line)]"),
     (["training.report_to=bogus"], "bogus is not supported, only"),
     (["training.fsdp=bogus"], "training.fsdp='bogus': unknown option 'bogus'; allowed: true, or full_shard"),
+    # Both front-ends refuse a compiled model under a sharding engine once it is built: refused before instead.
+    (["training.torch_compile=true", "training.fsdp=full_shard"], "training.torch_compile=true (command line) with "
+                                                                   "training.fsdp (command line): not verified exact"),
+    (["training.torch_compile=true", "training.deepspeed=recipes/deepspeed/zero3.json"],
+     "training.torch_compile=true (command line) with training.deepspeed (command line): not verified exact"),
 ]
 
 
