@@ -40,11 +40,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rest and args.command != "bench" and not getattr(args, "config", None) and not getattr(args, "auto", False):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.bench_args = args.overrides = rest
+    if args.command in ("plan", "check"):
+        _lean_start(args)
     try:
         return args.run(args)
     except ValueError as error:
         print(f"hf-accum {args.command}: error: {error}", file=sys.stderr)
         return 2
+
+
+def _lean_start(args: argparse.Namespace) -> None:
+    """Before the recipe kit imports PEFT: keep bitsandbytes out unless the checked or planned run may quantize
+    (:func:`hf_accum.recipe.command_line.lean_start`: ~1.5 CPU-s of start-up)."""
+    from hf_accum.recipe.command_line import lean_start
+
+    if getattr(args, "quantization", None) is None:
+        given = getattr(args, "model", None)
+        model = [f"model.name_or_path={given}"] if given not in (None, "tiny") else []  # tiny: built in
+        lean_start(["--config", args.config, *args.overrides, *model] if args.config else model)
 
 
 def _parser() -> argparse.ArgumentParser:

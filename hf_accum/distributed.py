@@ -59,6 +59,27 @@ def leave_process_group() -> None:
 # -- ZeRO-3 partitioned models ------------------------------------------------------------------
 
 
+# DeepSpeed's name for its CPU shared-memory all-reduce op (deepspeed/ops/op_builder/cpu/comm.py).
+DEEPSPEED_SHM_OP = "deepspeed_shm_comm"
+
+
+def skip_deepspeed_inference_comm_build() -> None:
+    """Keep DeepSpeed's communication layer from JIT-compiling its shared-memory all-reduce op. Call it before
+    DeepSpeed's comm starts (``deepspeed.init_distributed``; Accelerate's state under a DeepSpeed plugin).
+
+    On the CPU accelerator, ``TorchBackend.__init__`` builds the C++ op ``deepspeed_shm_comm`` whenever DeepSpeed
+    deems it compatible (two compiler processes, ~1 minute of both cores of a 2-core machine, on the first run
+    of each machine) and uses it only in ``inference_all_reduce`` -- DeepSpeed inference's tensor parallelism.
+    Training reduces through ``torch.distributed`` either way, so marking the op incompatible (the dict
+    DeepSpeed consults, ``deepspeed.ops.__compatible_ops__``, kept in its module) changes nothing a training run
+    computes. A no-op when DeepSpeed is not installed."""
+    try:
+        import deepspeed.ops
+    except ImportError:
+        return
+    deepspeed.ops.__compatible_ops__[DEEPSPEED_SHM_OP] = False
+
+
 def is_partitioned(model: torch.nn.Module) -> bool:
     """True when ZeRO-3 holds the model's parameters in shards (each forward gathers them)."""
     return any(hasattr(parameter, "ds_id") for parameter in model.parameters())

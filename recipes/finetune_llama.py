@@ -15,10 +15,15 @@ helpers it calls stay in the recipe kit, hf_accum.recipe (config, data, modeling
 """
 
 import contextlib
+import sys
 import time
 from dataclasses import asdict
 
 START = time.time()  # wall time counts the imports too
+
+from hf_accum.recipe.command_line import lean_start  # noqa: E402
+
+lean_start(sys.argv[1:])  # before PEFT is imported: no bitsandbytes unless the run quantizes (hf_accum.startup)
 
 import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402

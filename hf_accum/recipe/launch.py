@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from hf_accum.distributed import num_nodes
+from hf_accum.distributed import num_nodes, skip_deepspeed_inference_comm_build
 from hf_accum.errors import InputError
 
 if TYPE_CHECKING:  # accelerate and transformers are imported where used (importing the recipe stays cheap)
@@ -421,19 +421,19 @@ def _fsdp_loop_accelerator(accumulation_steps: int, mixed_precision: str, use_cp
 
 
 def start_process_group(args: TrainingArguments, launch: Launch) -> None:
-    """Set up the process group as ``TrainingArguments`` does (gloo with ``use_cpu``), before any model
-    loads; check that it spans every process the launcher started; under DeepSpeed, start DeepSpeed's
-    communication layer on it.
+    """Set up the process group as ``TrainingArguments`` does (gloo with ``use_cpu``), before any model loads; check
+    that it spans every process the launcher started; under DeepSpeed, start DeepSpeed's comm on it.
 
     Accelerate keeps one shared state per process, made by whoever asks first. A quantized load
-    (``from_pretrained(device_map=...)``) asks with default arguments, which on a machine without GPU
-    yields ONE process whatever torchrun started -- every rank would then train alone, silently.
-    And with a ZeRO-3 config alive (trainer engine) transformers builds the model inside
-    ``deepspeed.zero.Init``, which reads the world size from DeepSpeed's comm: left uninitialized it
-    counts 1 process and refuses the batch arithmetic ("32 != 8 * 2 * 1").
+    (``from_pretrained(device_map=...)``) asks with default arguments, which on a machine without GPU yields ONE
+    process whatever torchrun started -- every rank would then train alone, silently. And with a ZeRO-3 config
+    alive (trainer engine) transformers builds the model inside ``deepspeed.zero.Init``, which reads the world
+    size from DeepSpeed's comm: left uninitialized it counts 1 process and refuses the batch arithmetic.
     """
     from accelerate import PartialState
 
+    if launch.backend == DEEPSPEED:  # before Accelerate's state starts DeepSpeed's comm (its inference-only op)
+        skip_deepspeed_inference_comm_build()
     args.device  # noqa: B018 -- TrainingArguments creates the process group on first use
     processes = PartialState().num_processes
     if processes != launch.world_size:

@@ -27,6 +27,7 @@ from hf_accum import gguf
 from hf_accum.compat import keep_4bit_training_layout
 from hf_accum.errors import InputError
 from hf_accum.recipe.embedded import TINY_MODEL, build_tiny_llama, recipe_tiny_config, tiny_tokenizer
+from hf_accum.startup import bitsandbytes_kept_out
 
 if TYPE_CHECKING:  # transformers and PEFT are imported where used
     from peft import LoraConfig
@@ -89,6 +90,11 @@ def load_tokenizer(
 def bnb_available() -> bool:
     import importlib.util
 
+    if bitsandbytes_kept_out():  # lean_start judged from the command line that nothing would quantize
+        raise RuntimeError(
+            "bitsandbytes was kept out of this process at start-up (hf_accum.recipe.command_line.lean_start), "
+            "yet the run asks for quantization: a bug in bitsandbytes_needed(); please report it with the command"
+        )
     return importlib.util.find_spec("bitsandbytes") is not None
 
 

@@ -26,6 +26,7 @@ import torch
 
 from hf_accum.memory import default_budget, training_step_peak
 from hf_accum.peak_memory import peak_rss_bytes
+from hf_accum.recipe.command_line import lean_start
 
 
 def resolve(spec: dict[str, Any]) -> dict[str, Any]:
@@ -97,6 +98,7 @@ def _status_kib() -> dict[str, int]:
 
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
+    lean_start(next(iter(spec.values())).get("argv", []))  # no bitsandbytes unless the recipe run would quantize
     if "resolve" in spec:
         try:
             answer = resolve(spec["resolve"])

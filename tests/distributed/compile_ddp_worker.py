@@ -4,6 +4,10 @@ different token counts (aot_eager: Dynamo's capture and AOTAutograd's joint grap
 Run as ``torchrun --nproc_per_node 2 tests/distributed/compile_ddp_worker.py OUT.json``; rank 0 writes the world
 size it really got, the audited gradient errors, the all-reduce rounds and the blocks compiled."""
 
+from hf_accum.startup import keep_bitsandbytes_out
+
+keep_bitsandbytes_out()  # first: no job here quantizes, and PEFT imports bitsandbytes (~1.5 CPU-s) if it can
+
 import json
 import sys
 

@@ -13,6 +13,10 @@ both engines, all in one launch (DeepSpeed's start-up dominates). Rank 0 writes 
 
 from __future__ import annotations
 
+from hf_accum.startup import keep_bitsandbytes_out
+
+keep_bitsandbytes_out()  # first: no job here quantizes, and PEFT imports bitsandbytes (~1.5 CPU-s) if it can
+
 import json
 import os
 import sys
@@ -26,7 +30,12 @@ from transformers.integrations import unset_hf_deepspeed_config
 
 from hf_accum import AccumTrainer
 from hf_accum.batching import PaddingCollator
-from hf_accum.distributed import gathered_state_dict, leave_process_group, save_pretrained
+from hf_accum.distributed import (
+    gathered_state_dict,
+    leave_process_group,
+    save_pretrained,
+    skip_deepspeed_inference_comm_build,
+)
 from hf_accum.loop import LoopConfig, train
 from hf_accum.recipe.launch import check_launch, loop_accelerator
 from hf_accum.schedule import create_update_scheduler
@@ -341,5 +350,6 @@ def main(report_path: str) -> None:
 OUT_DIR = "."
 
 if __name__ == "__main__":
+    skip_deepspeed_inference_comm_build()  # as the recipe does: training never uses the op it would compile
     main(sys.argv[1])
     leave_process_group()  # gloo may abort at exit otherwise: see its docstring

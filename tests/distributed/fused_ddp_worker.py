@@ -11,6 +11,10 @@ Rank 0 writes a JSON report to ``argv[1]``; launched by tests/distributed/test_f
 
 from __future__ import annotations
 
+from hf_accum.startup import keep_bitsandbytes_out
+
+keep_bitsandbytes_out()  # first: no job here quantizes, and PEFT imports bitsandbytes (~1.5 CPU-s) if it can
+
 import json
 import logging
 import os

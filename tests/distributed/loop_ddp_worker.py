@@ -5,6 +5,10 @@ size it really got, the audited gradient errors of the exact and naive loops, th
 number of gradient all-reduce rounds counted by a DDP comm hook.
 """
 
+from hf_accum.startup import keep_bitsandbytes_out
+
+keep_bitsandbytes_out()  # first: no job here quantizes, and PEFT imports bitsandbytes (~1.5 CPU-s) if it can
+
 import json
 import sys
 

@@ -5,6 +5,10 @@ gradient all-reduce rounds (a DDP comm hook): one per update, whatever the windo
 Run as ``torchrun --nproc_per_node 2 tests/distributed/loop_windows_ddp_worker.py OUT.json``.
 """
 
+from hf_accum.startup import keep_bitsandbytes_out
+
+keep_bitsandbytes_out()  # first: no job here quantizes, and PEFT imports bitsandbytes (~1.5 CPU-s) if it can
+
 import json
 import sys
 

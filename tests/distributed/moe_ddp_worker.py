@@ -9,6 +9,10 @@ JSON report to ``argv[1]``.
 
 from __future__ import annotations
 
+from hf_accum.startup import keep_bitsandbytes_out
+
+keep_bitsandbytes_out()  # first: no job here quantizes, and PEFT imports bitsandbytes (~1.5 CPU-s) if it can
+
 import functools
 import json
 import os

@@ -5,6 +5,10 @@ per engine and mode the relative errors of the logged raw estimates against the 
 micro-batch of every rank, or every rank's first micro-batch), and the noise scales of a short real (lr > 0) run.
 """
 
+from hf_accum.startup import keep_bitsandbytes_out
+
+keep_bitsandbytes_out()  # first: no job here quantizes, and PEFT imports bitsandbytes (~1.5 CPU-s) if it can
+
 import json
 import sys
 import tempfile

@@ -5,6 +5,10 @@ errors, every update's sequences and batch change as each rank saw them (all ran
 LRs and the number of gradient all-reduce rounds (one per update, whatever the window).
 """
 
+from hf_accum.startup import keep_bitsandbytes_out
+
+keep_bitsandbytes_out()  # first: no job here quantizes, and PEFT imports bitsandbytes (~1.5 CPU-s) if it can
+
 import json
 import sys
 

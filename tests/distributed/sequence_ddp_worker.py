@@ -1,6 +1,10 @@
 """torchrun worker: per-sequence normalization on 2 CPU processes, both engines (sequence mode and, as the
 negative control, token mode). Rank 0 writes the relative gradient errors against the reference."""
 
+from hf_accum.startup import keep_bitsandbytes_out
+
+keep_bitsandbytes_out()  # first: no job here quantizes, and PEFT imports bitsandbytes (~1.5 CPU-s) if it can
+
 import json
 import sys
 import tempfile

@@ -7,6 +7,10 @@ Launched by tests/distributed/test_trainer_ddp.py; all scenarios share one launc
 
 from __future__ import annotations
 
+from hf_accum.startup import keep_bitsandbytes_out
+
+keep_bitsandbytes_out()  # first: no job here quantizes, and PEFT imports bitsandbytes (~1.5 CPU-s) if it can
+
 import json
 import os
 import sys

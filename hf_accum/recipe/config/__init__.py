@@ -3,7 +3,8 @@ section registry, pydantic coercion, the saved copy), ``layers`` (defaults < YAM
 ``validation`` (:func:`resolve`, one pass before anything loads)."""
 
 from hf_accum.recipe.accumulation_section import AccumulationSection
-from hf_accum.recipe.config.layers import BUILTIN_DEFAULTS, load_config, load_yaml, parse_overrides
+from hf_accum.recipe.command_line import parse_overrides
+from hf_accum.recipe.config.layers import BUILTIN_DEFAULTS, load_config, load_yaml
 from hf_accum.recipe.config.schema import (
     BUILTIN,
     COMMAND_LINE,

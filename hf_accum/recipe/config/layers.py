@@ -34,32 +34,6 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
 }
 
 
-def parse_overrides(argv: Sequence[str]) -> tuple[str | None, dict[str, Any]]:
-    """``(config_path, {dotted.key: value})`` from ``--config X --a.b v --c.d=v e.f=v``."""
-    config_path, overrides, args = None, {}, list(argv)
-    while args:
-        arg = args.pop(0)
-        key, eq, raw = arg.removeprefix("--").partition("=")
-        if arg.startswith("--") and not eq:
-            if not args or args[0].startswith("--"):
-                raise ConfigError(f"override {arg} has no value (use --{key} VALUE or --{key}=VALUE)")
-            raw = args.pop(0)
-        elif not eq:
-            raise ConfigError(f"cannot read argument {arg!r}: use --section.key VALUE or section.key=VALUE")
-        if key == "config":
-            config_path = raw
-        else:
-            overrides[key] = _parse_scalar(raw)
-    return config_path, overrides
-
-
-def _parse_scalar(raw: str) -> Any:
-    try:
-        return yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError:
-        return raw
-
-
 def load_yaml(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path!r}")

@@ -21,8 +21,8 @@ from typing import Any, Callable, Sequence
 import yaml
 from pydantic import PydanticSchemaGenerationError, TypeAdapter, ValidationError
 
-from hf_accum.errors import InputError
 from hf_accum.recipe.accumulation_section import AccumulationSection, check_accumulation_section
+from hf_accum.recipe.command_line import ConfigError
 from hf_accum.recipe.config.sections import DataSection, ModelSection, TrainingSection
 from hf_accum.recipe.data import check_data_section
 from hf_accum.recipe.modeling import check_model_section, check_quantization_section
@@ -32,10 +32,6 @@ RESOLVED_CONFIG_NAME = "resolved_config.yaml"
 BUILTIN, COMMAND_LINE = "built-in default", "command line"
 # Keys that say how to run, not what the run is: a resumed run may set them differently.
 NOT_PART_OF_THE_RUN = ("overwrite_output_dir", "training.resume_from_checkpoint")
-
-
-class ConfigError(InputError):
-    """Anything wrong with the config itself; raised before any model is loaded."""
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ import torch
 
 from hf_accum.errors import InputError
 from hf_accum.recipe.accumulation_section import resolve_batch
-from hf_accum.recipe.config.layers import load_config, parse_overrides
+from hf_accum.recipe.command_line import parse_overrides
+from hf_accum.recipe.config.layers import load_config
 from hf_accum.recipe.config.schema import SECTIONS, ConfigError, RecipeConfig, unknown_key
 from hf_accum.recipe.config.sections import TrainingSection
 from hf_accum.recipe.embedded import default_config_path

@@ -12,6 +12,10 @@ boundary) and 6. Two processes: 28 rows = 7 micro-batches per rank, K=3: windows
 
 from __future__ import annotations
 
+from hf_accum.startup import keep_bitsandbytes_out
+
+keep_bitsandbytes_out()  # first: no job here quantizes, and PEFT imports bitsandbytes (~1.5 CPU-s) if it can
+
 import argparse
 import os
 import sys

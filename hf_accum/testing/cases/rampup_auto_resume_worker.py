@@ -6,6 +6,10 @@ decided); ``--resume`` continues from the latest complete checkpoint in OUT. A r
 ``OUT/final.pt`` (sequences, LRs and losses of every update, and the final weights).
 """
 
+from hf_accum.startup import keep_bitsandbytes_out
+
+keep_bitsandbytes_out()  # first: no job here quantizes, and PEFT imports bitsandbytes (~1.5 CPU-s) if it can
+
 import os
 import signal
 import sys

@@ -10,6 +10,10 @@ epoch, two processes 3, 3 and a short 1; 6 updates over 2 epochs.
 
 from __future__ import annotations
 
+from hf_accum.startup import keep_bitsandbytes_out
+
+keep_bitsandbytes_out()  # first: no job here quantizes, and PEFT imports bitsandbytes (~1.5 CPU-s) if it can
+
 import argparse
 import logging
 import os
