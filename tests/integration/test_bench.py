@@ -185,6 +185,33 @@ def _assert_mfu_per_front_end(runs: dict, labels: list[str], printed: str) -> No
     assert printed.count(MFU_MEANING) == 1  # one vocabulary: one table
 
 
+def test_vocab_loss_script_prints_mfu_beside_its_ratios(capsys):
+    """benchmarks/vocab_loss.py (a script beside the vocab section): two runs in this process (what each of its
+    worker processes does), then its pair line and summary."""
+    from benchmarks import vocab_loss
+    from hf_accum.testing import reset_accelerate_state
+
+    tiny = ["--vocab", "64", "--updates", "1", "--min-length", "4", "--max-length", "8", "--hidden", "32"]
+    runs = {}
+    for variant in ("bare_loop", "hf_accum_loop"):
+        reset_accelerate_state()
+        vocab_loss.main([*tiny, "--run", variant])
+        runs[variant] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert runs["bare_loop"]["flops_per_update"] == runs["hf_accum_loop"]["flops_per_update"] > 0  # same rows
+    for run in runs.values():
+        assert _fraction(run["mfu"]) and run["peak"] in MFU_MEANING, run
+        # one timed update: its FLOPs over its wall time (the median of one) over the peak
+        assert run["mfu"] == pytest.approx(run["flops_per_update"] / run["wall_per_update"]
+                                           / float(os.environ[PEAK_FLOPS_ENV]))
+    row = {"vocab": 64, "pair": "loop", "repeat": 0, "stock": runs["bare_loop"], "ours": runs["hf_accum_loop"]}
+    printed = re.search(r"\| MFU (\d+\.\d)% vs (\d+\.\d)%$", vocab_loss._pair_line(row))
+    assert printed, vocab_loss._pair_line(row)
+    assert [float(printed[1]), float(printed[2])] == [pytest.approx(100 * row[side]["mfu"], abs=0.051)
+                                                      for side in ("ours", "stock")]
+    summary = vocab_loss.summary([row])
+    assert re.search(r"CPU [\d.]+ \([\d.]+\.\.[\d.]+\), MFU \d+\.\d% vs \d+\.\d%", summary) and MFU_MEANING in summary
+
+
 @pytest.mark.slow
 def test_vocab_section_compares_sequence_normalization_fused_with_its_logits_path(tmp_path, capsys):
     out = tmp_path / "vocab-sequence"
