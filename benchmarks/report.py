@@ -13,9 +13,10 @@ import json
 import math
 import os
 import platform
+import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Iterable, Sequence
 
 import torch
 
@@ -45,6 +46,18 @@ def mib(n: int) -> str:
 def percent(value: float | None) -> str:
     """An MFU (or any fraction) as ``12.3%``; ``n/a`` when unknown."""
     return "n/a" if value is None else f"{value:.1%}"
+
+
+def median_mfu(values: Iterable[float | None]) -> float | None:
+    """The median of the known MFUs among ``values`` (one per run); None when none is known."""
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def mfu_meaning(peaks: Iterable[str], time: str = "wall") -> str:
+    """The line under a table with an MFU column: what it divides (``peaks``: each run's
+    :meth:`hf_accum.peak_flops.PeakFlops.describe`, printed once each)."""
+    return f"MFU: model FLOPs (hf_accum.utilization) / {time} time / {', '.join(sorted(set(peaks))) or 'no peak'}"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ peak memory increment during training, rounds alternating the order, ratios with
 The table also says which loss path ``AccumTrainer`` took, read from hf_accum's own log line: ``fused`` (the
 soft-cap folded into the chunked loss, no ``(tokens x vocab)`` logits) or ``logits`` (the model's full logits,
 then the exact loss). Targets, judged on rows of 512 tokens or more: time per update <= 0.95x and peak memory
-<= 0.5x of stock ``Trainer``.
+<= 0.5x of stock ``Trainer``. Beside the ratios, each front-end's MFU, measured as in the ``vocab`` section.
 """
 
 from __future__ import annotations
@@ -22,9 +22,12 @@ from typing import TYPE_CHECKING, ClassVar
 from transformers.hf_argparser import HfArg
 
 from benchmarks.harness import Bench
-from benchmarks.report import BenchError, SectionResult, judge, median_interval, mib, require_positive, summary_row
+from benchmarks.report import (
+    BenchError, SectionResult, judge, median_interval, median_mfu, mib, percent, require_positive, summary_row,
+)
 from benchmarks.vocab import (
     FULL_SIZE_MIN_LENGTH, Comparison, RunMeasure, RunSpec, VocabWorkers, _combined_verdict, _compare, _spread,
+    run_mfu_meaning,
 )
 
 if TYPE_CHECKING:
@@ -117,7 +120,9 @@ class SoftcapResult(SectionResult):
             for name, runs in row.runs.items():
                 seconds = statistics.median(getattr(r, self.clock) for r in runs)
                 peak = statistics.median(r.peak_bytes for r in runs)
-                lines.append(f"    {VARIANTS[name]:<30} {seconds:8.3f} s/update  peak {mib(int(peak)):>12}")
+                lines.append(f"    {VARIANTS[name]:<30} {seconds:8.3f} s/update  peak {mib(int(peak)):>12}  "
+                             f"MFU {percent(median_mfu(r.mfu for r in runs)):>6}")
+            lines.append(f"    {run_mfu_meaning(row.runs)}")
             c = row.comparison
             lines.append(f"    AccumTrainer / stock Trainer ({row.path} path): time {_spread(c.time_ratios)}, "
                          f"memory {_spread(c.memory_ratios)}")

@@ -5,7 +5,9 @@ micro-batch size, the padding fraction, real (non-pad) tokens/s of :func:`hf_acc
 K=1 (per-round ratios), peak memory as a multiple of K=1, and the fixed part of that memory (parameters,
 gradients, optimizer state) apart from the activations. Twice: on variable-length rows (padded per
 micro-batch: smaller micro-batches pad less, which alone can raise tokens/s with K) and on equal-length rows
-(no padding at any K: what accumulation itself costs). Table, PNG with the conclusion in its title, JSON.
+(no padding at any K: what accumulation itself costs). Each K's MFU: the model FLOPs of its run
+(:func:`benchmarks.harness.batch_flops`, padding not counted) over its median wall time and the device's peak.
+Table, PNG with the conclusion in its title, JSON.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ from typing import TYPE_CHECKING, ClassVar, Sequence
 
 from transformers.hf_argparser import HfArg
 
-from benchmarks.harness import MEMORY_UPDATES, Bench, Timing, real_tokens, run_ours, token_rows, training_memory
-from benchmarks.report import MEMORY_MEANING, MiB, BenchError, SectionResult, mib, require_positive
+from benchmarks.harness import (
+    MEMORY_UPDATES, Bench, Timing, batch_flops, device_peak, mfu, padded_loader, real_tokens, run_ours, token_rows,
+    training_memory,
+)
+from benchmarks.report import MEMORY_MEANING, MiB, BenchError, SectionResult, mfu_meaning, mib, percent, require_positive
 
 if TYPE_CHECKING:
     from benchmarks.options import BenchOptions
@@ -74,6 +79,12 @@ class SweepRow:
     """Parameters + gradients + AdamW state: what every K keeps (see :func:`fixed_bytes`)."""
     reference_peak_bytes: int
     """The reference K's peak memory."""
+    flops: float = 0.0
+    """Model FLOPs of one run (:func:`benchmarks.harness.batch_flops`): the same at every K on these rows, as
+    padding is not counted."""
+    mfu: float | None = None
+    """Model FLOPs utilization at the median wall time over rounds, against the section's ``peak`` (None: no peak
+    known)."""
 
     tokens_per_s_percent: float = field(init=False)
     """Real tokens/s as a percentage of the reference K's, median over rounds."""
@@ -99,6 +110,8 @@ class Sweep:
     min_length: int
     max_length: int
     rows: list[SweepRow] = field(default_factory=list)
+    peak: str = ""
+    """The peak FLOP/s the MFU column is measured against, and where it came from."""
 
     @property
     def reference(self) -> int:
@@ -116,7 +129,7 @@ class Sweep:
             f"  {self.title}:",
             f"  {'K':>3} {'micro':>5} {'pad':>6} {'tokens/s':>10} {'(min-max)':>15} {f'% of K={ref}':>9} "
             f"{'(min-max)':>13} {'peak memory':>13} {f'x K={ref}':>7} {'fixed part':>12} {'activations':>13} "
-            f"{'saved activ.':>13}",
+            f"{'saved activ.':>13} {'MFU':>6}",
         ]
         for r in self.rows:
             low, high = r.tokens_per_s_percent_range
@@ -124,8 +137,9 @@ class Sweep:
                 f"  {r.accumulation_steps:>3} {r.micro_batch:>5} {r.padding_fraction:>6.1%} {r.tokens_per_s:>10.0f} "
                 f"{f'({r.tokens_per_s_min:.0f}-{r.tokens_per_s_max:.0f})':>15} {r.tokens_per_s_percent:>8.0f}% "
                 f"{f'({low:.0f}-{high:.0f}%)':>13} {mib(r.peak_memory_bytes):>13} {r.memory_multiple:>6.2f}x "
-                f"{mib(r.fixed_bytes):>12} {mib(r.activation_bytes):>13} {mib(r.peak_saved_activation_bytes):>13}"
+                f"{mib(r.fixed_bytes):>12} {mib(r.activation_bytes):>13} {mib(r.peak_saved_activation_bytes):>13} {percent(r.mfu):>6}"
             )
+        lines.append(f"  {mfu_meaning([self.peak])}")
         return lines
 
 
@@ -147,10 +161,12 @@ class SweepResult(SectionResult):
     """The sweep on variable-length rows (the data as it comes)."""
     equal_length: Sweep | None = None
     """The same sweep on rows of one length: no padding at any K, so only accumulation differs."""
+    peak: str = ""
+    """The peak FLOP/s MFU is measured against, and where it came from."""
 
     @property
     def variable(self) -> Sweep:
-        return Sweep("variable", self.min_length, self.max_length, self.rows)
+        return Sweep("variable", self.min_length, self.max_length, self.rows, self.peak)
 
     @property
     def conclusion(self) -> list[str]:
@@ -190,17 +206,22 @@ def measure(bench: Bench, options: Options) -> SweepResult:
     common, work = bench.options, bench.workload
     result = SweepResult(common.global_batch_size, common.min_length, common.max_length, common.updates,
                          options.repeats, common.device, work.description, bench.clock)
-    result.rows = sweep_rows(bench, options, common.min_length, common.max_length, "sweep")
+    peak = device_peak(work.device, work.model)
+    result.peak = peak.describe()
+    result.rows = sweep_rows(bench, options, common.min_length, common.max_length, "sweep", peak.flops)
     if options.equal_length_sweep:
         # The rows' mean length, so both sweeps move about as many real tokens per update.
         length = (common.min_length + common.max_length) // 2
         result.equal_length = Sweep("equal", length, length,
-                                    sweep_rows(bench, options, length, length, "sweep (equal lengths)"))
+                                    sweep_rows(bench, options, length, length, "sweep (equal lengths)", peak.flops),
+                                    result.peak)
     return result
 
 
-def sweep_rows(bench: Bench, options: Options, min_length: int, max_length: int, label: str) -> list[SweepRow]:
-    """Tokens/s and memory per K at a fixed global batch; in every round each K runs once, the order rotated."""
+def sweep_rows(bench: Bench, options: Options, min_length: int, max_length: int, label: str,
+               peak_flops: float | None) -> list[SweepRow]:
+    """Tokens/s, memory and MFU (against ``peak_flops``) per K at a fixed global batch; in every round each K
+    runs once, the order rotated."""
     common, work = bench.options, bench.workload
     examples = token_rows(work, common.global_batch_size * common.updates, common.seed, min_length, max_length)
     tokens = real_tokens(examples)
@@ -228,10 +249,12 @@ def sweep_rows(bench: Bench, options: Options, min_length: int, max_length: int,
         rates = [tokens / t.on(bench.clock) for t in seconds[k]]
         # Same tokens at every K: the tokens/s ratio is the inverse time ratio, taken within a round.
         relative = [a.on(bench.clock) / b.on(bench.clock) for a, b in zip(seconds[reference], seconds[k])]
+        flops = batch_flops(work.model, padded_loader(examples, micro[k], work.pad_token_id))
+        wall = statistics.median(t.wall for t in seconds[k])
         rows.append(SweepRow(
             k, micro[k], statistics.median(rates), min(rates), max(rates), memory[k].peak_bytes,
             memory[k].peak_saved_bytes, padding_fraction(examples, micro[k]), relative, fixed,
-            memory[reference].peak_bytes,
+            memory[reference].peak_bytes, flops, mfu(flops, wall, peak_flops),
         ))
     return rows
 

@@ -15,7 +15,9 @@ that moment; on CUDA ``torch.cuda.max_memory_allocated`` minus what was allocate
 update is taken between optimizer steps (the first update, with its lazy initialisations and the
 optimizer state's allocation, is not timed unless it is the only one). Runs are interleaved: in each
 round every front-end of a comparison runs once, adjacent to its baseline, the order alternating
-between rounds; the ratios ours / baseline are taken within a round.
+between rounds; the ratios ours / baseline are taken within a round. Beside them, each front-end's MFU: the model
+FLOPs of the timed updates (:mod:`hf_accum.utilization`'s count, the same for every front-end on these rows) over
+their wall time and the device's peak (:func:`benchmarks.harness.device_peak`).
 
 Targets (issue "exactness without a price at real vocabularies"), judged only on rows of 512 tokens or
 more: at vocab >= 128256, time per update <= 0.95x and peak memory <= 0.5x; below, time <= 1.0x.
@@ -38,10 +40,12 @@ import torch
 from transformers.hf_argparser import HfArg
 
 from benchmarks.harness import (
-    BENCH_POSITIONS, Bench, LossPathLog, bench_llama, bench_scenario, build_trainer, prepare_loop, synchronize,
+    BENCH_POSITIONS, Bench, LossPathLog, batch_flops, bench_llama, bench_scenario, build_trainer, device_peak, mfu,
+    padded_loader, prepare_loop, synchronize,
 )
 from benchmarks.report import (
-    BenchError, SectionResult, judge, median_interval, mib, require_positive, summary_row, verdict,
+    BenchError, SectionResult, judge, median_interval, median_mfu, mfu_meaning, mib, percent, require_positive,
+    summary_row, verdict,
 )
 from benchmarks.workers import Workers, peak_memory, reset_peak
 from hf_accum.batching import PaddingCollator
@@ -140,6 +144,18 @@ class RunMeasure:
     """Optimizer steps seen (must equal the updates asked for)."""
     path: str = "-"
     """hf_accum front-ends: the loss path taken, ``fused`` or ``logits`` (from hf_accum's log line)."""
+    flops: float = 0.0
+    """Model FLOPs per timed update (:func:`benchmarks.harness.batch_flops` over the rows of those updates)."""
+    mfu: float | None = None
+    """``flops / wall / peak`` (None: no peak known)."""
+    peak: str = ""
+    """The peak FLOP/s of ``mfu``, and where it came from."""
+
+
+def timed_updates(count: int) -> range:
+    """The updates (0-based) whose time a run reports: all but the first, which warms up (lazy
+    initialisations, the optimizer state's allocation), unless it is the only one."""
+    return range(1, count) if count > 1 else range(count)
 
 
 class Measurement:
@@ -169,7 +185,7 @@ class Measurement:
 
     def result(self) -> RunMeasure:
         steps = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(self.stamps, self.stamps[1:])]
-        timed = steps[1:] or steps  # the first update warms up, unless it is the only one
+        timed = [steps[i] for i in timed_updates(len(steps))]
         return RunMeasure(statistics.fmean(s[0] for s in timed), statistics.fmean(s[1] for s in timed),
                           self.peak_bytes, len(steps))
 
@@ -271,7 +287,20 @@ def run_here(spec: RunSpec) -> RunMeasure:
     result.path = path_log.path
     if result.updates != spec.updates:
         raise RuntimeError(f"{spec.variant}: {result.updates} optimizer steps seen, {spec.updates} expected")
+    peak = device_peak(device, model)  # after training: a CPU peak's GEMM probe stays out of the measured window
+    result.flops = timed_update_flops(model, rows, spec)
+    result.mfu, result.peak = mfu(result.flops, result.wall, peak.flops), peak.describe()
     return result
+
+
+def timed_update_flops(model: torch.nn.Module, rows: list[dict], spec: RunSpec) -> float:
+    """Model FLOPs per timed update: every front-end takes the rows in order (sequential sampling), ``micro_batch``
+    rows padded per micro-batch, ``accumulation`` micro-batches per update."""
+    per_update = spec.micro_batch * spec.accumulation
+    updates = timed_updates(spec.updates)
+    total = sum(batch_flops(model, padded_loader(rows[u * per_update:(u + 1) * per_update], spec.micro_batch, 0))
+                for u in updates)
+    return total / len(updates)
 
 
 class VocabWorkers(Workers):
@@ -348,8 +377,10 @@ class VocabResult(SectionResult):
                 seconds = statistics.median(getattr(r, self.clock) for r in runs)
                 peak = statistics.median(r.peak_bytes for r in runs)
                 path = "/".join(sorted({r.path for r in runs} - {"-"}))
-                lines.append(f"    {VARIANTS[name].label:<58} {seconds:8.3f} s/update  peak {mib(int(peak)):>12}"
+                lines.append(f"    {VARIANTS[name].label:<58} {seconds:8.3f} s/update  peak {mib(int(peak)):>12}  "
+                             f"MFU {percent(median_mfu(r.mfu for r in runs)):>6}"
                              + (f"  ({path} loss path)" if path else ""))
+            lines.append(f"    {run_mfu_meaning(row.runs)}")
             for c in row.comparisons:
                 lines.append(
                     f"    {VARIANTS[c.ours].label} / {VARIANTS[c.baseline].label}: time {_spread(c.time_ratios)}, "
@@ -378,6 +409,11 @@ class VocabResult(SectionResult):
                     threshold, _combined_verdict(passed) if self.full_size else "n/a (small)",
                 ))
         return rows
+
+
+def run_mfu_meaning(runs: dict[str, list[RunMeasure]]) -> str:
+    """The MFU line under one vocabulary's table (MFU: the median over a front-end's runs)."""
+    return mfu_meaning(r.peak for measured in runs.values() for r in measured)
 
 
 def _spread(ratios: list[float]) -> str:

@@ -13,8 +13,10 @@ Every run trains the same model (a Llama built from config: 2 layers, hidden 256
 on the same rows (uniform length 512..1024, every token a target), micro-batch 2, K = 2, AdamW, clip 1.0.
 Per run: peak RSS increment (``VmHWM`` after training, reset just before it, minus ``VmRSS`` then:
 gradients, optimizer state, activations, logits; the model and data are already resident) and seconds
-per update (wall and process CPU time) over the updates after the first. Reported per vocabulary: the
-median and range of the per-pair ratios ours / stock.
+per update (wall and process CPU time) over the updates after the first, and MFU: the model FLOPs of those
+updates (:func:`benchmarks.harness.batch_flops`, the same for every variant on the same rows) over their wall
+time, against the device's peak (:func:`benchmarks.harness.device_peak`). Reported per vocabulary: the median and
+range of the per-pair ratios ours / stock, and each side's median MFU.
 
     OMP_NUM_THREADS=1 python benchmarks/vocab_loss.py                     # 128256, 32000, 4096
     OMP_NUM_THREADS=1 python benchmarks/vocab_loss.py --vocab 32000 --pairs 3 --updates 3
@@ -31,6 +33,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
+
+if not __package__:  # run as a script (python benchmarks/vocab_loss.py): the checkout's benchmarks package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.report import median_mfu, mfu_meaning, percent  # noqa: E402 (after the path above)
 
 PAIRS = {
     "trainer": ("stock_trainer", "accum_trainer"),
@@ -84,14 +92,18 @@ class _Clock:
     def update_done(self) -> None:
         self.marks.append((time.perf_counter(), time.process_time()))
 
+    @property
+    def wall(self) -> list[float]:
+        """Wall seconds of each update."""
+        return [b[0] - a[0] for a, b in zip(self.marks, self.marks[1:])]
+
     def result(self) -> dict:
-        wall = [b[0] - a[0] for a, b in zip(self.marks, self.marks[1:])]
         cpu = [b[1] - a[1] for a, b in zip(self.marks, self.marks[1:])]
         return {
             "peak_rss_increment_mib": (_status_kib("VmHWM") - self.baseline_kib) / 1024,
-            "wall_per_update": statistics.median(wall[1:]),  # the first update allocates optimizer state
+            "wall_per_update": statistics.median(self.wall[1:]),  # the first update allocates optimizer state
             "cpu_per_update": statistics.median(cpu[1:]),
-            "updates": len(wall),
+            "updates": len(self.wall),
         }
 
 
@@ -103,7 +115,7 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def _train_with_trainer(variant: str, args, clock: _Clock) -> None:
+def _train_with_trainer(variant: str, args, clock: _Clock, model, rows: list[dict]) -> None:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from hf_accum import AccumTrainer
@@ -124,12 +136,12 @@ def _train_with_trainer(variant: str, args, clock: _Clock) -> None:
         dataloader_num_workers=0, use_liger_kernel=variant == "liger_trainer", seed=args.seed,
     )
     trainer_cls = AccumTrainer if variant == "accum_trainer" else Trainer
-    trainer = trainer_cls(model=_model(args), args=training_args, train_dataset=_rows(args),
-                          data_collator=PaddingCollator(0), callbacks=[Timing()])
+    trainer = trainer_cls(model=model, args=training_args, train_dataset=rows, data_collator=PaddingCollator(0),
+                          callbacks=[Timing()])
     trainer.train()
 
 
-def _train_with_loop(variant: str, args, clock: _Clock) -> None:
+def _train_with_loop(variant: str, args, clock: _Clock, model, rows: list[dict]) -> None:
     import torch
     from accelerate import Accelerator
     from torch.utils.data import DataLoader
@@ -139,8 +151,7 @@ def _train_with_loop(variant: str, args, clock: _Clock) -> None:
     from hf_accum.loop import LoopConfig, train
 
     accelerator = Accelerator(cpu=args.device == "cpu", gradient_accumulation_steps=args.accumulation)
-    model = _model(args)
-    loader = DataLoader(_rows(args), batch_size=args.micro_batch, shuffle=False, collate_fn=PaddingCollator(0))
+    loader = DataLoader(rows, batch_size=args.micro_batch, shuffle=False, collate_fn=PaddingCollator(0))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     clock.start()
@@ -167,11 +178,23 @@ def run_one(variant: str, args) -> dict:
 
     torch.set_num_threads(args.threads)
     clock = _Clock()
-    if variant.endswith("trainer"):
-        _train_with_trainer(variant, args, clock)
-    else:
-        _train_with_loop(variant, args, clock)
-    return {"variant": variant, "vocab": args.vocab, **clock.result()}
+    model, rows = _model(args), _rows(args)
+    train = _train_with_trainer if variant.endswith("trainer") else _train_with_loop
+    train(variant, args, clock, model, rows)
+    return {"variant": variant, "vocab": args.vocab, **clock.result(), **_utilization(model, rows, clock, args)}
+
+
+def _utilization(model, rows: list[dict], clock: _Clock, args) -> dict:
+    """MFU of the timed updates (all but the first): their model FLOPs (every variant takes the rows in order,
+    ``micro_batch`` rows padded per micro-batch, ``accumulation`` per update) over their wall time and the peak."""
+    from benchmarks.harness import batch_flops, device_peak, mfu, padded_loader
+
+    per_update = args.micro_batch * args.accumulation
+    flops = [batch_flops(model, padded_loader(rows[u * per_update:(u + 1) * per_update], args.micro_batch, 0))
+             for u in range(1, len(clock.wall))]
+    peak = device_peak(args.device, model)
+    return {"flops_per_update": statistics.fmean(flops), "mfu": mfu(sum(flops), sum(clock.wall[1:]), peak.flops),
+            "peak": peak.describe()}
 
 
 # -- the side-by-side driver --------------------------------------------------------------------------
@@ -231,11 +254,13 @@ def _pair_line(row: dict) -> str:
         f"vs +{stock['peak_rss_increment_mib']:7.0f} MiB ({ratio['peak_rss_increment_mib']:.2f}x) | s/update wall "
         f"{ours['wall_per_update']:6.2f} vs {stock['wall_per_update']:6.2f} ({ratio['wall_per_update']:.2f}x), CPU "
         f"{ours['cpu_per_update']:6.2f} vs {stock['cpu_per_update']:6.2f} ({ratio['cpu_per_update']:.2f}x)"
+        f" | MFU {percent(ours['mfu'])} vs {percent(stock['mfu'])}"
     )
 
 
 def summary(results: list[dict]) -> str:
-    lines = ["", "ours / stock, median (min..max) over pairs:"]
+    peaks = [run["peak"] for r in results for run in (r["stock"], r["ours"])]
+    lines = ["", "ours / stock, median (min..max) over pairs; MFU ours vs stock, median over pairs:"]
     keys = sorted({(r["vocab"], r["pair"]) for r in results}, key=lambda k: (-k[0], k[1]))
     for vocab, pair in keys:
         rows = [_ratios(r) for r in results if r["vocab"] == vocab and r["pair"] == pair]
@@ -243,8 +268,12 @@ def summary(results: list[dict]) -> str:
         for key, label in (("peak_rss_increment_mib", "memory"), ("wall_per_update", "wall"), ("cpu_per_update", "CPU")):
             values = [r[key] for r in rows]
             cells.append(f"{label} {statistics.median(values):.2f} ({min(values):.2f}..{max(values):.2f})")
+        chosen = [r for r in results if r["vocab"] == vocab and r["pair"] == pair]
+        cells.append(f"MFU {percent(median_mfu(r['ours']['mfu'] for r in chosen))} vs "
+                     f"{percent(median_mfu(r['stock']['mfu'] for r in chosen))}")
         lines.append(f"  vocab {vocab:>6} {PAIRS.get(pair, ('', ''))[1] or pair:>14}: " + ", ".join(cells)
                      + f"  [{len(rows)} pairs]")
+    lines.append(f"  {mfu_meaning(peaks)}")
     return "\n".join(lines)
 
 

@@ -11,12 +11,15 @@ import json
 import math
 import os
 import re
+import statistics
 
 import pytest
 import torch
 
 from benchmarks.harness import SavedActivations, measure_memory
 from benchmarks.report import judge, median_interval
+from benchmarks.softcap import VARIANTS as SOFTCAP_VARIANTS
+from benchmarks.vocab import VARIANTS
 from hf_accum import cli
 from hf_accum.cli import main
 from hf_accum.peak_flops import PEAK_FLOPS_ENV
@@ -32,6 +35,26 @@ TINY = [
 
 def _positive_finite(value) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def _fraction(value) -> bool:
+    """An MFU: a finite fraction in (0, 1] (printed as a percentage in (0, 100])."""
+    return _positive_finite(value) and value <= 1
+
+
+# The MFU line under a table: its peak is tests/conftest.py's $HF_ACCUM_PEAK_FLOPS (1e11 FLOP/s).
+MFU_MEANING = "MFU: model FLOPs (hf_accum.utilization) / wall time / peak 100 GFLOP/s float32 ($HF_ACCUM_PEAK_FLOPS)"
+MFU_PRINTED = r"MFU\s+(\d+\.\d)%"
+
+
+def _printed_mfu(line: str) -> float:
+    """The MFU a table line prints, as a percentage (the assertion fails on n/a or none). Callers compare it with
+    bench.json's value, which must be in (0, 1]: printed with one decimal, a tiny run's 0.04% would read 0.0%."""
+    match = re.search(MFU_PRINTED, line)
+    assert match, line
+    value = float(match[1])
+    assert 0 <= value <= 100, line
+    return value
 
 
 def test_bench_writes_table_plot_and_json(tmp_path, capsys):
@@ -55,9 +78,9 @@ def test_bench_writes_table_plot_and_json(tmp_path, capsys):
     # Two tables (variable-length rows, then equal-length rows), one row per K, every column filled:
     # K, micro-batch, pad, tokens/s (min-max), % of K=1 (min-max), peak memory, x K=1, fixed part, activations.
     assert re.search(r"K micro\s+pad\s+tokens/s\s+\(min-max\)\s+% of K=1\s+\(min-max\)\s+peak memory\s+x K=1\s+"
-                     r"fixed part\s+activations", printed)
+                     r"fixed part\s+activations\s+saved activ\.\s+MFU", printed)
     table_rows = [re.match(r"\s*(\d+)\s+(\d+)\s+(\d+\.\d)%\s+\d+\s+\(\d+-\d+\)\s+(\d+)%\s+\(\d+-\d+%\)\s+[\d.]+ MiB\s+"
-                           r"([\d.]+)x\s+[\d.]+ MiB\s+[\d.]+ MiB", line) for line in printed.splitlines()]
+                           r"([\d.]+)x\s+[\d.]+ MiB\s+[\d.]+ MiB.*", line) for line in printed.splitlines()]
     parsed = [(int(m[1]), int(m[2])) for m in table_rows if m]
     assert parsed == [(1, 4), (2, 2), (4, 1)] * 2  # one row per K, in each sweep
     first_rows = [m for m in table_rows if m and m[1] == "1"]
@@ -69,6 +92,15 @@ def test_bench_writes_table_plot_and_json(tmp_path, capsys):
         assert 0 < row["fixed_bytes"] <= row["peak_memory_bytes"]
         assert row["activation_bytes"] == row["peak_memory_bytes"] - row["fixed_bytes"]
         assert _positive_finite(row["tokens_per_s_percent"]) and _positive_finite(row["memory_multiple"])
+    # MFU per K: the same model FLOPs at every K (padding is not counted), over each K's wall time.
+    assert sections["sweep"]["peak"] in MFU_MEANING and printed.count(MFU_MEANING) == 2  # once per table
+    for sweep_rows in (rows, equal["rows"]):
+        assert all(_fraction(row["mfu"]) for row in sweep_rows), sweep_rows
+        assert _positive_finite(sweep_rows[0]["flops"])
+        assert [row["flops"] for row in sweep_rows] == pytest.approx([sweep_rows[0]["flops"]] * len(sweep_rows))
+    printed_mfu = [re.search(r"(\d+\.\d)%$", m[0]) for m in table_rows if m]
+    assert [float(m[1]) for m in printed_mfu if m] == [
+        pytest.approx(100 * row["mfu"], abs=0.051) for row in rows + equal["rows"]]  # the last column, per K
     conclusion = sections["sweep"]["conclusion"]
     assert conclusion[0].startswith("Accumulation saves activation memory only")
     assert any("At equal padding" in line for line in conclusion)
@@ -134,6 +166,54 @@ def test_vocab_section_prints_its_ratios(tmp_path, capsys):
     assert "n/a (small)" in printed  # 8-token rows: the 512-1024-token targets are not judged
     assert {r["path"] for r in row["runs"]["accum_trainer"] + row["runs"]["hf_accum_train"]} <= {"fused", "logits"}
     assert {r["path"] for r in row["runs"]["trainer"] + row["runs"]["accelerate_loop"]} == {"-"}
+    _assert_mfu_per_front_end(row["runs"], [VARIANTS[name].label for name in row["runs"]], printed)
+
+
+def _assert_mfu_per_front_end(runs: dict, labels: list[str], printed: str) -> None:
+    """Every run's MFU = its model FLOPs per timed update / wall seconds per update / the peak (the same model
+    FLOPs for every front-end: the same rows), and each front-end's line prints it, the peak said once."""
+    flops = {run["flops"] for measured in runs.values() for run in measured}
+    assert len(flops) == 1 and _positive_finite(flops.pop())
+    for measured in runs.values():
+        for run in measured:
+            assert _fraction(run["mfu"]) and run["peak"] in MFU_MEANING, run
+            assert run["mfu"] == pytest.approx(run["flops"] / run["wall"] / float(os.environ[PEAK_FLOPS_ENV]))
+    for label, measured in zip(labels, runs.values()):
+        (line,) = [line for line in printed.splitlines() if re.match(rf"\s*{re.escape(label)}\s+[\d.]+ s/update", line)]
+        expected = 100 * statistics.median(run["mfu"] for run in measured)
+        assert _printed_mfu(line) == pytest.approx(expected, abs=0.051), line
+    assert printed.count(MFU_MEANING) == 1  # one vocabulary: one table
+
+
+def test_vocab_loss_script_prints_mfu_beside_its_ratios(capsys):
+    """benchmarks/vocab_loss.py (a script beside the vocab section): two runs in this process (what each of its
+    worker processes does), then its pair line and summary."""
+    from benchmarks import vocab_loss
+    from hf_accum.testing import reset_accelerate_state
+
+    tiny = ["--vocab", "64", "--updates", "1", "--min-length", "4", "--max-length", "8", "--hidden", "32"]
+    runs = {}
+    for variant in ("bare_loop", "hf_accum_loop"):
+        reset_accelerate_state()
+        vocab_loss.main([*tiny, "--run", variant])
+        runs[variant] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert runs["bare_loop"]["flops_per_update"] == runs["hf_accum_loop"]["flops_per_update"] > 0  # same rows
+    for run in runs.values():
+        assert _fraction(run["mfu"]) and run["peak"] in MFU_MEANING, run
+        # one timed update: its FLOPs over its wall time (the median of one) over the peak
+        assert run["mfu"] == pytest.approx(run["flops_per_update"] / run["wall_per_update"]
+                                           / float(os.environ[PEAK_FLOPS_ENV]))
+    # Inside pytest's process a tiny run's peak RSS increment can be 0 (its pages already resident); the ratio
+    # lines divide by it, and memory is not what this test checks.
+    for run in runs.values():
+        run["peak_rss_increment_mib"] = 1.0
+    row = {"vocab": 64, "pair": "loop", "repeat": 0, "stock": runs["bare_loop"], "ours": runs["hf_accum_loop"]}
+    printed = re.search(r"\| MFU (\d+\.\d)% vs (\d+\.\d)%$", vocab_loss._pair_line(row))
+    assert printed, vocab_loss._pair_line(row)
+    assert [float(printed[1]), float(printed[2])] == [pytest.approx(100 * row[side]["mfu"], abs=0.051)
+                                                      for side in ("ours", "stock")]
+    summary = vocab_loss.summary([row])
+    assert re.search(r"CPU [\d.]+ \([\d.]+\.\.[\d.]+\), MFU \d+\.\d% vs \d+\.\d%", summary) and MFU_MEANING in summary
 
 
 @pytest.mark.slow
@@ -347,6 +427,7 @@ def test_softcap_section_says_which_loss_path_and_prints_ratios(tmp_path, capsys
                      r"memory \d\.\d{3}x", printed)
     (summary,) = report["summary"]
     assert summary["verdict"] == "n/a (small)" and f"({path} path)" in summary["measured"]
+    _assert_mfu_per_front_end(row["runs"], [SOFTCAP_VARIANTS[name] for name in row["runs"]], printed)
 
 
 def test_token_budget_section_writes_its_numbers(tmp_path, capsys):
