@@ -81,8 +81,14 @@ class GradientSums:
         self.hidden = zeros_if(needs_input_grad[0], hidden)
         self._chunks_added = 0
         self._slice: torch.Tensor | None = None  # the product buffer of a widened weight sum (allocated once)
+        # The weight's gradient sum is written, not added to, by the first chunk (no zero-filling pass over a
+        # weight-sized tensor: 1 GiB at vocab 128256 x hidden 2048 in fp32); under autocast its products may
+        # differ in dtype, so it starts at zero there.
+        self._weight_sum_unwritten = needs_input_grad[2] and not torch.is_autocast_enabled(weight.device.type)
+        first_weight_sum = torch.empty_like(weight) if self._weight_sum_unwritten else zeros_if(
+            needs_input_grad[2], weight, weight.dtype)
         self.head = [
-            zeros_if(needs_input_grad[2], weight, weight.dtype),
+            first_weight_sum,
             *[zeros_if(needs_input_grad[i], t) for i, t in zip((3, 4, 5), (bias, lora_a, lora_b))],
         ]
 
@@ -99,7 +105,10 @@ class GradientSums:
             base = grad_logits.to(self.weight.dtype) if grad_logits.dtype != self.weight.dtype else grad_logits
         if self.hidden is not None:
             self.hidden.index_copy_(0, rows, torch.mm(base, self.weight).to(self.hidden.dtype))
-        if grad_weight is not None:
+        if grad_weight is not None and self._weight_sum_unwritten:
+            torch.mm(base.t(), h.to(self.weight.dtype), out=grad_weight)
+            self._weight_sum_unwritten = False
+        elif grad_weight is not None:
             self._add_product_(grad_weight, base.t(), h.to(self.weight.dtype))
         if grad_bias is not None:
             grad_bias.add_(grad_logits.sum(0))
@@ -161,6 +170,9 @@ class GradientSums:
         return _scaled(self.hidden, grad_total, self.dtypes[0])
 
     def head_grads(self, grad_total: torch.Tensor) -> list[torch.Tensor | None]:
+        if self._weight_sum_unwritten and self.head[0] is not None:  # no target row: nothing was written
+            self.head[0].zero_()
+            self._weight_sum_unwritten = False
         return [_scaled(g, grad_total, dtype) for g, dtype in zip(self.head, self.dtypes[1:])]
 
 

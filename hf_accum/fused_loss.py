@@ -48,11 +48,17 @@ from hf_accum.loss import (
 
 logger = logging.getLogger(__name__)
 
-# A 2-byte head's chunks on the fast path: twice the rows (``2 * chunk_bytes`` of fp32 logits plus ``chunk_bytes``
-# of them in the head's dtype). Half as many chunks halve the passes over the weight-sized gradient sum, the one
-# cost of chunking a bf16 head that grows with N (GradientSums._widen_weight_sum); with no fp32 copy of that
-# sum up to 4 chunks, the peak stays below a 256 MiB-chunk run that widens it.
-LOW_PRECISION_CHUNK_FACTOR = 2
+# A 2-byte head's chunks on the fast path: three times the rows (``3 * chunk_bytes`` of fp32 logits plus half that
+# in the head's dtype: 1152 rows at vocab 128256, 4 chunks at N = 4096). Fewer chunks mean fewer passes over the
+# weight-sized gradient sum, the one cost of chunking a bf16 head that grows with N
+# (GradientSums._widen_weight_sum); with no fp32 copy of that sum up to 4 chunks, the peak stays below a run
+# of smaller chunks that widens it.
+LOW_PRECISION_CHUNK_FACTOR = 3
+
+# Rows per chunk are a multiple of this when a chunk holds more: measured at N = 4096, H = 2048, V = 128256, fp32,
+# 2 threads (MKL), the chunked GEMMs cost 1.115x / 1.116x the unchunked floor at 384 / 512 rows but 1.146x /
+# 1.175x at 341 / 410 rows (benchmarks/README.md, section 15).
+GEMM_ROW_TILE = 128
 
 # Positions of the probe forward (one row): enough to see what the model does after its head.
 PROBE_POSITIONS = 16
@@ -207,6 +213,8 @@ def linear_cross_entropy_sum(
     chunk_rows = max(1, chunk_bytes // row_bytes)
     if head.weight.dtype.itemsize < 4 and _takes_fast_path(flat_hidden, head.weight, head.lora_a, head.transform):
         chunk_rows *= LOW_PRECISION_CHUNK_FACTOR
+    if chunk_rows >= GEMM_ROW_TILE:
+        chunk_rows -= chunk_rows % GEMM_ROW_TILE
     return _LinearCrossEntropySum.apply(
         flat_hidden, flat_targets, head.weight, head.bias, head.lora_a, head.lora_b, head.lora_scale,
         label_smoothing, chunk_rows, head.transform, stats, flat_weights,

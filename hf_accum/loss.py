@@ -50,10 +50,11 @@ PROBLEM_TYPES: tuple[str, ...] = ("single_label_classification", "multi_label_cl
 # log-softmax that cross_entropy saves for backward (each V x 4 bytes per position: 0.5 MB per
 # token at a 128k vocabulary) ever exists for the whole micro-batch, only for one chunk. Sized
 # in bytes, not rows, so one chunk stays the same size whatever the vocabulary. The fused linear
-# cross-entropy (hf_accum.fused_loss) uses the same bound for its chunks of logits: 512 positions
-# at a 128k vocabulary, large enough that its matmuls run at full speed on a CPU core (measured
-# against 64-1024 positions).
-DEFAULT_CHUNK_BYTES = 256 * 2**20
+# cross-entropy (hf_accum.fused_loss) uses the same bound for its chunks of logits: 384 positions
+# at a 128k vocabulary (a multiple of 128 rows: its GEMMs run as fast per FLOP as at 512, where 341
+# or 410 rows run 3-6% slower), small enough that an fp32 loss step at vocab 128256 and hidden 2048
+# peaks at 0.25x the logits path's memory, its weight gradient (1 GiB) included.
+DEFAULT_CHUNK_BYTES = 192 * 2**20
 
 
 @dataclass(frozen=True)

@@ -230,7 +230,6 @@ def write_checkpoint(out: str, update: int, content: bytes = b"weights") -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.multiprocess
 def test_one_rank_verifies_a_checkpoint_and_every_rank_gets_its_verdict(tmp_path):
     """2 gloo processes resume from a directory whose newest checkpoint has a damaged file (same size, other
     bytes: only the sha256 finds it). Rank 0 alone hashes; both ranks choose the same older checkpoint, and

@@ -487,8 +487,9 @@ def test_bf16_weight_gradient_needs_no_fp32_copy_within_four_chunks(chunks):
     (no fp32 copy the weight's size); from the fifth on, in fp32 (the negative control: one copy)."""
     from hf_accum.fused_loss import LOW_PRECISION_CHUNK_FACTOR
 
-    h, head, targets = _head_and_inputs("plain", dtype=torch.bfloat16, rows=24, hidden=16, vocab=300)
-    targets = targets.clamp_min(0)  # every row a target: 24 rows
+    h, head, targets = _head_and_inputs("plain", dtype=torch.bfloat16, rows=24 * LOW_PRECISION_CHUNK_FACTOR,
+                                        hidden=16, vocab=300)
+    targets = targets.clamp_min(0)  # every row a target: 24 x the factor (each chunk a whole multiple of it)
     rows = int(targets.ne(-100).sum())
     per_chunk = -(-rows // chunks)
     assert per_chunk % LOW_PRECISION_CHUNK_FACTOR == 0 and -(-rows // per_chunk) == chunks  # exactly `chunks` chunks
