@@ -19,6 +19,7 @@ from torch import nn
 from hf_accum.distributed import is_main_process
 from hf_accum.fused_loss import (
     IDENTITY,
+    LOW_PRECISION_CHUNK_FACTOR,
     PROBE_POSITIONS,
     LinearHead,
     LogitTransform,
@@ -253,8 +254,10 @@ class FusedCausalLMLoss:
                 logger.warning("fused linear cross-entropy off, logits path for this run: %s", reason)
             return
         if is_main_process():
-            logger.info("fused linear cross-entropy on (vocabulary %d, at most %d MiB of logits per chunk, twice for a "
-                        "bf16 head%s%s)", vocab, self.chunk_bytes // 2**20, _describe(self.transform),
+            weight = getattr(linear_leaf(self.head_module), "weight", None)  # a bf16 head's chunks hold more rows
+            factor = LOW_PRECISION_CHUNK_FACTOR if weight is not None and weight.dtype.itemsize < 4 else 1
+            logger.info("fused linear cross-entropy on (vocabulary %d, at most %d MiB of logits per chunk%s%s)",
+                        vocab, factor * self.chunk_bytes // 2**20, _describe(self.transform),
                         _engine_note(self.head_module))
 
 
