@@ -108,8 +108,13 @@ def check_output_dir(config: config_module.RecipeConfig, resume: bool) -> str:
 
 
 def _entries(out: str) -> list[str]:
-    """What ``out`` holds, this run's own lock file (:mod:`hf_accum.run_lock`) left out."""
-    return [name for name in os.listdir(out) if name != LOCK_NAME] if os.path.isdir(out) else []
+    """What ``out`` holds, this run's own lock file (:mod:`hf_accum.run_lock`) left out; nothing when it does not
+    exist. The main rank's :func:`probe_writable` may create and remove ``out`` while another rank reads it (seen
+    under torchrun: ``isdir`` true, then ``listdir`` found it gone), so a directory that vanishes is empty."""
+    try:
+        return [name for name in os.listdir(out) if name != LOCK_NAME]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def probe_writable(path: str) -> None:

@@ -294,6 +294,24 @@ def test_output_dir_with_a_different_run_is_refused(tmp_path):
     run_outputs.check_output_dir(forced, resume=False)
 
 
+def test_a_rank_that_finds_the_output_dir_removed_under_it_starts_fresh(tmp_path, monkeypatch):
+    """Under torchrun only the main rank probes writability, creating and removing the directory; another rank
+    reading it at that moment saw ``isdir`` true and then ``listdir`` fail (FileNotFoundError, seen in CI)."""
+    config = resolved([], tmp_path=tmp_path)
+    out = config.training["output_dir"]
+    os.makedirs(out)
+    real_listdir = os.listdir
+
+    def removed_first(path):  # the probe's rmdir lands between the check and the read
+        if os.path.abspath(path) == os.path.abspath(out) and os.path.isdir(out):
+            os.rmdir(out)
+        return real_listdir(path)
+
+    monkeypatch.setattr(run_outputs, "is_main_process", lambda: False)  # the rank that does not probe
+    monkeypatch.setattr(run_outputs.os, "listdir", removed_first)
+    assert run_outputs.check_output_dir(config, resume=False) == "fresh"
+
+
 def test_output_dir_of_an_unfinished_run_is_resumed_only_when_asked(tmp_path):
     config = resolved([], tmp_path=tmp_path)
     out = config.training["output_dir"]
