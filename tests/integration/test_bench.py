@@ -57,6 +57,7 @@ def _printed_mfu(line: str) -> float:
     return value
 
 
+@pytest.mark.slow  # more than a few seconds (a subprocess, a real model or a whole bench run): CI only
 def test_bench_writes_table_plot_and_json(tmp_path, capsys):
     out = tmp_path / "bench"
     assert main([*TINY, "--only", "sweep", "overhead", "memory", "padding", "loss", "--output-dir", str(out)]) == 0
@@ -232,6 +233,7 @@ def test_vocab_section_compares_sequence_normalization_fused_with_its_logits_pat
     assert f"memory {pair['memory_ratios'][0]:.3f}x" in printed
 
 
+@pytest.mark.slow  # more than a few seconds (a subprocess, a real model or a whole bench run): CI only
 def test_padding_section_writes_its_numbers(tmp_path, capsys):
     out = tmp_path / "only-padding"
     assert main([*TINY, "--only", "padding", "--padding-repeats", "2", "--output-dir", str(out)]) == 0

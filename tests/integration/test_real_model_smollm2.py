@@ -54,6 +54,7 @@ def smollm2_dir(smollm2_source, smollm2, request):
     return converted_dir(smollm2_source, cache_root=cache, loaded=smollm2)
 
 
+@pytest.mark.slow  # more than a few seconds (a subprocess, a real model or a whole bench run): CI only
 def test_gguf_model_is_plain_and_saves(smollm2, tmp_path):
     """transformers leaves its GGUF quantizer on the dequantized model: save_pretrained would refuse it and
     Trainer would treat it as quantized. Cleared, it saves and reloads bit for bit."""

@@ -210,6 +210,7 @@ def test_objective_dpo_without_a_config_loads_the_embedded_dpo_default():
     assert (sft.objective, sft.data.num_train_examples, sft.dpo) == ("sft", 5000, recipe_config.DPOSection())
 
 
+@pytest.mark.slow  # more than a few seconds (a subprocess, a real model or a whole bench run): CI only
 def test_a_bad_dpo_value_exits_2_before_any_model_loads(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, SCRIPT, "objective=dpo", "dpo.loss_type=aot_unpaired",

@@ -788,6 +788,7 @@ def test_fsdp_is_asked_without_the_deprecated_string_form(fsdp, tmp_path):
         hf_logging.get_logger("transformers.training_args").removeHandler(handler)
 
 
+@pytest.mark.slow  # more than a few seconds (a subprocess, a real model or a whole bench run): CI only
 def test_the_recipe_refuses_lora_r_0_before_loading(tmp_path):
     proc, out = run_recipe(tmp_path, "lora.r=0")
     assert proc.returncode == 2, proc.stderr[-2000:]
