@@ -514,3 +514,15 @@ def test_a_target_probability_that_underflows_still_gives_the_exact_loss(dtype, 
     fused = linear_cross_entropy_sum(h, head, targets)
     assert torch.isfinite(fused)
     assert abs(float(fused) / float(reference) - 1) < 1e-5
+
+
+def test_a_micro_batch_without_targets_gives_zero_head_gradients_not_uninitialized_memory():
+    """The weight's gradient sum is written (not added to) by the first chunk, so it starts uninitialized: with no
+    target row no chunk runs, and backward must still hand back zeros."""
+    for _ in range(3):  # fresh uninitialized buffers each time: garbage would show in one of them
+        h = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
+        weight = torch.full((20, 8), 7.0, dtype=torch.float64, requires_grad=True)
+        loss = linear_cross_entropy_sum(h, LinearHead(weight), torch.full((6,), -100))
+        loss.backward()
+        assert float(loss) == 0.0
+        assert torch.equal(weight.grad, torch.zeros_like(weight)) and torch.equal(h.grad, torch.zeros_like(h))
