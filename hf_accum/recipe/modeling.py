@@ -329,6 +329,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 def check_model_section(model: ModelSection, config: RecipeConfig | None = None) -> None:
     """The model section's own check (its ``Section.validator``): the model can be found and holds
     weights, and a tokenizer comes from it or from ``model.tokenizer``. A GGUF file holds both."""
+    if config is not None:
+        check_precision(config)
     if gguf.names_gguf(model.name_or_path, model.gguf_file):
         if model.gguf_file is not None:
             gguf.gguf_source(model.name_or_path, model.gguf_file)  # the file is there
@@ -348,6 +350,22 @@ def check_model_section(model: ModelSection, config: RecipeConfig | None = None)
         _require_files(path, "model.name_or_path", TOKENIZER_FILES, "tokenizer files",
                        "save the tokenizer there (tokenizer.save_pretrained), or set model.tokenizer to a "
                        "directory or hub id that has it")
+
+
+def check_precision(config: RecipeConfig) -> None:
+    """bf16/fp16 and ``model.dtype``: a combination this machine can train (part of the model section's check)."""
+    t = config.training
+    # CPU autocast runs bf16, but TrainingArguments only allows it when use_cpu is explicit.
+    capable = bool(t.use_cpu) or (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    if (t.bf16 or config.model.dtype == "bfloat16") and not capable:
+        raise InputError(
+            "bf16 requested (training.bf16 / model.dtype: bfloat16) but this machine has no bf16-capable GPU. "
+            "Set training.bf16: false and model.dtype: float32, or training.use_cpu: true for CPU bf16 autocast."
+        )
+    if t.bf16 and t.fp16:
+        raise InputError("training.bf16 and training.fp16 are both true; pick one")
+    if config.model.dtype not in ("float32", "bfloat16", "float16", "auto"):
+        raise InputError(f"model.dtype={config.model.dtype!r}; allowed: float32, bfloat16, float16, auto")
 
 
 def _check_tokenizer_source(tokenizer: str) -> None:

@@ -238,6 +238,15 @@ def test_bf16_without_support_is_refused(tmp_path):
     assert resolved(["training.use_cpu=true", "training.bf16=true"], tmp_path=tmp_path).training["bf16"] is True
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["training.use_cpu=true", "training.bf16=true", "training.fp16=true"], "both true; pick one"),
+    (["model.dtype=int8"], "model.dtype='int8'; allowed: float32, bfloat16, float16, auto"),
+])
+def test_contradicting_or_unknown_precision_is_refused(argv, message, tmp_path):
+    with pytest.raises(recipe_config.ConfigError, match=re.escape(message)):
+        resolved(argv, tmp_path=tmp_path)
+
+
 def test_qlora_without_bitsandbytes_is_refused(monkeypatch, tmp_path):
     from hf_accum.recipe import modeling
 

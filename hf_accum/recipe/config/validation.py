@@ -1,7 +1,7 @@
 """Validating a config before anything loads, in ONE pass (:func:`resolve`): the batch arithmetic
-(:func:`~hf_accum.recipe.accumulation_section.resolve_batch`), precision, each section's own check
-(``Section.validator``), then the run's objects built on toy inputs, with the values they accept but would train
-wrongly with (:mod:`hf_accum.recipe.preflight`). Every refusal is one line naming the key and its layer.
+(:func:`~hf_accum.recipe.accumulation_section.resolve_batch`), each section's own check (``Section.validator``;
+the model's includes precision), then the run's objects built on toy inputs, with the values they accept but would
+train wrongly with (:mod:`hf_accum.recipe.preflight`). Every refusal is one line naming the key and its layer.
 """
 
 from __future__ import annotations
@@ -9,8 +9,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from typing import Sequence
-
-import torch
 
 from hf_accum.errors import InputError
 from hf_accum.recipe.accumulation_section import resolve_batch
@@ -30,9 +28,8 @@ def resolve(config: RecipeConfig, engines: Sequence[str], world_size: int | None
     config.training.setdefault("output_dir", default_output_dir)
     if config.engine not in engines:
         raise unknown_key("engine=", config.engine, list(engines), what="value")
-    try:  # the batch arithmetic, precision; each section's meaning, checked by the module that owns it; the objects
+    try:  # the batch arithmetic; each section's meaning, checked by the module that owns it; the objects
         resolve_batch(config, world_size or int(os.environ.get("WORLD_SIZE", "1")))
-        _check_precision(config)
         if config.quantization is not None and config.lora is None:
             raise ConfigError("quantization needs lora (QLoRA): quantized base weights cannot be fine-tuned directly")
         for name, section in SECTIONS.items():
@@ -53,18 +50,3 @@ def load_recipe_config(argv: Sequence[str], engines: Sequence[str]) -> RecipeCon
     yaml_path = path or default_config_path(str(overrides.get("objective", "sft")))
     name = os.path.splitext(os.path.basename(yaml_path))[0]
     return resolve(load_config(path, overrides), engines, default_output_dir=os.path.join("outputs", name))
-
-
-def _check_precision(config: RecipeConfig) -> None:
-    t = config.training
-    # CPU autocast runs bf16, but TrainingArguments only allows it when use_cpu is explicit.
-    capable = bool(t.use_cpu) or (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
-    if (t.bf16 or config.model.dtype == "bfloat16") and not capable:
-        raise ConfigError(
-            "bf16 requested (training.bf16 / model.dtype: bfloat16) but this machine has no bf16-capable GPU. "
-            "Set training.bf16: false and model.dtype: float32, or training.use_cpu: true for CPU bf16 autocast."
-        )
-    if t.bf16 and t.fp16:
-        raise ConfigError("training.bf16 and training.fp16 are both true; pick one")
-    if config.model.dtype not in ("float32", "bfloat16", "float16", "auto"):
-        raise ConfigError(f"model.dtype={config.model.dtype!r}; allowed: float32, bfloat16, float16, auto")
