@@ -10,6 +10,9 @@ each child starts clean: no allocator cache, no thread pool, no CUDA context of 
 Protocol: one JSON line ``{"call": "module:function", "spec": {...}, "out": path}`` in, one line
 ``ok`` / ``failed`` out; the child calls ``function(**spec)``, writes what it returns (a dataclass or a
 dict) as JSON to ``out``, and its own output to the helper's stderr (kept for the error message).
+
+A bench killed from outside (``kill``, a CI timeout; Ctrl-C reaches the whole process group anyway) takes its
+helper and the helper's child with it (:func:`die_with_parent`): a run of minutes is not left computing alone.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import gc
 import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -39,9 +43,11 @@ def checkout_root() -> Path:
 class Workers:
     """Runs ``module:function(**spec)`` calls, each in a fresh process forked from one warm helper."""
 
-    def __init__(self, threads: int | None, preload: Sequence[str] = ()):
+    def __init__(self, threads: int | None, preload: Sequence[str] = (), env: dict[str, str] | None = None):
+        """``env``: variables added to the helper's environment (read by torch at start-up, e.g.
+        ``THP_MEM_ALLOC_ENABLE``), so every run forked from it has them."""
         path = [str(checkout_root()), *filter(None, [os.environ.get("PYTHONPATH")])]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+        env = dict(os.environ, **(env or {}), PYTHONPATH=os.pathsep.join(path))
         if threads is not None:
             env["OMP_NUM_THREADS"] = str(threads)
         self._dir = tempfile.TemporaryDirectory(prefix="hf_accum_bench_")
@@ -74,12 +80,27 @@ def _resolve(target: str):
     return getattr(importlib.import_module(module), name)
 
 
+def die_with_parent() -> None:
+    """Have the kernel send this process SIGTERM when its parent exits (Linux ``prctl(PR_SET_PDEATHSIG)``), and
+    exit at once if the parent is already gone. Elsewhere nothing: the helper still ends when its stdin closes,
+    after the run in progress."""
+    parent = os.getppid()
+    with contextlib.suppress(OSError, AttributeError):  # not Linux/glibc
+        PR_SET_PDEATHSIG = 1
+        if ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+            return
+    if os.getppid() != parent or parent == 1:  # the parent exited before the request was in place
+        os._exit(1)
+
+
 def serve() -> None:
     """The helper's loop (see :class:`Workers`): fork a child per request, answer when it is done."""
+    die_with_parent()  # the bench's process
     for line in sys.stdin:
         request = json.loads(line)
         pid = os.fork()
         if pid == 0:  # the child: run, write the result, exit without running the helper's cleanup
+            die_with_parent()  # the helper (the signal is sent on the parent's death, not inherited over fork)
             status = 1
             try:
                 os.dup2(2, 1)  # library prints go to the log, not into the protocol

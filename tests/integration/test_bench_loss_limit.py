@@ -19,8 +19,10 @@ TINY = [
 def test_loss_limit_reports_each_variant_as_a_multiple_of_the_floor(tmp_path, capsys):
     out = tmp_path / "out"
     assert main([*TINY, "--output-dir", str(out)]) == 0
-    assert "vs the 3 bare GEMMs" in capsys.readouterr().out
-    rows = json.loads((out / "bench.json").read_text())["sections"]["loss-limit"]["rows"]
+    assert "large tensors on transparent huge pages (THP_MEM_ALLOC_ENABLE=1)" in capsys.readouterr().out
+    section = json.loads((out / "bench.json").read_text())["sections"]["loss-limit"]
+    assert section["huge_pages"] is True
+    rows = section["rows"]
     assert [row["dtype"] for row in rows] == ["float32"]
     for row in rows:
         assert len(row["floor_seconds"]) == 2 and all(s > 0 for s in row["floor_seconds"])
