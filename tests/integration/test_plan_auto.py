@@ -55,13 +55,6 @@ def test_budget_strings():
     assert fit_line({1: 10, 3: 30}) == pytest.approx((0.0, 10.0))
 
 
-@pytest.mark.slow
-def test_the_command_prints_the_table_and_the_chosen_plan():
-    done = run_plan("--auto", "--memory-budget", "1GiB", "--max-length", "32", "--global-batch-size", "8")
-    assert done.returncode == 0, done.stderr
-    assert "<- chosen" in done.stdout and "effective batch 8 = 8 per device x 1 accumulation" in done.stdout
-
-
 @pytest.mark.parametrize("args,fragment", [
     (["--memory-budget", "70XB"], "--memory-budget='70XB'"),
     (["--memory-budget", "1KiB", "--max-length", "16"], "no micro-batch fits"),
@@ -106,12 +99,30 @@ def _planner_peak(out: str) -> float:
     return float(value) * (2**20 if unit == "MiB" else 2**30)
 
 
+PLANNER_ARGS = ("--auto", "--max-length", "32", "--global-batch-size", "4")
+ROOMY_BUDGET = 1.2 * 2**30
+
+
+@pytest.fixture(scope="module")
+def roomy_run():
+    """One watched run of the command under a roomy budget (everything fits), read by the two tests below (each
+    run measures three micro-batches in probe processes: ~20 CPU-s)."""
+    return _run_plan_watched(*PLANNER_ARGS, "--memory-budget", str(int(ROOMY_BUDGET)))
+
+
 @pytest.mark.slow
-def test_the_planner_itself_stays_under_its_budget():
-    args = ("--auto", "--max-length", "32", "--global-batch-size", "4")
+def test_the_command_prints_the_table_and_the_chosen_plan(roomy_run):
+    code, out, err, _ = roomy_run
+    assert code == 0, err
+    assert "<- chosen" in out and "effective batch 4 = 4 per device x 1 accumulation" in out
+    assert "use: training.per_device_train_batch_size=4 global_batch_size=4" in out
+
+
+@pytest.mark.slow
+def test_the_planner_itself_stays_under_its_budget(roomy_run):
+    args, budget = PLANNER_ARGS, ROOMY_BUDGET
     # A roomy budget: everything fits; the planner (which never imports torch) and its probe stay under it.
-    budget = 1.2 * 2**30
-    code, out, err, peak = _run_plan_watched(*args, "--memory-budget", str(int(budget)))
+    code, out, err, peak = roomy_run
     assert code == 0, err
     assert peak < budget and "planner peak" in out
     needed = _planner_peak(out)  # what this process and a probe at micro-batch 1 together reach
