@@ -35,6 +35,9 @@ from typing import Any, Sequence
 import torch
 
 
+PARENT_PID = "HF_ACCUM_BENCH_PARENT_PID"
+
+
 def checkout_root() -> Path:
     """The repository checkout this benchmarks package lives in (the helper imports it from there)."""
     return Path(__file__).resolve().parent.parent
@@ -48,6 +51,7 @@ class Workers:
         ``THP_MEM_ALLOC_ENABLE``), so every run forked from it has them."""
         path = [str(checkout_root()), *filter(None, [os.environ.get("PYTHONPATH")])]
         env = dict(os.environ, **(env or {}), PYTHONPATH=os.pathsep.join(path))
+        env[PARENT_PID] = str(os.getpid())  # the helper dies with this process (die_with_parent)
         if threads is not None:
             env["OMP_NUM_THREADS"] = str(threads)
         self._dir = tempfile.TemporaryDirectory(prefix="hf_accum_bench_")
@@ -80,27 +84,28 @@ def _resolve(target: str):
     return getattr(importlib.import_module(module), name)
 
 
-def die_with_parent() -> None:
+def die_with_parent(parent: int) -> None:
     """Have the kernel send this process SIGTERM when its parent exits (Linux ``prctl(PR_SET_PDEATHSIG)``), and
-    exit at once if the parent is already gone. Elsewhere nothing: the helper still ends when its stdin closes,
-    after the run in progress."""
-    parent = os.getppid()
+    exit at once if ``parent`` (its pid, known to the caller) already exited, i.e. this process was re-parented
+    before the request was in place. Elsewhere nothing: the helper still ends when its stdin closes, after the run
+    in progress. (Comparing with the expected pid, not with 1: a bench may itself be pid 1, in a container.)"""
     with contextlib.suppress(OSError, AttributeError):  # not Linux/glibc
         PR_SET_PDEATHSIG = 1
         if ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
             return
-    if os.getppid() != parent or parent == 1:  # the parent exited before the request was in place
+    if os.getppid() != parent:
         os._exit(1)
 
 
 def serve() -> None:
     """The helper's loop (see :class:`Workers`): fork a child per request, answer when it is done."""
-    die_with_parent()  # the bench's process
+    die_with_parent(int(os.environ.get(PARENT_PID, os.getppid())))  # the bench's process
     for line in sys.stdin:
         request = json.loads(line)
+        helper = os.getpid()
         pid = os.fork()
         if pid == 0:  # the child: run, write the result, exit without running the helper's cleanup
-            die_with_parent()  # the helper (the signal is sent on the parent's death, not inherited over fork)
+            die_with_parent(helper)  # the signal is sent on the parent's death; fork does not inherit the request
             status = 1
             try:
                 os.dup2(2, 1)  # library prints go to the log, not into the protocol

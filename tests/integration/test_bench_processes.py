@@ -83,3 +83,20 @@ def test_the_environment_given_reaches_every_run():
         assert workers.call("os:getenv", {"key": "OMP_NUM_THREADS"}, "getenv") == "1"
     finally:
         workers.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_run_goes_on_under_the_parent_it_was_given_and_ends_under_another():
+    """The check compares with the parent's pid the caller knows (a bench may be pid 1 in a container: comparing
+    with 1 would end every run there); a process already re-parented ends at once, with status 1."""
+    from benchmarks.workers import die_with_parent
+
+    def exit_status(expected_parent) -> int:
+        pid = os.fork()
+        if pid == 0:
+            die_with_parent(expected_parent(os.getppid(), os.getpid()))
+            os._exit(0)
+        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+    assert exit_status(lambda parent, own: parent) == 0
+    assert exit_status(lambda parent, own: own) == 1  # not its parent: as if re-parented already
