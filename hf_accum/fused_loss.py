@@ -38,7 +38,14 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from hf_accum.fused_gradients import ChunkBuffers, GradientSums
+from hf_accum.fused_gradients import (
+    ENTROPY_BLOCK_BYTES,
+    ChunkBuffers,
+    GradientSums,
+    softmax_,
+    top1_hits,
+    xlogx_sum,
+)
 from hf_accum.loss import (
     DEFAULT_CHUNK_BYTES,
     IGNORE_INDEX,
@@ -171,11 +178,6 @@ class TokenStats:
         self.top1_hits += other.top1_hits.to(self.top1_hits.device)
 
 
-# Bytes of the one scratch block for the entropy's sum_c exp(x_c) x_c: small beside a chunk's logits
-# (4 MiB: 8 rows at vocab 128256, 32 at 32000), large enough that the per-block calls cost nothing.
-_ENTROPY_BLOCK_BYTES = 4 * 2**20
-
-
 def linear_cross_entropy_sum(
     hidden: torch.Tensor,
     head: LinearHead,
@@ -251,7 +253,8 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         chunk_stats = TokenStats.zeros(total.dtype, hidden.device) if stats is not None else None
         buffers = None
         if _takes_fast_path(hidden, weight, lora_a, transform) and rows.shape[0]:
-            buffers = ChunkBuffers(min(chunk_rows, rows.shape[0]), weight, total.dtype)
+            buffers = ChunkBuffers(min(chunk_rows, rows.shape[0]), weight, total.dtype,
+                                   vocab_major=hidden.device.type == "cpu")
         for start in range(0, rows.shape[0], chunk_rows):
             chunk = rows[start : start + chunk_rows]
             h = hidden.index_select(0, chunk)
@@ -317,11 +320,11 @@ def _softmax_loss_and_gradient_(
     vocab = y.shape[-1]
     picked = y.gather(1, targets[:, None]).squeeze(1)
     smooth_sum = y.sum(1) if label_smoothing else None
-    argmax = y.argmax(1) if stats is not None else None  # the first maximum, as torch.argmax (TRL) counts ties
-    probabilities = torch.softmax(y, 1, out=y)
-    if stats is not None and argmax is not None:
-        stats.top1_hits += argmax.eq(targets).sum()
-        stats.entropy_sum -= _xlogx_sum(probabilities).sum()
+    hits = top1_hits(y, targets) if stats is not None else None  # from the logits, before the softmax overwrites them
+    probabilities = softmax_(y)
+    if stats is not None and hits is not None:
+        stats.top1_hits += hits
+        stats.entropy_sum -= xlogx_sum(probabilities).sum()
     target_p = probabilities.gather(1, targets[:, None]).squeeze(1)
     row_loss = -target_p.log()
     if smooth_sum is not None:
@@ -400,13 +403,14 @@ def _loss_and_logit_gradient(
 
 
 def _exp_dot(x: torch.Tensor) -> torch.Tensor:
-    """``sum_c exp(x_c) * x_c`` per row, a block of rows at a time (no temporary of ``x``'s size).
+    """``sum_c exp(x_c) * x_c`` per row, a block of rows at a time (no temporary of ``x``'s size; the general
+    path's chunks are row-major).
 
     One scratch block serves every block of rows (``out=``): a fresh ``exp`` per block left the heap
     fragmented -- each freed block's hole was split by the small tensors allocated after it, so the next
     block took new memory -- and the resident size grew by one block per row block (+0.5 MiB per target at
     vocab 128256: +105 MiB on a 211-target micro-batch, measured by RSS with the mmap threshold fixed)."""
-    rows = max(1, min(x.shape[0], _ENTROPY_BLOCK_BYTES // (x.shape[1] * x.element_size())))
+    rows = max(1, min(x.shape[0], ENTROPY_BLOCK_BYTES // (x.shape[1] * x.element_size())))
     dots = x.new_empty(x.shape[0])
     scratch = x.new_empty(rows, x.shape[1])
     for start in range(0, x.shape[0], rows):
@@ -416,19 +420,6 @@ def _exp_dot(x: torch.Tensor) -> torch.Tensor:
         part.mul_(block)
         torch.sum(part, dim=1, out=dots[start : start + block.shape[0]])
     return dots
-
-
-def _xlogx_sum(p: torch.Tensor) -> torch.Tensor:
-    """``sum_c p_c log p_c`` per row (``0 log 0 = 0``), a block of rows at a time into one scratch block (see
-    :func:`_exp_dot`)."""
-    rows = max(1, min(p.shape[0], _ENTROPY_BLOCK_BYTES // (p.shape[1] * p.element_size())))
-    sums = p.new_empty(p.shape[0])
-    scratch = p.new_empty(rows, p.shape[1])
-    for start in range(0, p.shape[0], rows):
-        block = p[start : start + rows]
-        part = torch.special.xlogy(block, block, out=scratch[: block.shape[0]])
-        torch.sum(part, dim=1, out=sums[start : start + block.shape[0]])
-    return sums
 
 
 # -- CUDA: Liger-Kernel -------------------------------------------------------------------------

@@ -128,6 +128,31 @@ def test_per_row_weights_equal_the_weighted_logits_loss_in_float64(head_kind, sm
         linear_cross_entropy_sum(h, head, targets, weights=weights[1:])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cpu_chunks_are_vocab_major_and_their_softmax_is_exact(dtype):
+    """On a CPU a head in the loss dtype computes each chunk as ``W h^T`` ([vocab, rows], the GEMM orientation MKL
+    runs at full speed) and hands on its transpose; the softmax then runs down the columns. Checked: the layout
+    is taken (a short last chunk too), and that softmax is within a few rounding errors of a float64 one."""
+    from hf_accum.fused_gradients import ChunkBuffers, softmax_
+
+    h, head, _ = _head_and_inputs("bias", dtype=dtype, rows=7, hidden=8, vocab=3000)
+    buffers = ChunkBuffers(5, head.weight, dtype, vocab_major=True)
+    assert buffers.vocab_major
+    for rows in (5, 2):  # a full chunk and a short last one
+        chunk = buffers.logits_of(h[:rows].detach(), head.weight.detach(), head.bias.detach())
+        assert chunk.shape == (rows, 3000) and chunk.stride() == (1, rows)  # the transpose of a contiguous block
+        expected = head.logits(h[:rows]).detach().double()
+        torch.testing.assert_close(chunk.double(), expected, rtol=1e-5 if dtype == torch.float32 else 1e-13, atol=0)
+        scaled = chunk.mul_(40.0)  # logits spread far apart: the maxima matter
+        reference = torch.softmax(scaled.double(), 1)
+        probabilities = softmax_(scaled)
+        assert probabilities.data_ptr() == chunk.data_ptr()  # in place
+        error = float((probabilities.double() - reference).abs().max())
+        assert error < (1e-6 if dtype == torch.float32 else 1e-14), error
+    # a bf16 head (its own product buffer, then upcast) and a CUDA-like caller's choice stay row-major
+    assert not ChunkBuffers(5, head.weight.detach().bfloat16(), torch.float32, vocab_major=True).vocab_major
+
+
 @pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
 def test_low_precision_is_as_close_to_float64_as_the_logits_path(dtype, autocast):
     """Against a float64 reference on the same (rounded) inputs, the fused loss and its gradients are no
