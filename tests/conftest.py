@@ -77,6 +77,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     # HF_ACCUM_TEST_DISTRIBUTED_UNITS=N splits tests/distributed/ into N units (by file), 0 gives each file its own
     # unit (plain loadfile): more parallel 2-process jobs, more contention. The default 1 is the one-at-a-time rule.
     units = int(os.environ.get("HF_ACCUM_TEST_DISTRIBUTED_UNITS", "1"))
+    # Units go out in collection order -- tests/distributed/, then integration/ (files of few, long tests: whole
+    # processes), then unit/ (many short tests) -- not xdist's default of most tests first, which handed out the
+    # long integration files last: a worker finishing its last short unit then idled while the other ran one.
+    config.option.loadscopereorder = False
 
     class DistributedAsOneUnit(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
