@@ -63,8 +63,9 @@ class ChunkBuffers:
         self.operand = self.logits if weight.dtype == loss_dtype else weight.new_empty(rows, vocab)
 
     def logits_of(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``h W^T + b`` in the loss dtype, in the reused buffer: the ops ``F.linear`` runs (``mm``, or ``addmm``
-        with a bias), into the head-dtype buffer, then upcast once. Vocab-major: ``(W h^T + b)^T``, a view."""
+        """``h W^T + b`` in the loss dtype, in the reused buffer. Row-major: the ops ``F.linear`` runs (``mm``, or
+        ``addmm`` with a bias), into the head-dtype buffer, then upcast once (a bf16 head). Vocab-major (a head in
+        the loss dtype): ``W h^T + b`` into a contiguous ``[vocab, rows]`` block, returned as its transpose."""
         rows = h.shape[0]
         if self.vocab_major:
             columns = self.logits[: rows * weight.shape[0]].view(weight.shape[0], rows)
@@ -118,7 +119,6 @@ def softmax_(y: torch.Tensor) -> torch.Tensor:
     return y
 
 
-
 def top1_hits(y: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """How many rows of ``y`` (``[rows, V]`` logits, either layout) have their target as the *first* maximum, as
     ``torch.argmax`` (TRL's accuracy) counts ties.
@@ -126,11 +126,14 @@ def top1_hits(y: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     Vocab-major: torch's ``argmax`` down the columns takes ~4x the row-wise time (0.23 s against 0.06 s on
     ``[128256, 384]`` fp32, 2 threads), while ``amax`` runs at one read of the chunk. So: a row is a hit when its
     target attains the row's maximum and nothing else does; a row whose maximum is attained more than once (a tie:
-    rare, e.g. tied output rows) gets its first maximum's index looked up alone."""
+    rare, e.g. tied output rows) gets its first maximum's index looked up alone. A chunk with a NaN logit (its loss
+    is NaN already) takes torch's ``argmax``, for which NaN is the maximum."""
     if y.stride(1) == 1:
         return y.argmax(1).eq(targets).sum()
     columns = y.t()
     maxima = columns.amax(0)
+    if bool(maxima.isnan().any()):
+        return columns.argmax(0).eq(targets).sum()
     attained = torch.zeros(columns.shape[1], dtype=torch.int64, device=y.device)
     block = max(1, _SOFTMAX_BLOCK_BYTES // (columns.shape[1] * columns.element_size()))
     scratch = torch.empty(min(block, columns.shape[0]), columns.shape[1], dtype=torch.bool, device=y.device)

@@ -309,8 +309,10 @@ def _softmax_loss_and_gradient_(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fast path's chunk math: summed (``row_weights``: weighted) loss and d(loss)/dy, in place in ``y``.
 
-    One softmax op (``torch.softmax(out=y)``: each row's max, exponentials and sum in cache, one read and one
-    write of the chunk) replaces the general path's five passes (max, subtract, exp, sum, divide). The loss comes
+    The softmax is done in place by :func:`~hf_accum.fused_gradients.softmax_` (a row-major chunk: one
+    ``torch.softmax(out=y)``, each row's max, exponentials and sum in cache, one read and one write of the chunk; a
+    vocab-major one: three passes down the columns) instead of the general path's five (max, subtract, exp, sum,
+    divide). The loss comes
     from the target's probability: ``lse - y_t = -log p_t``, so with smoothing ``loss = -log p_t + eps * y_t -
     eps / V * sum_c y_c`` (the same as :func:`_loss_and_logit_gradient`'s). ``-log p_t`` is exact to the dtype's
     precision while ``p_t`` is a normal number; a row whose ``p_t`` underflows (its loss above ~87 in fp32) gets
@@ -349,7 +351,9 @@ def _softmax_loss_and_gradient_(
 
 
 def _row_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
-    """Some rows' logits again, as the chunk computed them (the fast path's underflow fallback)."""
+    """Some rows' logits again (the fast path's underflow fallback): the chunk's product, though not necessarily
+    rounded as the chunk's GEMM rounded it (a vocab-major chunk computed ``W h^T``). Such a row's loss is above ~87
+    (fp32), where a logit's last bit is far below the loss's own precision."""
     return F.linear(h.index_select(0, rows), weight, bias)
 
 

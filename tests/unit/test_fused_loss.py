@@ -149,8 +149,28 @@ def test_cpu_chunks_are_vocab_major_and_their_softmax_is_exact(dtype):
         assert probabilities.data_ptr() == chunk.data_ptr()  # in place
         error = float((probabilities.double() - reference).abs().max())
         assert error < (1e-6 if dtype == torch.float32 else 1e-14), error
-    # a bf16 head (its own product buffer, then upcast) and a CUDA-like caller's choice stay row-major
+    # a bf16 head (its own product buffer, then upcast) stays row-major, and so does a caller off the CPU
     assert not ChunkBuffers(5, head.weight.detach().bfloat16(), torch.float32, vocab_major=True).vocab_major
+    assert not ChunkBuffers(5, head.weight.detach(), dtype, vocab_major=False).vocab_major
+
+
+def test_top1_hits_of_a_vocab_major_chunk_count_as_argmax_does():
+    """Ties (the first maximum counts), a target that ties a later class, and a NaN logit (torch's argmax takes NaN
+    as the maximum): the vocab-major count equals ``argmax`` on the row-major logits."""
+    from hf_accum.fused_gradients import top1_hits
+
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    logits[:3, 5] = logits[:3, 9] = logits[:3].amax(1) + 1.0  # rows 0-2: classes 5 and 9 tie for the maximum
+    targets = torch.tensor([5, 9, 5, 0, 0, 0])
+    targets[3:] = logits[3:].argmax(1)  # rows 3-5: plain hits
+    for with_nan in (False, True):
+        if with_nan:
+            logits[3, 30] = float("nan")  # argmax says 30: row 3 is no longer a hit
+            logits[4, targets[4]] = float("nan")  # argmax says the target: row 4 still is one
+        expected = int(logits.argmax(1).eq(targets).sum())
+        vocab_major = logits.t().contiguous().t()  # the same values, strides (1, rows)
+        assert vocab_major.stride(1) != 1
+        assert int(top1_hits(vocab_major, targets)) == expected == (4 if with_nan else 5)
 
 
 @pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
