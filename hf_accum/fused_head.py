@@ -19,17 +19,18 @@ from torch import nn
 from hf_accum.distributed import is_main_process
 from hf_accum.fused_loss import (
     IDENTITY,
-    LOW_PRECISION_CHUNK_FACTOR,
     PROBE_POSITIONS,
     LinearHead,
     LogitTransform,
     TokenStats,
     linear_cross_entropy_sum,
+    rows_per_chunk,
 )
 from hf_accum.loss import (
     DEFAULT_CHUNK_BYTES,
     aligned_targets,
     check_label_smoothing,
+    compute_dtype,
     unwrap_model,
 )
 from hf_accum.model_loss import leading_slice, probing
@@ -186,7 +187,7 @@ class FusedCausalLMLoss:
     caller then takes the logits path) and ``(outputs, loss_sum)`` when it does.
     """
 
-    def __init__(self, label_smoothing: float = 0.0, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+    def __init__(self, label_smoothing: float = 0.0, chunk_bytes: int | None = None):
         check_label_smoothing(label_smoothing)
         self.label_smoothing = label_smoothing
         self.chunk_bytes = chunk_bytes
@@ -254,11 +255,20 @@ class FusedCausalLMLoss:
                 logger.warning("fused linear cross-entropy off, logits path for this run: %s", reason)
             return
         if is_main_process():
-            weight = getattr(linear_leaf(self.head_module), "weight", None)  # a bf16 head's chunks hold more rows
-            factor = LOW_PRECISION_CHUNK_FACTOR if weight is not None and weight.dtype.itemsize < 4 else 1
             logger.info("fused linear cross-entropy on (vocabulary %d, at most %d MiB of logits per chunk%s%s)",
-                        vocab, factor * self.chunk_bytes // 2**20, _describe(self.transform),
-                        _engine_note(self.head_module))
+                        vocab, self._chunk_mib(vocab), _describe(self.transform), _engine_note(self.head_module))
+
+    def _chunk_mib(self, vocab: int) -> int:
+        """The logits of one chunk, in MiB, as :func:`~hf_accum.fused_loss.rows_per_chunk` sizes them for this head
+        (taken as on the fast path when it has no adapter and no logit transform)."""
+        assert self.head_module is not None
+        weight = getattr(linear_leaf(self.head_module), "weight", None)
+        if not isinstance(weight, torch.Tensor):
+            return (DEFAULT_CHUNK_BYTES if self.chunk_bytes is None else self.chunk_bytes) // 2**20
+        # (LoRA on the head, or a logit transform, takes the general path: the budget as given.)
+        fast = self.transform == IDENTITY and getattr(self.head_module, "lora_A", None) is None  # PEFT's LoRA layer
+        rows = rows_per_chunk(vocab, weight, self.transform, fast, self.chunk_bytes)
+        return rows * vocab * compute_dtype(weight.dtype).itemsize * self.transform.buffers // 2**20
 
 
 def _describe(transform: LogitTransform) -> str:

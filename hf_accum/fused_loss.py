@@ -67,6 +67,13 @@ LOW_PRECISION_CHUNK_FACTOR = 3
 # 1.175x at 341 / 410 rows (benchmarks/README.md, section 15).
 GEMM_ROW_TILE = 128
 
+# On a CPU, a 4-byte head's chunk (vocab-major, ChunkBuffers) holds at least this many rows under the default budget:
+# each chunk passes once more over the weight and over its gradient, and at V = 262144 the 192 MiB budget alone gives
+# 128 fp32 rows (32 chunks at N = 4096): 1.32x the three bare GEMMs, against 1.15x / 1.10x with 256 / 384 rows
+# (H = 2048, 2 threads; benchmarks/README.md, section 15). At V = 128256 the budget already gives 384; above, the
+# chunk grows with the vocabulary as the logits path's own memory does (384 MiB at 262144: peak ~0.24x of it).
+MIN_CPU_CHUNK_ROWS = 384
+
 # Positions of the probe forward (one row): enough to see what the model does after its head.
 PROBE_POSITIONS = 16
 
@@ -183,7 +190,7 @@ def linear_cross_entropy_sum(
     head: LinearHead,
     targets: torch.Tensor,
     label_smoothing: float = 0.0,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int | None = None,
     stats: TokenStats | None = None,
     weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -192,8 +199,9 @@ def linear_cross_entropy_sum(
     ``hidden`` is ``[..., H]`` and ``targets`` holds one entry per position of ``hidden`` (already
     aligned: for a causal LM, :func:`hf_accum.loss.aligned_targets`). Returns a 0-dim tensor in
     :func:`~hf_accum.loss.compute_dtype`; its gradient is exact (no recomputation, no approximation).
-    ``chunk_bytes`` bounds the chunk's logit buffers, in the loss dtype (a bf16 head on the fast path: twice,
-    :data:`LOW_PRECISION_CHUNK_FACTOR`). ``stats``, when given, gets
+    ``chunk_bytes`` bounds the chunk's logit buffers, in the loss dtype (a bf16 head on the fast path: three times,
+    :data:`LOW_PRECISION_CHUNK_FACTOR`); ``None``: the default budget (:func:`rows_per_chunk`). ``stats``, when
+    given, gets
     this call's :class:`TokenStats` added (computed from the same chunks: no extra logits). ``weights``, when
     given (one per position, like ``targets``), makes it ``sum_t w_t * loss_t``: each target row's loss and
     logit gradient are scaled by its weight (per-sequence normalization, :mod:`hf_accum.sequence_norm`).
@@ -210,17 +218,29 @@ def linear_cross_entropy_sum(
             raise ValueError(f"{flat_weights.shape[0]} weights for {flat_targets.shape[0]} targets")
     if stats is None and flat_weights is None and head.transform == IDENTITY and _use_liger(flat_hidden, head):
         return _liger_loss_sum(flat_hidden, head, flat_targets, label_smoothing)
-    vocab = head.weight.shape[0]
-    row_bytes = vocab * compute_dtype(head.weight.dtype).itemsize * head.transform.buffers
-    chunk_rows = max(1, chunk_bytes // row_bytes)
-    if head.weight.dtype.itemsize < 4 and _takes_fast_path(flat_hidden, head.weight, head.lora_a, head.transform):
-        chunk_rows *= LOW_PRECISION_CHUNK_FACTOR
-    if chunk_rows >= GEMM_ROW_TILE:
-        chunk_rows -= chunk_rows % GEMM_ROW_TILE
+    fast = _takes_fast_path(flat_hidden, head.weight, head.lora_a, head.transform)
+    chunk_rows = rows_per_chunk(head.weight.shape[0], head.weight, head.transform, fast, chunk_bytes)
     return _LinearCrossEntropySum.apply(
         flat_hidden, flat_targets, head.weight, head.bias, head.lora_a, head.lora_b, head.lora_scale,
         label_smoothing, chunk_rows, head.transform, stats, flat_weights,
     )
+
+
+def rows_per_chunk(vocab: int, weight: torch.Tensor, transform: LogitTransform, fast_path: bool,
+                   chunk_bytes: int | None) -> int:
+    """Target rows per chunk for an output layer of ``vocab`` rows (``weight``: its dtype and device):
+    ``chunk_bytes`` (``None``: 192 MiB, ``DEFAULT_CHUNK_BYTES``) of logits in the loss dtype; on the fast path a
+    2-byte head gets :data:`LOW_PRECISION_CHUNK_FACTOR` times that, and, under the default budget, a 4-byte head on
+    a CPU at least :data:`MIN_CPU_CHUNK_ROWS`. A multiple of :data:`GEMM_ROW_TILE` when a chunk holds more."""
+    budget = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    rows = max(1, budget // (vocab * compute_dtype(weight.dtype).itemsize * transform.buffers))
+    if fast_path and weight.dtype.itemsize < 4:
+        rows *= LOW_PRECISION_CHUNK_FACTOR
+    elif fast_path and chunk_bytes is None and weight.device.type == "cpu":
+        rows = max(rows, MIN_CPU_CHUNK_ROWS)
+    if rows >= GEMM_ROW_TILE:
+        rows -= rows % GEMM_ROW_TILE
+    return rows
 
 
 class _LinearCrossEntropySum(torch.autograd.Function):

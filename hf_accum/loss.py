@@ -53,7 +53,8 @@ PROBLEM_TYPES: tuple[str, ...] = ("single_label_classification", "multi_label_cl
 # cross-entropy (hf_accum.fused_loss) uses the same bound for its chunks of logits: 384 positions
 # at a 128k vocabulary (a multiple of 128 rows: its GEMMs run as fast per FLOP as at 512, where 341
 # or 410 rows run 3-6% slower), small enough that an fp32 loss step at vocab 128256 and hidden 2048
-# peaks at 0.25x the logits path's memory, its weight gradient (1 GiB) included.
+# peaks at 0.25x the logits path's memory, its weight gradient (1 GiB) included. (On a CPU its fp32 chunks hold
+# at least 384 rows at any vocabulary: hf_accum.fused_loss.MIN_CPU_CHUNK_ROWS.)
 DEFAULT_CHUNK_BYTES = 192 * 2**20
 
 

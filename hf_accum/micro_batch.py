@@ -20,7 +20,6 @@ from hf_accum.fused_loss import (
     TokenStats,
 )
 from hf_accum.loss import (
-    DEFAULT_CHUNK_BYTES,
     IGNORE_INDEX,
     LossKind,
     aligned_targets,
@@ -86,7 +85,7 @@ class MicroBatchLoss:
         problem_type: str | None = None,
         loss_sum_fn: LossSumFn | None = None,
         fused: bool = True,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        chunk_bytes: int | None = None,
         token_stats: bool = False,
         normalization: str = "token",
     ):

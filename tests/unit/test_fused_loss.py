@@ -154,6 +154,35 @@ def test_cpu_chunks_are_vocab_major_and_their_softmax_is_exact(dtype):
     assert not ChunkBuffers(5, head.weight.detach(), dtype, vocab_major=False).vocab_major
 
 
+def test_the_default_chunk_of_a_cpu_head_in_the_loss_dtype_holds_at_least_384_rows():
+    """Under the default budget (192 MiB of logits) a 4-byte head on a CPU gets at least 384 rows per chunk (at
+    vocab 262144 the budget alone gives 128: 32 passes over the weight at N = 4096); a budget the caller gives is
+    kept, and a bf16 head and the general path are sized by the budget as before."""
+    from hf_accum.fused_loss import IDENTITY, rows_per_chunk
+
+    def rows(vocab, dtype=torch.float32, fast=True, chunk_bytes=None):
+        return rows_per_chunk(vocab, torch.empty(0, dtype=dtype), IDENTITY, fast, chunk_bytes)
+
+    assert rows(262144) == 384 and rows(262144, torch.float64) == 384  # the budget alone: 128 and 64
+    assert rows(128256) == 384 and rows(32000) == 1536  # the budget already gives at least 384
+    assert rows(262144, chunk_bytes=128 * 262144 * 4) == 128  # asked for: kept
+    assert rows(262144, fast=False) == 128  # the general path (LoRA head, logit transform, autocast)
+    assert rows(262144, torch.bfloat16) == 512  # 192 rows x LOW_PRECISION_CHUNK_FACTOR, to a multiple of 128
+    # and the loss takes it: at vocab 70000 in float64 the budget gives 359 rows, the loss 384 (400 targets: 2 chunks)
+    import hf_accum.fused_loss as fused_loss
+
+    h, head, targets = _head_and_inputs("plain", rows=400, hidden=4, vocab=70000)
+    assert rows(70000, torch.float64) == 384 and 192 * 2**20 // (70000 * 8) == 359
+    taken = []
+    apply = fused_loss._LinearCrossEntropySum.apply
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fused_loss._LinearCrossEntropySum, "apply", lambda *args: taken.append(args[8]) or apply(*args))
+        loss = linear_cross_entropy_sum(h, head, targets)
+    assert taken == [384]
+    reference = F.cross_entropy(head.logits(h), targets, reduction="sum")
+    torch.testing.assert_close(loss, reference, rtol=1e-12, atol=0)
+
+
 def test_top1_hits_of_a_vocab_major_chunk_count_as_argmax_does():
     """Ties (the first maximum counts), a target that ties a later class, and a NaN logit (torch's argmax takes NaN
     as the maximum): the vocab-major count equals ``argmax`` on the row-major logits."""
