@@ -39,6 +39,18 @@ _SOFTMAX_BLOCK_BYTES = 384 * 2**10
 WEIGHT_SLICE_BYTES = 32 * 2**20
 
 
+def vocab_major(weight: torch.Tensor) -> bool:
+    """Whether the fast path keeps this output layer's chunks vocab-major (:class:`ChunkBuffers`): on a CPU, a head
+    in its own loss dtype (fp32, fp64). The one place that decides it: the buffers' layout and the chunk's size
+    (:func:`hf_accum.fused_loss.rows_per_chunk`) both ask here."""
+    return weight.device.type == "cpu" and weight.dtype == compute_dtype(weight.dtype)
+
+
+def _block_rows(columns: torch.Tensor, block_bytes: int) -> int:
+    """Rows of a ``[V, rows]`` chunk in one block of ``block_bytes`` (at least one, at most all)."""
+    return max(1, min(columns.shape[0], block_bytes // (columns.shape[1] * columns.element_size())))
+
+
 class ChunkBuffers:
     """The chunk's logit buffers, allocated once per call (``rows`` = the largest chunk) and reused by each chunk.
 
@@ -51,9 +63,9 @@ class ChunkBuffers:
     The softmax then runs down the columns (:func:`softmax_`).
     """
 
-    def __init__(self, rows: int, weight: torch.Tensor, loss_dtype: torch.dtype, vocab_major: bool = False):
+    def __init__(self, rows: int, weight: torch.Tensor, loss_dtype: torch.dtype):
         vocab = weight.shape[0]
-        self.vocab_major = vocab_major and weight.dtype == loss_dtype
+        self.vocab_major = vocab_major(weight)
         if self.vocab_major:
             # One flat buffer: a chunk of n rows views its first n * vocab elements as a contiguous [vocab, n].
             self.logits = weight.new_empty(rows * vocab, dtype=loss_dtype)
@@ -111,7 +123,7 @@ def softmax_(y: torch.Tensor) -> torch.Tensor:
     columns = y.t()
     maxima = columns.amax(0)
     sums = torch.zeros_like(maxima)
-    block = max(1, _SOFTMAX_BLOCK_BYTES // (columns.shape[1] * columns.element_size()))
+    block = _block_rows(columns, _SOFTMAX_BLOCK_BYTES)
     for start in range(0, columns.shape[0], block):
         part = columns[start : start + block]
         sums += part.sub_(maxima).exp_().sum(0)
@@ -135,8 +147,8 @@ def top1_hits(y: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     if bool(maxima.isnan().any()):
         return columns.argmax(0).eq(targets).sum()
     attained = torch.zeros(columns.shape[1], dtype=torch.int64, device=y.device)
-    block = max(1, _SOFTMAX_BLOCK_BYTES // (columns.shape[1] * columns.element_size()))
-    scratch = torch.empty(min(block, columns.shape[0]), columns.shape[1], dtype=torch.bool, device=y.device)
+    block = _block_rows(columns, _SOFTMAX_BLOCK_BYTES)
+    scratch = torch.empty(block, columns.shape[1], dtype=torch.bool, device=y.device)
     for start in range(0, columns.shape[0], block):  # one scratch block: no fresh tensor per block (xlogx_sum)
         part = columns[start : start + block]
         attained += torch.eq(part, maxima, out=scratch[: part.shape[0]]).sum(0)
@@ -153,7 +165,7 @@ def xlogx_sum(p: torch.Tensor) -> torch.Tensor:
     grew by one block per block (see :func:`hf_accum.fused_loss._exp_dot`)."""
     if p.stride(1) != 1:  # vocab-major: blocks of vocabulary rows of the contiguous [V, rows] chunk
         columns = p.t()
-        block = max(1, min(columns.shape[0], ENTROPY_BLOCK_BYTES // (columns.shape[1] * columns.element_size())))
+        block = _block_rows(columns, ENTROPY_BLOCK_BYTES)
         scratch = columns.new_empty(block, columns.shape[1])
         sums = columns.new_zeros(columns.shape[1])
         for start in range(0, columns.shape[0], block):

@@ -44,6 +44,7 @@ from hf_accum.fused_gradients import (
     GradientSums,
     softmax_,
     top1_hits,
+    vocab_major,
     xlogx_sum,
 )
 from hf_accum.loss import (
@@ -236,7 +237,7 @@ def rows_per_chunk(vocab: int, weight: torch.Tensor, transform: LogitTransform, 
     rows = max(1, budget // (vocab * compute_dtype(weight.dtype).itemsize * transform.buffers))
     if fast_path and weight.dtype.itemsize < 4:
         rows *= LOW_PRECISION_CHUNK_FACTOR
-    elif fast_path and chunk_bytes is None and weight.device.type == "cpu":
+    elif fast_path and chunk_bytes is None and vocab_major(weight):
         rows = max(rows, MIN_CPU_CHUNK_ROWS)
     if rows >= GEMM_ROW_TILE:
         rows -= rows % GEMM_ROW_TILE
@@ -273,8 +274,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         chunk_stats = TokenStats.zeros(total.dtype, hidden.device) if stats is not None else None
         buffers = None
         if _takes_fast_path(hidden, weight, lora_a, transform) and rows.shape[0]:
-            buffers = ChunkBuffers(min(chunk_rows, rows.shape[0]), weight, total.dtype,
-                                   vocab_major=hidden.device.type == "cpu")
+            buffers = ChunkBuffers(min(chunk_rows, rows.shape[0]), weight, total.dtype)
         for start in range(0, rows.shape[0], chunk_rows):
             chunk = rows[start : start + chunk_rows]
             h = hidden.index_select(0, chunk)

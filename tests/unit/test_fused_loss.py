@@ -133,10 +133,10 @@ def test_cpu_chunks_are_vocab_major_and_their_softmax_is_exact(dtype):
     """On a CPU a head in the loss dtype computes each chunk as ``W h^T`` ([vocab, rows], the GEMM orientation MKL
     runs at full speed) and hands on its transpose; the softmax then runs down the columns. Checked: the layout
     is taken (a short last chunk too), and that softmax is within a few rounding errors of a float64 one."""
-    from hf_accum.fused_gradients import ChunkBuffers, softmax_
+    from hf_accum.fused_gradients import ChunkBuffers, softmax_, vocab_major
 
     h, head, _ = _head_and_inputs("bias", dtype=dtype, rows=7, hidden=8, vocab=3000)
-    buffers = ChunkBuffers(5, head.weight, dtype, vocab_major=True)
+    buffers = ChunkBuffers(5, head.weight, dtype)
     assert buffers.vocab_major
     for rows in (5, 2):  # a full chunk and a short last one
         chunk = buffers.logits_of(h[:rows].detach(), head.weight.detach(), head.bias.detach())
@@ -149,9 +149,9 @@ def test_cpu_chunks_are_vocab_major_and_their_softmax_is_exact(dtype):
         assert probabilities.data_ptr() == chunk.data_ptr()  # in place
         error = float((probabilities.double() - reference).abs().max())
         assert error < (1e-6 if dtype == torch.float32 else 1e-14), error
-    # a bf16 head (its own product buffer, then upcast) stays row-major, and so does a caller off the CPU
-    assert not ChunkBuffers(5, head.weight.detach().bfloat16(), torch.float32, vocab_major=True).vocab_major
-    assert not ChunkBuffers(5, head.weight.detach(), dtype, vocab_major=False).vocab_major
+    # a bf16 head (its own product buffer, then upcast) stays row-major, and so does a head off the CPU
+    assert not ChunkBuffers(5, head.weight.detach().bfloat16(), torch.float32).vocab_major
+    assert not vocab_major(torch.empty(3000, 8, dtype=dtype, device="meta"))
 
 
 def test_the_default_chunk_of_a_cpu_head_in_the_loss_dtype_holds_at_least_384_rows():
