@@ -31,7 +31,7 @@ from hf_accum.loss import (
     rows_per_chunk,
     token_loss_sum,
 )
-from hf_accum.model_loss import model_loss_terms, probe_model_loss, resolve_loss_kind
+from hf_accum.model_loss import model_loss_terms, probe_model_loss, resolve_loss_kind, training_inputs
 from hf_accum.sequence_norm import SequenceMeanLoss, check_normalization, refuse_custom_loss, sequence_weights
 
 logger = logging.getLogger("hf_accum.fused_loss")
@@ -61,6 +61,11 @@ class MicroBatchLoss:
       (each target weighted by 1 / its sequence's targets, the count is the sequences:
       :mod:`hf_accum.sequence_norm`); the weights go into the fused pass, or into the logits path's loss
       (:class:`~hf_accum.sequence_norm.SequenceMeanLoss`, the default ``loss_sum_fn`` of that mode).
+
+    **The forward that trains** runs without ``labels`` (no model-side loss); an encoder-decoder whose batch has
+    labels but no decoder inputs gets the ``decoder_input_ids`` it builds from them itself
+    (:func:`hf_accum.model_loss.training_inputs`), in training and evaluation alike. The probe below checks that
+    this forward gives the model's own ``forward(labels=...)`` loss, for any model.
 
     **Terms the model adds to its own loss.** The first micro-batch is probed once
     (:func:`hf_accum.model_loss.probe_model_loss`): the model's own ``forward(labels=...)`` loss must equal
@@ -138,6 +143,8 @@ class MicroBatchLoss:
             self._probe_model_loss(model, self.model_inputs(inputs), labels)
         if self.kind is None:
             self.kind = resolve_loss_kind(model, inputs, labels)
+        # The forward runs without labels: an encoder-decoder gets the decoder inputs it would build from them.
+        inputs = training_inputs(model, inputs, labels)
         outputs, loss_sum, n_targets = self._cross_entropy(model, inputs, labels, need_logits)
         self.aux_sum = None
         terms = model_loss_terms(model, outputs) if model.training else None

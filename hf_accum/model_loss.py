@@ -8,6 +8,11 @@
 * :data:`MODEL_LOSS_TERMS` / :func:`model_loss_terms` -- the terms a model adds beyond the cross-entropy (MoE
   router losses), added back by the front-ends; :func:`probe_model_loss` stops a run whose model adds a term
   nobody knows (:class:`UnaccountedLossTerm`), which the training loss would otherwise silently drop;
+* :func:`training_inputs` -- the inputs of the forward that trains (called without ``labels``): an
+  encoder-decoder's decoder inputs built from the labels the way the model builds them when called with
+  ``labels=`` (:func:`decoder_inputs_from_labels`); the probe checks that this forward gives the model's own
+  loss, so a model that builds different inputs without ``labels`` stops the run
+  (:class:`DifferentTrainingForward`) instead of training another objective silently;
 * :func:`leading_slice` / :func:`probing` -- the side forward: a leading slice of one row (padding-free rows
   included), no gradient, eval mode (also used by :mod:`hf_accum.fused_head`'s probe).
 """
@@ -15,13 +20,16 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
 
+from hf_accum.errors import InputError
 from hf_accum.loss import (
     IGNORE_INDEX,
     LOSS_KIND_SPECS,
@@ -105,6 +113,70 @@ class UnaccountedLossTerm(ValueError):
     """The model's own loss holds a term the cross-entropy (plus the known terms) does not explain."""
 
 
+class DifferentTrainingForward(UnaccountedLossTerm):
+    """The model builds different inputs when called with ``labels=`` than in the forward that trains (called
+    without them): its own loss is not the loss of the forward whose gradient we would apply."""
+
+
+# What an encoder-decoder's decoder reads; when the batch holds neither, the model builds them from ``labels``.
+DECODER_INPUT_KEYS = ("decoder_input_ids", "decoder_inputs_embeds")
+
+
+def is_encoder_decoder(model: torch.nn.Module) -> bool:
+    """Whether the model (DDP/FSDP/PEFT/compile wrappers removed) is an encoder-decoder (its config says so)."""
+    return bool(getattr(getattr(unwrap_model(model), "config", None), "is_encoder_decoder", False))
+
+
+def training_inputs(model: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor | None) -> dict[str, Any]:
+    """The inputs of the forward that trains, which runs without ``labels`` (no model-side loss): ``inputs``,
+    plus, for an encoder-decoder whose batch carries labels but no decoder inputs (what
+    ``DataCollatorForSeq2Seq`` without ``model=`` gives), the ``decoder_input_ids`` the model itself builds from
+    the labels when called with ``labels=``. Without them a BART would build its decoder inputs from the
+    *encoder's* ``input_ids`` (another objective) and a T5 would refuse to run."""
+    if labels is None or not torch.is_tensor(labels) or labels.dim() != 2 or not is_encoder_decoder(model):
+        return inputs
+    if any(inputs.get(key) is not None for key in DECODER_INPUT_KEYS):
+        return inputs
+    return {**inputs, "decoder_input_ids": decoder_inputs_from_labels(model, labels)}
+
+
+def decoder_inputs_from_labels(model: torch.nn.Module, labels: torch.Tensor) -> torch.Tensor:
+    """An encoder-decoder's decoder inputs from its labels, by the model's own code: its
+    ``prepare_decoder_input_ids_from_labels`` (T5, BART, mBART, Marian, Pegasus, ...), else its ``_shift_right``,
+    else its modeling module's ``shift_tokens_right`` given its config's pad and decoder start ids. The probe
+    (:func:`probe_model_loss`) checks the result against the model's own ``forward(labels=...)``."""
+    inner = unwrap_model(model)
+    prepare = getattr(inner, "prepare_decoder_input_ids_from_labels", None)
+    if callable(prepare):
+        return prepare(labels=labels)
+    shift_right = getattr(inner, "_shift_right", None)
+    if callable(shift_right):
+        return shift_right(labels)
+    shifted = _module_shift(inner, labels)
+    if shifted is not None:
+        return shifted
+    name = type(inner).__name__
+    raise InputError(
+        f"{name} is an encoder-decoder and the batch has labels but no decoder_input_ids, and {name} has no "
+        "prepare_decoder_input_ids_from_labels to build them as its forward(labels=...) does; put decoder_input_ids "
+        "in the batch (e.g. DataCollatorForSeq2Seq(tokenizer, model=model))"
+    )
+
+
+def _module_shift(inner: Any, labels: torch.Tensor) -> torch.Tensor | None:
+    """``shift_tokens_right(labels, ...)`` of the model's modeling module, its other arguments from its config
+    (None: no such function, or one asking for an argument the config does not name)."""
+    shift = getattr(sys.modules.get(type(inner).__module__), "shift_tokens_right", None)
+    config = getattr(inner, "config", None)
+    if not callable(shift) or config is None:
+        return None
+    parameters = list(inspect.signature(shift).parameters)[1:]
+    if any(getattr(config, name, None) is None for name in parameters):
+        return None
+    result = shift(labels, **{name: getattr(config, name) for name in parameters})
+    return result if torch.is_tensor(result) else None
+
+
 @dataclass(frozen=True)
 class ModelLossProbe:
     """What the first micro-batch showed about a model's own loss."""
@@ -126,6 +198,10 @@ def probe_model_loss(
     ``kind`` None the layout is found by the comparison (:func:`probe_loss_kind`); with ``kind`` given, a
     model whose loss differs raises :class:`UnaccountedLossTerm` naming the class and the difference
     (unless it carries ``hf_accum_drop_model_loss_terms = True``): a term it adds that we would drop.
+
+    Then the forward that trains, on the same rows: without ``labels``, on :func:`training_inputs` (``inputs``
+    are the batch's, before them). Its loss must be the one ours gave on the labels forward, else
+    :class:`DifferentTrainingForward`: the model builds other inputs when it gets ``labels``.
     """
     name = type(unwrap_model(model)).__name__
     inputs, labels = _probe_rows(inputs, labels, kind or "causal_lm")
@@ -151,11 +227,54 @@ def probe_model_loss(
             found = "matches none of" if not matches else f"matches {matches} alike among"
             raise cannot_place(name, f" (its own loss {float(own):.6g} on the first micro-batch {found} the layouts)")
         logger.info("loss layout of %s: %r (its own loss on the first micro-batch equals ours)", name, matches[0])
-        return ModelLossProbe(matches[0], float(own), extra)
+        kind = matches[0]
     mean = means[kind]
     if not matches and mean is not None:
         _unaccounted(model, name, float(own), mean, extra)
+    # Every rank that got here runs the training forward too (a DDP forward is a collective).
+    _check_training_forward(model, name, inputs, labels, kind, float(own), None if mean is None else mean + extra)
     return ModelLossProbe(kind, float(own), extra)
+
+
+def _check_training_forward(model: torch.nn.Module, name: str, inputs: dict[str, Any], labels: torch.Tensor,
+                            kind: LossKind, own: float, expected: float | None) -> None:
+    """The forward that trains (without ``labels``, on :func:`training_inputs`) must give the loss ours gives on
+    the model's ``forward(labels=...)`` (``expected``: its cross-entropy plus known terms; None: not comparable,
+    nothing checked), else :class:`DifferentTrainingForward`: the model builds other inputs when it gets
+    ``labels`` (an encoder-decoder shifting its labels into decoder inputs, a custom forward), and the gradient we
+    would apply is not the gradient of its own loss."""
+    cause = f"{name} builds different inputs when called with labels= than in the forward that trains (without labels)"
+    try:
+        with probing(model):
+            outputs = model(**training_inputs(model, inputs, labels))
+        logits = outputs["logits"]
+    except (TypeError, KeyError, ValueError) as error:
+        if expected is None:
+            return
+        raise DifferentTrainingForward(f"{cause}: that forward fails ({error}); {_DIFFERENT_FORWARD_FIX}") from error
+    if expected is None:
+        return
+    spec = LOSS_KIND_SPECS[kind]
+    if logits is None or (spec.per_token and spec.align(labels).shape != logits.shape[:2]):
+        shape = None if logits is None else tuple(logits.shape)
+        raise DifferentTrainingForward(
+            f"{cause}: its logits {shape} there do not line up with labels {tuple(labels.shape)} as its own loss's "
+            f"do; {_DIFFERENT_FORWARD_FIX}")
+    ours = _probe_mean(logits, labels, kind, model)
+    if ours is None:  # no target in the probed rows: nothing to compare
+        return
+    terms = model_loss_terms(model, outputs)
+    training = ours + (float(terms) if terms is not None else 0.0)
+    if not _same_loss(training, expected):
+        raise DifferentTrainingForward(
+            f"{cause}: its own loss {own:.6g} (forward(labels=...)) vs the training forward's {training:.6g} on the "
+            f"first micro-batch; {_DIFFERENT_FORWARD_FIX}")
+
+
+_DIFFERENT_FORWARD_FIX = (
+    "put the inputs it builds from the labels in the batch (an encoder-decoder: decoder_input_ids, e.g. "
+    "DataCollatorForSeq2Seq(tokenizer, model=model)), or make its forward build the same inputs without labels="
+)
 
 
 def _probe_mean(logits: torch.Tensor, labels: torch.Tensor, kind: LossKind, model: torch.nn.Module) -> float | None:
