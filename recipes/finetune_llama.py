@@ -21,7 +21,7 @@ from dataclasses import asdict
 
 START = time.time()  # wall time counts the imports too
 
-from hf_accum.recipe.command_line import lean_start  # noqa: E402
+from hf_accum.recipe.command_line import keys_request, lean_start  # noqa: E402
 
 lean_start(sys.argv[1:])  # before PEFT is imported: no bitsandbytes unless the run quantizes (hf_accum.startup)
 
@@ -36,7 +36,7 @@ from hf_accum.control import NonFiniteLossError, TrainingStopped  # noqa: E402
 from hf_accum.distributed import (  # noqa: E402
     fsdp_unsharded_root, is_fsdp_sharded, is_partitioned, leave_process_group,
 )
-from hf_accum.recipe.config import load_recipe_config  # noqa: E402
+from hf_accum.recipe.config import load_recipe_config, valid_keys  # noqa: E402
 from hf_accum.auto_ramp import describe_auto_plan, is_auto  # noqa: E402
 from hf_accum.schedule import BatchPlan  # noqa: E402
 from hf_accum.recipe.data import exact_match, load_tokenizer_and_data  # noqa: E402
@@ -189,6 +189,9 @@ OBJECTIVES = {
 
 
 def main(argv):
+    if (section := keys_request(argv)) is not None:  # --keys [SECTION]: the keys a config may set, one a line
+        print("\n".join(valid_keys(section)))
+        return None
     # 1. Config: built-in defaults < YAML < command line; typed and validated, nothing loaded yet.
     config = load_recipe_config(argv, engines=ENGINES)
     # One run per output directory: its lock (rank 0 takes it for every rank) before anything there is read

@@ -49,6 +49,16 @@ def parse_overrides(argv: Sequence[str]) -> tuple[str | None, dict[str, Any]]:
     return config_path, overrides
 
 
+def keys_request(argv: Sequence[str]) -> str | None:
+    """``--keys [SECTION]`` on the command line: the section whose valid keys to list (``""``: the top-level keys
+    and sections); None when not asked. An unknown key's message points here rather than listing ~120 names."""
+    args = list(argv)
+    if "--keys" not in args:
+        return None
+    following = args[args.index("--keys") + 1 :]
+    return following[0] if following and not following[0].startswith("--") and "=" not in following[0] else ""
+
+
 def _parse_scalar(raw: str) -> Any:
     try:
         return yaml.safe_load(raw) if raw != "" else ""

@@ -394,3 +394,17 @@ def test_sigterm_then_the_same_command_with_resume_reproduces_the_uninterrupted_
     for ours, theirs in zip(resumed, expected):
         assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-9, abs=0)
         assert ours["learning_rate"] == theirs["learning_rate"]
+
+
+def test_keys_lists_what_an_unknown_keys_message_points_to(capsys):
+    """``--keys SECTION`` prints the section's valid keys, one a line (the unknown-key message names it instead
+    of listing ~120 TrainingArguments fields); ``--keys`` alone the top-level keys and sections."""
+    script = load_script()
+    assert run_outputs.run_cli(script.main, ["--keys", "training"]) == 0
+    keys = capsys.readouterr().out.split()
+    assert "learning_rate" in keys and "gradient_accumulation_steps" in keys and len(keys) > 100
+    assert keys == recipe_config.valid_keys("training")
+    assert run_outputs.run_cli(script.main, ["--keys"]) == 0
+    assert {"engine", "training", "lora"} <= set(capsys.readouterr().out.split())
+    assert run_outputs.run_cli(script.main, ["--keys", "trainig"]) == 2
+    assert "Did you mean 'training'?" in capsys.readouterr().err

@@ -145,13 +145,24 @@ def test_lora_null_means_full_fine_tuning():
         ({"trainig.seed": 1}, "training"),
     ],
 )
-def test_unknown_key_lists_valid_keys_and_closest_match(override, closest):
+def test_unknown_key_names_the_closest_keys_not_every_valid_one(override, closest):
+    """At most 3 suggestions; every valid name only when they are few (sections, top-level keys), else how many
+    there are and the command that lists them (a training typo once printed ~1,900 characters of field names)."""
     with pytest.raises(recipe_config.ConfigError) as info:
         recipe_config.load_config(None, override)
     message = str(info.value)
     assert f"Did you mean {closest!r}" in message
-    assert "Valid keys:" in message or "Valid sections:" in message
+    assert message.split("Did you mean ")[1].split("?")[0].count("'") <= 6  # 3 names at most
     assert repr(next(iter(override))) in message or next(iter(override)).split(".")[0] in message
+    assert len(message) < 400, message  # one readable line
+    section = next(iter(override)).split(".")[0]
+    many = section in recipe_config.SECTIONS and len(recipe_config.valid_keys(section)) > recipe_config.schema.LIST_ALL_UP_TO
+    assert many == (section in ("training", "lora", "data"))
+    if many:  # counted, and how to list them
+        assert "Valid keys" not in message and f"--keys {section})" in message
+        assert f"({len(recipe_config.valid_keys(section))} valid keys;" in message
+    else:
+        assert "Valid keys:" in message or "Valid sections:" in message
 
 
 @pytest.mark.parametrize("key", ["training.overwrite_output_dir", "training.global_batch_size", "data.engine"])

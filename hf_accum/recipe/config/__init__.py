@@ -15,6 +15,7 @@ from hf_accum.recipe.config.schema import (
     Section,
     build_config,
     differences,
+    valid_keys,
 )
 from hf_accum.recipe.config.sections import DataSection, ModelSection, TrainingSection
 from hf_accum.recipe.config.validation import load_recipe_config, resolve
@@ -24,4 +25,5 @@ __all__ = [
     "BUILTIN", "BUILTIN_DEFAULTS", "COMMAND_LINE", "RESOLVED_CONFIG_NAME", "SECTIONS", "AccumulationSection",
     "ConfigError", "DataSection", "DPOSection", "ModelSection", "RecipeConfig", "Section", "TrainingSection",
     "build_config", "differences", "load_config", "load_recipe_config", "load_yaml", "parse_overrides", "resolve",
+    "valid_keys",
 ]

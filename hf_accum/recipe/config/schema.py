@@ -182,11 +182,30 @@ def _top_level_types() -> dict[str, Any]:
     return {name: SECTIONS.get(name, hints[name]) for name in TOP_LEVEL}
 
 
+# An unknown name's message lists every valid name only when there are few (sections, engines); a section of
+# many keys (training: ~120 TrainingArguments fields, ~1,900 characters) names its closest keys and how to list all.
+LIST_ALL_UP_TO = 12
+
+
 def unknown_key(where: str, key: str, valid: Sequence[str], what: str = "key") -> ConfigError:
-    """The one unknown-name message: the closest match (difflib) and every valid name."""
-    close = difflib.get_close_matches(key, list(valid), n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    return ConfigError(f"unknown {what} '{where}{key}'.{hint} Valid {what}s: {', '.join(sorted(valid))}")
+    """The one unknown-name message: the closest matches (difflib, at most 3), and every valid name when they
+    are few, else how many there are and the command that lists them."""
+    close = difflib.get_close_matches(key, list(valid), n=3)
+    hint = f" Did you mean {' or '.join(repr(name) for name in close)}?" if close else ""
+    if len(valid) <= LIST_ALL_UP_TO:
+        return ConfigError(f"unknown {what} '{where}{key}'.{hint} Valid {what}s: {', '.join(sorted(valid))}")
+    section = where.rstrip(".")
+    return ConfigError(f"unknown {what} '{where}{key}'.{hint} ({len(valid)} valid {what}s; list them: "
+                       f"python recipes/finetune_llama.py --keys {section})")
+
+
+def valid_keys(section: str | None = None) -> list[str]:
+    """The keys a config may set: the top-level keys and sections (``section`` None), or one section's keys."""
+    if not section:
+        return sorted(TOP_LEVEL)
+    if section not in SECTIONS:
+        raise unknown_key("", section, list(SECTIONS), what="section")
+    return sorted(SECTIONS[section].types())
 
 
 def checked(prefix: str, raw: dict[str, Any], types: dict[str, Any]) -> dict[str, Any]:
