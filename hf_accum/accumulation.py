@@ -272,6 +272,42 @@ class DeviceSums:
         self._sums = None
 
 
+class LoggedMeans:
+    """TRL's logged metrics made exact over the update: per-rank sums over units (``unit``: pairs, ...) of
+    ``metrics`` (:class:`DeviceSums`: one all-reduce per update), their totals over all ranks since the last log
+    line, and the per-unit means of those totals. ``extra`` columns (a token count) are summed, not averaged.
+    Shared by the preference trainers (:mod:`hf_accum.dpo`, :mod:`hf_accum.reward`)."""
+
+    def __init__(self, unit: str, metrics: Iterable[str], device: torch.device | str = "cpu",
+                 extra: Iterable[str] = ()) -> None:
+        self.unit = unit
+        self.metrics = tuple(metrics)
+        self.columns = (unit, *self.metrics, *extra)
+        self._pending = DeviceSums(self.columns, device)
+        self._totals = torch.zeros(len(self.columns), dtype=torch.float64)
+
+    def add(self, **sums: Any) -> None:
+        self._pending.add(**sums)
+
+    def reduce(self, accelerator: Any) -> dict[str, float]:
+        """Fold this rank's pending sums, summed over all ranks, into the totals; returns that reduced row. A
+        collective: every rank must call it."""
+        reduced = self._pending.reduce(accelerator)
+        self._totals += torch.tensor([reduced[name] for name in self.columns], dtype=torch.float64)
+        return reduced
+
+    def take_means(self) -> dict[str, float]:
+        """Per-unit means of the metrics over the totals (then cleared); empty when no unit was seen."""
+        totals = dict(zip(self.columns, self._totals.tolist()))
+        self._totals.zero_()
+        units = totals[self.unit]
+        return {name: totals[name] / units for name in self.metrics} if units else {}
+
+    def reset(self) -> None:
+        self._pending.reset()
+        self._totals.zero_()
+
+
 # The columns of a window tally, summed over micro-batches and then over ranks in one all-reduce.
 _TALLY_COLUMNS = tuple(name for name in WindowTotals.__dataclass_fields__
                        if name not in ("small_batches", "pooled_small_batches", "extra_terms"))

@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import torch
 
-from hf_accum.accumulation import DeviceSums
+from hf_accum.accumulation import LoggedMeans
 from hf_accum.compat import (
     add_trl_train_tokens,
     evened_batches,
@@ -60,7 +60,6 @@ except ImportError as error:  # TRL is an optional extra
 
 _METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
             "logps/rejected")
-_COLUMNS = ("pairs",) + _METRICS + ("tokens",)
 # Batch keys that are not inputs of the model's forward (TRL's `_non_model_keys`, plus our labels).
 _NOT_MODEL_INPUTS = {"completion_mask", "labels", *REFERENCE_KEYS}
 
@@ -131,7 +130,8 @@ class AccumDPOTrainer(AccumTrainer, DPOTrainer):  # type: ignore[misc]  # TRL ty
         super().__init__(*args, **kwargs)
         self.data_collator = PairLabels(self.data_collator)
         device = self.args.device
-        self._pair_metrics = {"train": _PairMetrics(device), "eval": _PairMetrics(device)}
+        self._pair_metrics = {mode: LoggedMeans("pairs", _METRICS, device, extra=("tokens",))
+                              for mode in ("train", "eval")}
 
     def _build_micro_batch_loss(self, loss_kind: Any, fused_loss: bool, normalization: str = "token") -> MicroBatchLoss:
         """Called by AccumTrainer's constructor: the pair loss of TRL's settings, on the logits path (full
@@ -215,31 +215,3 @@ class AccumDPOTrainer(AccumTrainer, DPOTrainer):  # type: ignore[misc]  # TRL ty
                 trl_logged["num_tokens"] = [trl_train_tokens(self)]
         super().log(logs, start_time)
 
-
-class _PairMetrics:
-    """Per-rank sums of the pair metrics (:class:`~hf_accum.accumulation.DeviceSums`: one all-reduce per update),
-    and the reduced totals since the last log line."""
-
-    def __init__(self, device: torch.device | str) -> None:
-        self._pending = DeviceSums(_COLUMNS, device)
-        self._totals = torch.zeros(len(_COLUMNS), dtype=torch.float64)
-
-    def add(self, **sums: Any) -> None:
-        self._pending.add(**sums)
-
-    def reduce(self, accelerator: Any) -> dict[str, float]:
-        """Fold this rank's pending sums, summed over all ranks, into the totals. A collective."""
-        reduced = self._pending.reduce(accelerator)
-        self._totals += torch.tensor([reduced[name] for name in _COLUMNS], dtype=torch.float64)
-        return reduced
-
-    def take_means(self) -> dict[str, float]:
-        """Pair means over the totals (then cleared); empty when no pair was seen."""
-        totals = dict(zip(_COLUMNS, self._totals.tolist()))
-        self._totals.zero_()
-        pairs = totals["pairs"]
-        return {name: totals[name] / pairs for name in _METRICS} if pairs else {}
-
-    def reset(self) -> None:
-        self._pending.reset()
-        self._totals.zero_()
