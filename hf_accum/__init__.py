@@ -45,6 +45,16 @@ _LAZY = {
     # The trainers import transformers.Trainer (heavy) and TRL (optional).
     "AccumTrainer": "trainer", "AccumSFTTrainer": "sft", "AccumDPOTrainer": "dpo",
     "DPOPairLoss": "preference", "collate_pairs": "preference", "AccumGRPOTrainer": "grpo",
+    "AccumRewardTrainer": "reward",
+}
+# Front-ends refused by name, with the reason (docs/normalization.md): importing one raises it.
+_REFUSED = {
+    "AccumKTOTrainer": (
+        "hf_accum provides no AccumKTOTrainer: TRL's KTOTrainer estimates its KL baseline per micro-batch (a "
+        "batch-level statistic, detached and clamped, from mismatched completions of that micro-batch), so no "
+        "big-batch loss exists for gradient accumulation to reproduce exactly; use AccumDPOTrainer on pairs, or "
+        "trl.KTOTrainer with one micro-batch per update (gradient_accumulation_steps=1, one process)"
+    ),
 }
 
 __version__ = "0.1.0"
@@ -79,6 +89,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    if name in _REFUSED:
+        from hf_accum.errors import NotProvided
+
+        raise NotProvided(_REFUSED[name])
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'hf_accum' has no attribute {name!r}")

@@ -33,3 +33,8 @@ class InputError(ValueError):
 
     The message is one line naming the bad key or value, where it came from, and what is allowed.
     """
+
+
+class NotProvided(InputError, ImportError):
+    """A front-end hf_accum refuses by name (``from hf_accum import AccumKTOTrainer``): the message says why. An
+    ``ImportError`` too, so code that tries an import and falls back keeps working."""
