@@ -1,4 +1,5 @@
-"""The MoE router loss on 2 real CPU processes (torchrun, gloo): see tests/distributed/moe_ddp_worker.py."""
+"""What a model's own loss holds beyond our cross-entropy, on 2 real CPU processes (torchrun, gloo): the MoE router
+loss, and encoder-decoders building their decoder inputs from the labels. See tests/distributed/moe_ddp_worker.py."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 
 import pytest
 
+from hf_accum.testing.cases.seq2seq_ddp_case import SEQ2SEQ_DDP_JOBS
 from hf_accum.testing.launch import run_torchrun
 from hf_accum.testing.models import MOE_FAMILIES
 
@@ -43,3 +45,11 @@ def test_the_router_term_does_not_grow_with_the_ranks(report, family, front_end)
     run = report[f"{family}:{front_end}:same"]
     assert len(run["errors"]) == 2 and max(run["errors"]) < EXACT, run["errors"]
     assert run["aux_loss"][0] == pytest.approx(report[f"{family}:one_copy_router_term"], rel=1e-12)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job", SEQ2SEQ_DDP_JOBS, ids=":".join)
+def test_encoder_decoders_train_on_their_own_objective_over_ranks(report, job):
+    """Labels-only or with decoder_input_ids, against the model's own forward(labels=...) loss of both ranks' rows."""
+    errors = report[":".join(job)]
+    assert len(errors) == 2 and max(errors) < EXACT, errors
