@@ -234,14 +234,18 @@ def _concatenate(micro_batches: list[dict], pad_token_id: int) -> dict[str, torc
         keys = [k for k in micro_batches[0] if k not in _VARLEN_METADATA]
         return {k: torch.cat([b[k] for b in micro_batches], dim=1) for k in keys}
     length = max(b["input_ids"].shape[1] for b in micro_batches)
-    per_token_labels = micro_batches[0]["labels"].shape == micro_batches[0]["input_ids"].shape
     big = {}
     for key in micro_batches[0]:
-        if key == "labels" and not per_token_labels:
-            big[key] = torch.cat([b[key] for b in micro_batches])
-        else:
+        if all(_per_token(b, key) for b in micro_batches):
             big[key] = torch.cat([_pad_to(b[key], length, _fill(key, pad_token_id)) for b in micro_batches])
+        else:  # laid out per row, not per token (sequence labels, a vision model's pixel_values): stacked as is
+            big[key] = torch.cat([b[key] for b in micro_batches])
     return big
+
+
+def _per_token(batch: dict, key: str) -> bool:
+    """``batch[key]`` holds one value per token, ``[rows, tokens]`` like the batch's ``input_ids``."""
+    return batch[key].shape == batch["input_ids"].shape
 
 
 # Sequence boundaries that padding-free collators (TRL's, transformers' DataCollatorWithFlattening)
