@@ -1,29 +1,63 @@
-"""A device's peak FLOP/s for a compute dtype: the denominator of MFU (:mod:`hf_accum.utilization`).
+"""A device's peak FLOP/s for a compute dtype: the denominator of MFU (:mod:`hf_accum.utilization`), and whether a
+half-precision dtype pays on this CPU at all (:func:`half_precision_slowdown`).
 
-Where the number comes from, first match wins (:func:`device_peak_flops`):
+Where the peak comes from, first match wins (:func:`device_peak_flops`); its ``source`` always says which:
 
 1. a configured value (``LoopConfig.peak_flops``, ``AccumTrainer(peak_flops=...)``, the recipe's
-   ``accumulation.peak_flops``), in FLOP/s per device;
+   ``accumulation.peak_flops``), in FLOP/s per device ("configured ...");
 2. the environment variable ``HF_ACCUM_PEAK_FLOPS`` (the same, for a whole process tree: the test suite sets it
    so no test pays for the probe below);
 3. CUDA: :data:`GPU_PEAK_TFLOPS`, the vendors' *dense* (no 2:4 sparsity) tensor-core peaks by device name, for
-   the dtype (float32 counts as TF32 where ``torch.backends.cuda.matmul.allow_tf32`` lets matmuls use it);
-   an unknown name gives no peak (MFU "n/a", and the message names the key to set);
-4. CPU: a square GEMM in the dtype, measured once per process (per dtype and thread count) with the run's
-   threads, in well under a second (:func:`cpu_gemm_peak`). A GEMM is what the model's matmuls are; no
-   published number fits a given CPU, its core count, AVX-512 / AMX, or the cores the run was given.
+   the dtype (float32 counts as TF32 where ``torch.backends.cuda.matmul.allow_tf32`` lets matmuls use it)
+   ("... (table)"); an unknown name gives no peak (MFU "n/a", and the message names the key to set);
+4. CPU: one core's square-GEMM rate in the dtype times the physical cores the run's threads occupy
+   (:func:`cpu_gemm_rate`): no published number fits a given CPU, its core count, AVX-512 / AMX, or the cores
+   the run was given. A peak is a property of the hardware, not of the moment, so (a) one core's rate is the
+   *best* of several short probes on one thread, each after a short sleep (the scheduler favours a task that
+   just woke, so a probe starts on a core of its own even beside a CPU-burning process; a probe that loses its
+   core only lowers itself, and a multi-threaded GEMM would wait for its slowest thread: see
+   :func:`core_gemm_rate`), and (b) it is measured once per machine and cached ("measured 2026-11-28, best of 5
+   probes on 1 thread", later "cached: measured ...") in ``$HF_ACCUM_CACHE/peak_flops.json`` (default
+   ``$XDG_CACHE_HOME/hf_accum``, else ``~/.cache/hf_accum``), keyed by the CPU (model name, family / model /
+   stepping, a hash of its feature flags), the dtype and torch's version (its kernels are what is measured). A
+   different CPU is a different key: measured afresh. Each later start probes once more (0.05 s) and raises the
+   cached rate when it beats it, so a first measurement on a busy machine heals; delete the file to measure
+   from scratch. A cache that cannot be read or written (read-only home) never stops a run: the rate is
+   measured in the process and a warning says so once.
 """
 
 from __future__ import annotations
 
-import functools
+import datetime
+import hashlib
+import json
+import logging
+import math
 import os
+import platform
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeGuard
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 PEAK_FLOPS_ENV = "HF_ACCUM_PEAK_FLOPS"
+CACHE_ENV = "HF_ACCUM_CACHE"
+"""A folder for hf_accum's per-machine cache (``peak_flops.json``)."""
+CACHE_FILE = "peak_flops.json"
+PROBES = 5
+"""Probes per measurement; the best one is the rate."""
+TOP_UP_PROBE_S = 0.05
+"""A cached rate's check at each start (one probe; see :func:`_cached_rate`)."""
+PROBE_NAP_S = 0.01
+"""The sleep before each probe (see the module docstring)."""
+_GEMM_TARGET_S = 0.05
+"""A probe's GEMM size: the largest (up to :func:`_largest_size`) whose one GEMM takes at most this long, so a
+dtype without fast kernels (bf16 at ~0.5 GFLOP/s) is probed with small GEMMs in the same short time."""
 
 # Dense peak TFLOP/s per GPU (vendor data sheets; the sparse figures are twice these). Keys are matched against
 # torch.cuda.get_device_name() in order (the first key contained in the lower-cased name wins, so the more
@@ -63,6 +97,14 @@ class PeakFlops:
         return f"peak {self.flops / 1e9:,.0f} GFLOP/s {self.dtype} ({self.source})"
 
 
+@dataclass(frozen=True)
+class GemmRate:
+    """A CPU's best GEMM rate for one dtype and thread count, and where it came from (measured / cached)."""
+
+    flops: float
+    source: str
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -78,35 +120,211 @@ def gpu_peak_flops(device_name: str, dtype: torch.dtype, tf32: bool = False) -> 
     return None
 
 
-@functools.cache
-def cpu_gemm_peak(dtype: torch.dtype = torch.float32, threads: int | None = None, budget_s: float = 0.25) -> float:
-    """FLOP/s of the best of repeated ``n x n`` GEMMs in ``dtype`` on ``threads`` threads (default: torch's
-    current count), measured for about ``budget_s`` seconds after one warm-up; cached per process.
+# -- the CPU probe ---------------------------------------------------------------------------------------------
 
-    ``n`` is 512 up to 2 threads, 1024 up to 8, else 2048: measured on 1 thread of this project's Xeon (AVX-512 +
-    AMX), 384-512 reach the best float32 rate (160-210 GFLOP/s; 768 and above fell to ~45 with the float32
-    kernel torch picks there) and near the best bfloat16 one (1200-1500). The best of the repeats is taken: other
-    processes' load only ever slows a repeat down."""
+
+def cpu_gemm_peak(dtype: torch.dtype = torch.float32, threads: int | None = None, budget_s: float = 0.5,
+                  probes: int = PROBES) -> float:
+    """FLOP/s of ``dtype`` square GEMMs on ``threads`` threads (default: torch's current count): the best of
+    ``probes`` probes of about ``budget_s / probes`` seconds each, every probe after a short sleep, every probe
+    the fastest of its repeats. Other processes' load only ever slows a GEMM down, so the best is the hardware's.
+
+    The size grows from 128 while one GEMM stays under :data:`_GEMM_TARGET_S`, up to 512 (up to 2 threads), 1024
+    (up to 8) or 2048: on 1 thread of a Xeon (AVX-512 + AMX) 384-512 reached the best float32 rate (160-210
+    GFLOP/s; 768 and above fell to ~45 with the kernel torch picks there) and near the best bfloat16 one
+    (1200-1500); on this project's AMD EPYC (Zen 4), 512 reads 103 GFLOP/s float32 and 225 bfloat16 on 1 thread."""
     threads = threads or torch.get_num_threads()
-    size = 512 if threads <= 2 else 1024 if threads <= 8 else 2048
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        a = torch.randn(size, size).to(dtype)
-        b = torch.randn(size, size).to(dtype)
-        torch.mm(a, b)  # warm-up: packing buffers, kernel selection
-        best = float("inf")
-        deadline = time.perf_counter() + budget_s
-        while True:
-            start = time.perf_counter()
-            torch.mm(a, b)
-            elapsed = time.perf_counter() - start
-            best = min(best, elapsed)
-            if start + elapsed >= deadline:
-                break
-        return 2.0 * size**3 / best
+        a, b = _probe_matrices(dtype, _largest_size(threads))
+        return max(_probe(a, b, budget_s / probes) for _ in range(probes))
     finally:
         torch.set_num_threads(previous)
+
+
+def _largest_size(threads: int) -> int:
+    return 512 if threads <= 2 else 1024 if threads <= 8 else 2048
+
+
+def _probe_matrices(dtype: torch.dtype, largest: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two square matrices of the largest size (a power of two from 128 to ``largest``) whose GEMM, at the rate
+    the previous size showed (the best of 3), takes at most :data:`_GEMM_TARGET_S`."""
+    size = 128
+    while True:
+        generator = torch.Generator().manual_seed(size)
+        a = torch.randn(size, size, generator=generator).to(dtype)
+        b = torch.randn(size, size, generator=generator).to(dtype)
+        torch.mm(a, b)  # warm-up: packing buffers, kernel selection
+        rate = max(_gemm_rate(a, b) for _ in range(3))
+        if size >= largest or 2.0 * (2 * size) ** 3 / rate > _GEMM_TARGET_S:
+            return a, b
+        size *= 2
+
+
+def _gemm_rate(a: torch.Tensor, b: torch.Tensor) -> float:
+    """FLOP/s of one ``a @ b``."""
+    start = time.perf_counter()
+    torch.mm(a, b)
+    return 2.0 * a.shape[0] ** 3 / max(time.perf_counter() - start, 1e-9)
+
+
+def _probe(a: torch.Tensor, b: torch.Tensor, seconds: float) -> float:
+    """The fastest of repeated ``a @ b`` for about ``seconds``, as FLOP/s, after a short sleep."""
+    time.sleep(PROBE_NAP_S)
+    best = float("inf")
+    deadline = time.perf_counter() + seconds
+    while True:
+        start = time.perf_counter()
+        torch.mm(a, b)
+        elapsed = time.perf_counter() - start
+        best = min(best, elapsed)
+        if start + elapsed >= deadline:
+            break
+    return 2.0 * a.shape[0] ** 3 / max(best, 1e-9)
+
+
+# -- the per-machine cache -------------------------------------------------------------------------------------
+
+_rates: dict[str, GemmRate] = {}
+"""This process's rates by cache key (measured or read once per process)."""
+_said_cache_problem = False
+
+
+def cache_path() -> Path:
+    """``$HF_ACCUM_CACHE/peak_flops.json``, else under ``$XDG_CACHE_HOME/hf_accum`` or ``~/.cache/hf_accum``."""
+    folder = os.environ.get(CACHE_ENV)
+    if folder:
+        return Path(folder).expanduser() / CACHE_FILE
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "hf_accum" / CACHE_FILE
+
+
+def cpu_identity() -> str:
+    """The CPU as the cache knows it: model name, family / model / stepping, a hash of its feature flags."""
+    info = _cpuinfo()
+    name = info.get("model name") or platform.processor() or platform.machine() or "unknown CPU"
+    detail = " ".join(f"{k.replace('cpu ', '')} {info[k]}" for k in ("cpu family", "model", "stepping") if k in info)
+    flags = " ".join(sorted((info.get("flags") or info.get("Features") or "").split()))
+    digest = hashlib.sha256(flags.encode()).hexdigest()[:12]
+    return f"{name}{f' ({detail})' if detail else ''}, flags {digest}"
+
+
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of ``/proc/cpuinfo`` (empty where there is none: macOS, Windows)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    fields: dict[str, str] = {}
+    for line in text.split("\n\n", 1)[0].splitlines():
+        name, _, value = line.partition(":")
+        fields.setdefault(name.strip(), value.strip())
+    return fields
+
+
+def rate_key(dtype: torch.dtype) -> str:
+    """The cache's key of one core's rate for ``dtype`` (see the module docstring)."""
+    return f"{cpu_identity()} | 1 thread | {dtype_name(dtype)} | torch {torch.__version__}"
+
+
+def cpu_gemm_rate(dtype: torch.dtype = torch.float32, threads: int | None = None) -> GemmRate:
+    """This CPU's GEMM rate for ``dtype`` on ``threads`` threads (default: torch's count): one core's rate
+    (:func:`core_gemm_rate`) times the physical cores those threads can occupy (:func:`cores_for`)."""
+    core = core_gemm_rate(dtype)
+    cores = cores_for(threads or torch.get_num_threads())
+    return GemmRate(core.flops * cores, f"{core.source} x {cores} core(s)")
+
+
+def cores_for(threads: int) -> int:
+    """The physical cores ``threads`` threads can run on: at most the cores of this process's CPUs (hyperthread
+    siblings share one core's vector units, so they add no peak)."""
+    info = _cpuinfo()
+    siblings, cores = info.get("siblings", ""), info.get("cpu cores", "")
+    per_core = int(siblings) // int(cores) if siblings.isdigit() and cores.isdigit() and int(cores) else 1
+    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(threads, available // max(1, per_core)))
+
+
+def core_gemm_rate(dtype: torch.dtype = torch.float32) -> GemmRate:
+    """One core's GEMM rate for ``dtype``: from this process, else the per-machine cache, else measured on one
+    thread (:func:`cpu_gemm_peak`) and cached. Never raises for the cache's sake.
+
+    One thread, not the run's: a multi-threaded GEMM is as slow as its most delayed thread, so beside other
+    processes every probe waits for a time slice (measured here: 2 threads on this busy 2-core machine read 0.1
+    GFLOP/s at n=128, idle 200), while one thread finds a free core. A GEMM large enough to be compute-bound
+    scales with the cores (here: 2 threads 200-207 GFLOP/s float32 = 2.0x one thread's 103; 442 bfloat16 = 2.0x
+    225); on CPUs whose all-core clock is below their one-core clock the product reads a little high (MFU low)."""
+    key = rate_key(dtype)
+    if key in _rates:
+        return _rates[key]
+    entry = _read_cache().get(key)
+    if _valid(entry):
+        rate = _cached_rate(key, entry, dtype)
+    else:
+        flops, today = cpu_gemm_peak(dtype, 1), datetime.date.today().isoformat()
+        _write_cache(key, {"flops": flops, "measured": today, "probes": PROBES})
+        rate = GemmRate(flops, f"measured {today}, best of {PROBES} probes on 1 thread")
+    _rates[key] = rate
+    return rate
+
+
+def _cached_rate(key: str, entry: dict[str, Any], dtype: torch.dtype) -> GemmRate:
+    """The cached rate, raised (and re-cached) when one quick probe now beats it by more than 5%: a first
+    measurement on a busy machine heals in later runs instead of lowering every MFU denominator for good."""
+    now = cpu_gemm_peak(dtype, 1, budget_s=TOP_UP_PROBE_S, probes=1)
+    if now > 1.05 * entry["flops"]:
+        entry = {"flops": now, "measured": datetime.date.today().isoformat(), "probes": entry["probes"] + 1}
+        _write_cache(key, entry)
+    return GemmRate(float(entry["flops"]), f"cached: measured {entry['measured']}, best of {entry['probes']} "
+                                           f"probes on 1 thread, {cache_path()}")
+
+
+def _valid(entry: Any) -> TypeGuard[dict[str, Any]]:
+    if not isinstance(entry, dict):
+        return False
+    flops = entry.get("flops")
+    return (isinstance(flops, (int, float)) and math.isfinite(flops) and flops > 0
+            and isinstance(entry.get("measured"), str) and isinstance(entry.get("probes"), int))
+
+
+def _read_cache() -> dict[str, Any]:
+    """The cache's entries ({} when it is missing, unreadable or not ours: then it is measured again)."""
+    try:
+        data = json.loads(cache_path().read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as error:
+        _say_cache_problem(f"not read ({error})")
+        return {}
+    entries = data.get("entries") if isinstance(data, dict) else None
+    return entries if isinstance(entries, dict) else {}
+
+
+def _write_cache(key: str, entry: dict[str, Any]) -> None:
+    """Add ``entry`` atomically (a temporary file renamed over the cache); on any error say so once and go on."""
+    path = cache_path()
+    try:
+        entries = _read_cache()
+        entries[key] = entry
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".peak_flops.", suffix=".tmp",
+                                         delete=False) as handle:
+            json.dump({"version": 1, "entries": entries}, handle, indent=1, sort_keys=True)
+        os.replace(handle.name, path)
+    except Exception as error:  # a cache is an optimisation: nothing about it may stop a run
+        _say_cache_problem(f"not written ({type(error).__name__}: {error})")
+
+
+def _say_cache_problem(what: str) -> None:
+    global _said_cache_problem
+    if not _said_cache_problem:
+        _said_cache_problem = True
+        logger.warning("peak FLOP/s cache %s %s: the CPU's GEMM rate is measured in this process instead "
+                       "(set $%s to a writable folder to keep it)", cache_path(), what, CACHE_ENV)
+
+
+# -- the peak and the half-precision check ---------------------------------------------------------------------
 
 
 def device_peak_flops(device: torch.device | str, dtype: torch.dtype, configured: float | None = None,
@@ -118,7 +336,7 @@ def device_peak_flops(device: torch.device | str, dtype: torch.dtype, configured
         return PeakFlops(float(configured), f"configured {key}", name)
     from_env = os.environ.get(PEAK_FLOPS_ENV)
     if from_env:
-        return PeakFlops(float(from_env), f"${PEAK_FLOPS_ENV}", name)
+        return PeakFlops(float(from_env), f"configured by ${PEAK_FLOPS_ENV}", name)
     device = torch.device(device)
     if device.type == "cuda" and torch.cuda.is_available():
         gpu = torch.cuda.get_device_name(device)
@@ -126,11 +344,24 @@ def device_peak_flops(device: torch.device | str, dtype: torch.dtype, configured
         peak = gpu_peak_flops(gpu, dtype, tf32)
         if peak is None:
             return PeakFlops(None, f"{gpu!r} not in hf_accum.peak_flops.GPU_PEAK_TFLOPS; set {key}", name)
-        return PeakFlops(peak, f"{gpu} dense {'tf32' if tf32 else name} data-sheet peak", name)
+        return PeakFlops(peak, f"{gpu} dense {'tf32' if tf32 else name} data-sheet peak (table)", name)
     if device.type == "cpu":
-        threads = torch.get_num_threads()
-        return PeakFlops(cpu_gemm_peak(dtype, threads), f"GEMM measured on {threads} thread(s)", name)
+        rate = cpu_gemm_rate(dtype)
+        return PeakFlops(rate.flops, f"GEMM {rate.source}", name)
     return PeakFlops(None, f"no peak known for device type {device.type!r}; set {key}", name)
+
+
+def half_precision_slowdown(device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """Why ``dtype`` (bfloat16 / float16) compute does not pay on ``device``: its GEMMs are slower than float32's
+    there (None: they are not, or the device is not a CPU). From the same cached probes as the CPU peak."""
+    if torch.device(device).type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    half, full = core_gemm_rate(dtype), core_gemm_rate(torch.float32)
+    if half.flops >= full.flops:
+        return None
+    return (f"{dtype_name(dtype)} GEMMs on this CPU run at {half.flops / full.flops:.2g}x float32 "
+            f"({half.flops / 1e9:,.1f} vs {full.flops / 1e9:,.1f} GFLOP/s per core; {half.source}): float32 "
+            f"compute would be ~{full.flops / half.flops:,.0f}x faster on the matmuls")
 
 
 def check_peak_flops(value: object, key: str) -> str | None:

@@ -10,9 +10,16 @@ one forward and one backward of the model need, counted analytically from its sh
   target tokens: the fused loss computes logits only where a target is (:mod:`hf_accum.fused_loss`), and the
   logits anywhere else do not serve training (a logits-path run does that extra work without it counting).
   With another unit (sequences, preference pairs) the head counts per real token;
-* attention's two products (scores ``Q K^T`` and ``P V``) per layer and per sequence of length ``L``: ``4 L^2 d``
-  forward and ``8 L^2 d`` backward (``d`` = query heads x head dim): the full square, as PaLM's MFU and
-  ``torch.utils.flop_counter`` count it (no discount for the causal mask; a sliding window is not applied);
+* attention's two products (scores ``Q K^T`` and ``P V``) per softmax-attention layer and per sequence of
+  length ``L``: ``2 L^2 (d_qk + d_v)`` forward and twice that backward (``d_qk`` / ``d_v`` = query heads x the
+  query-key / value head dim; ``12 L^2 d`` for the usual ``d_qk = d_v = d``): the full square, as PaLM's MFU and
+  ``torch.utils.flop_counter`` count it (no discount for the causal mask). Each layer is read from *its own*
+  config where the model has per-layer values (Gemma 4's ``per_layer_config``: its full-attention layers have
+  another head dim), and by its ``layer_types`` entry: linear attention / recurrent / convolution layers
+  (Qwen3.5's and Qwen3-Next's ``linear_attention``, LFM2's ``conv``) have no ``L^2`` term (their projections are
+  linear layers, counted above); a sliding-window or chunked layer of span ``w`` sees at most ``w`` keys per
+  query, counted as ``min(sum L^2, w x tokens)`` over the window's sequences (exact when every sequence is
+  shorter than ``w`` or every one is longer; otherwise an upper bound);
 * no recompute: activation checkpointing's second forward is hardware work, not model work (that would be HFU);
   norms, activations, softmax and the optimizer are not matmuls and are not counted.
 
@@ -31,17 +38,45 @@ device, and sums the squared sequence lengths in the same all-reduce
 
 MFU = achieved model FLOP/s / (the peak of one device for the compute dtype x the processes):
 :mod:`hf_accum.peak_flops` says where the peak comes from.
+
+**A meter never stops a run.** Every entry point the front-ends call (:func:`meter_run`, the count it installs at
+the update boundary, :meth:`UtilizationMeter.lap` / ``observe`` / ``take_interval``, :func:`summarize`,
+:func:`describe`) catches what goes wrong inside it: the run goes on, one warning (main process, once per run)
+says which number is missing and why, and the number is reported as missing (``None``, "MFU n/a"), never
+guessed. At the start :func:`meter_run` also says once when the run's half-precision compute is slower than
+float32 on this CPU (:func:`hf_accum.peak_flops.half_precision_slowdown`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from hf_accum.peak_flops import PeakFlops, device_peak_flops
+from hf_accum.peak_flops import PeakFlops, device_peak_flops, half_precision_slowdown
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AttentionLayer:
+    """One softmax-attention layer's two products, per sequence of length ``L``: scores ``Q K^T`` and ``P V``."""
+
+    score_width: int
+    """Query heads x query-key head dim."""
+    value_width: int
+    """Query heads x value head dim."""
+    window: int | None = None
+    """The most keys a query sees (sliding window, attention chunk); None: the whole sequence."""
+
+    def flops(self, tokens: float, squared_lengths: float) -> float:
+        """Forward + backward FLOPs over sequences of ``tokens`` tokens in all with ``squared_lengths`` = sum
+        of ``L^2``: ``6 (d_qk + d_v)`` per query-key pair (see the module docstring for the window's bound)."""
+        pairs = squared_lengths if self.window is None else min(squared_lengths, self.window * tokens)
+        return 6.0 * (self.score_width + self.value_width) * pairs
 
 
 @dataclass(frozen=True)
@@ -55,10 +90,8 @@ class ModelFlops:
     head: int
     """``in x out`` of the output head's linear layers (its LoRA adapter included)."""
     head_trainable: int
-    layers: int
-    """Attention layers (0: no attention term, e.g. a config without ``num_hidden_layers``)."""
-    attention_width: int
-    """Query heads x head dim."""
+    attention: tuple[AttentionLayer, ...] = ()
+    """The softmax-attention layers (none: a config without ``num_hidden_layers`` / ``num_attention_heads``)."""
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> ModelFlops:
@@ -75,15 +108,14 @@ class ModelFlops:
             sizes[part] += size
             if module.weight.requires_grad:
                 sizes[f"{part}_trainable"] += size
-        layers, width = _attention_shape(getattr(base, "config", None))
-        return cls(**sizes, layers=layers, attention_width=width)
+        return cls(**sizes, attention=attention_layers(getattr(base, "config", None)))
 
     def update_flops(self, tokens: float, head_rows: float, squared_lengths: float) -> float:
         """Model FLOPs of a window of ``tokens`` real tokens, ``head_rows`` positions through the output head and
         ``squared_lengths`` = sum over its sequences of length^2 (see the module docstring)."""
         body = (4 * self.body + 2 * self.body_trainable) * tokens
         head = (4 * self.head + 2 * self.head_trainable) * head_rows
-        attention = 12 * self.layers * self.attention_width * squared_lengths
+        attention = sum(layer.flops(tokens, squared_lengths) for layer in self.attention)
         return float(body + head + attention)
 
     def window_flops(self, head_on_targets: bool) -> Callable[[Any], float]:
@@ -124,15 +156,51 @@ def _matmul_size(module: torch.nn.Module) -> int | None:
     return None
 
 
-def _attention_shape(config: Any) -> tuple[int, int]:
-    """(layers, query heads x head dim) of a transformers config (its text part for multimodal ones)."""
+def attention_layers(config: Any) -> tuple[AttentionLayer, ...]:
+    """The softmax-attention layers of a transformers config (its text part for multimodal ones), each from its
+    own per-layer config where the model has them (see the module docstring)."""
     config = getattr(config, "text_config", None) or config
-    layers = getattr(config, "num_hidden_layers", None)
+    count = getattr(config, "num_hidden_layers", None)
+    if not isinstance(count, int) or count <= 0:
+        return ()
+    types = getattr(config, "layer_types", None)
+    per_layer = _per_layer_configs(config, count)
+    layers = (_attention_layer(per_layer[i], types[i] if types else None) for i in range(count))
+    return tuple(layer for layer in layers if layer is not None)
+
+
+def _per_layer_configs(config: Any, count: int) -> list[Any]:
+    """One config per layer: a heterogeneous config's resolved per-layer views (Gemma 4: the full-attention layers'
+    ``head_dim`` differs, and reading it from the global config raises), else the config itself ``count`` times."""
+    if getattr(config, "is_heterogeneous", False):
+        return list(config.per_layer_config)
+    return [config] * count
+
+
+def _attention_layer(config: Any, layer_type: str | None) -> AttentionLayer | None:
+    """One layer's attention products; None for a layer without softmax attention (by its ``layer_types`` entry)
+    or a config without attention heads."""
+    if layer_type is not None and ("attention" not in layer_type or "linear" in layer_type):
+        return None
     heads = getattr(config, "num_attention_heads", None)
-    if not layers or not heads:
-        return 0, 0
+    if not heads:
+        return None
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return int(layers), int(heads) * int(head_dim)
+    nope, rope = getattr(config, "qk_nope_head_dim", None), getattr(config, "qk_rope_head_dim", None)
+    query_key = nope + rope if nope and rope else head_dim  # MLA (DeepSeek-V3): head_dim is the rope part only
+    value = getattr(config, "v_head_dim", None) or head_dim
+    return AttentionLayer(int(heads) * int(query_key), int(heads) * int(value), _window(config, layer_type))
+
+
+def _window(config: Any, layer_type: str | None) -> int | None:
+    """The keys a query of this layer sees at most: its sliding window or attention chunk (None: all)."""
+    if layer_type == "chunked_attention":
+        span = getattr(config, "attention_chunk_size", None)
+    elif layer_type == "sliding_attention" or (layer_type is None and getattr(config, "use_sliding_window", True)):
+        span = getattr(config, "sliding_window", None)  # no layer_types (Mistral): the window is every layer's
+    else:
+        span = None
+    return int(span) if isinstance(span, int) and not isinstance(span, bool) and span > 0 else None
 
 
 def compute_dtype(model: torch.nn.Module, mixed_precision: str | None = None) -> torch.dtype:
@@ -151,22 +219,49 @@ def compute_dtype(model: torch.nn.Module, mixed_precision: str | None = None) ->
     return max(counts, key=lambda d: counts[d]) if counts else torch.get_default_dtype()
 
 
+# What MissingNumbers names as missing.
+TIMING = "update time, FLOP/s and MFU"
+FLOPS = "model FLOPs (and so FLOP/s and MFU)"
+MFU = "MFU"
+SUMMARY = "the run's utilization summary"
+
+
+class MissingNumbers:
+    """Says once per run (main process, a logger warning) which number the meter cannot give and why."""
+
+    def __init__(self) -> None:
+        self.said: dict[str, str] = {}
+
+    def say(self, number: str, why: object) -> None:
+        if number in self.said:
+            return
+        self.said[number] = reason = _reason(why)
+        if _main_process():
+            logger.warning("%s not reported: %s (training goes on without it)", number, reason)
+
+
+def _reason(why: object) -> str:
+    return f"{type(why).__name__}: {why}" if isinstance(why, BaseException) else str(why)
+
+
+def _main_process() -> bool:
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized()) or \
+        torch.distributed.get_rank() == 0
+
+
 class UtilizationMeter:
     """Times each update and fills its ``seconds``, ``flops_per_second`` and ``mfu`` (its ``flops`` come from the
-    boundary); :meth:`take_interval` gives a logging interval's numbers, :func:`summarize` the run's."""
+    boundary); :meth:`take_interval` gives a logging interval's numbers, :func:`summarize` the run's. Nothing it
+    does raises: what fails is said once (:class:`MissingNumbers`) and left out."""
 
-    def __init__(self, peak: PeakFlops, world_size: int, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, peak: PeakFlops, world_size: int, clock: Callable[[], float] = time.perf_counter,
+                 missing: MissingNumbers | None = None) -> None:
         self.peak = peak
         self.world_size = world_size
         self.clock = clock
+        self.missing = missing or MissingNumbers()
         self._last: float | None = None
         self._interval = [0.0, 0.0]  # flops, seconds since the last take_interval()
-
-    @classmethod
-    def for_run(cls, model: torch.nn.Module, device: Any, mixed_precision: str | None, world_size: int,
-                configured: float | None, key: str) -> UtilizationMeter:
-        """A run on ``world_size`` processes of ``device`` (the peak of one: :mod:`hf_accum.peak_flops`)."""
-        return cls(device_peak_flops(device, compute_dtype(model, mixed_precision), configured, key), world_size)
 
     @property
     def total_peak(self) -> float | None:
@@ -178,16 +273,29 @@ class UtilizationMeter:
 
     def start(self) -> None:
         """Training starts now (the first update's time runs from here)."""
-        self._last = self.clock()
+        try:
+            self._last = self.clock()
+        except Exception as error:
+            self.missing.say(TIMING, error)
 
     def observe(self, update: Any) -> None:
         """``update`` (an :class:`~hf_accum.records.UpdateLog`) just closed: its time, FLOP/s and MFU."""
-        for name, value in self.lap(update.flops).items():
-            setattr(update, name, value)
+        try:
+            for name, value in self.lap(update.flops).items():
+                setattr(update, name, value)
+        except Exception as error:
+            self.missing.say(TIMING, error)
 
     def lap(self, flops: float | None) -> dict[str, float | None]:
         """An update of ``flops`` model FLOPs closed now: ``{"seconds", "flops_per_second", "mfu"}`` since the
-        last lap (or :meth:`start`; empty before it)."""
+        last lap (or :meth:`start`; empty before it, and where timing fails)."""
+        try:
+            return self._lap(flops)
+        except Exception as error:
+            self.missing.say(TIMING, error)
+            return {}
+
+    def _lap(self, flops: float | None) -> dict[str, float | None]:
         now = self.clock()
         if self._last is None:
             self._last = now
@@ -205,19 +313,33 @@ class UtilizationMeter:
 
     def take_interval(self) -> dict[str, float]:
         """``{"flops_per_second", "mfu"}`` over the updates since the last call (for Trainer's log lines)."""
-        flops, seconds = self._interval
-        self._interval = [0.0, 0.0]
-        if not seconds:
+        try:
+            flops, seconds = self._interval
+            self._interval = [0.0, 0.0]
+            if not seconds:
+                return {}
+            values = {"flops_per_second": flops / seconds}
+            mfu = self.mfu(flops / seconds)
+            return values | ({"mfu": mfu} if mfu is not None else {})
+        except Exception as error:
+            self.missing.say(TIMING, error)
             return {}
-        values = {"flops_per_second": flops / seconds}
-        mfu = self.mfu(flops / seconds)
-        return values | ({"mfu": mfu} if mfu is not None else {})
 
 
 def summarize(updates: Iterable[Any], peak: PeakFlops, world_size: int) -> dict[str, Any]:
     """The run's utilization for ``metrics.json``: ``flops_per_update`` (the mean over its updates),
     ``flops_per_second`` (all FLOPs over the updates' time), ``mfu``, the peak and its source. ``updates``:
-    :class:`~hf_accum.records.UpdateLog` objects or their dicts (a resumed run's earlier ones included)."""
+    :class:`~hf_accum.records.UpdateLog` objects or their dicts (a resumed run's earlier ones included).
+    Where that fails: every number None, the source saying why (and a warning)."""
+    try:
+        return _summarize(updates, peak, world_size)
+    except Exception as error:
+        MissingNumbers().say(SUMMARY, error)
+        return {"flops_per_update": None, "flops_per_second": None, "mfu": None, "peak_flops": None,
+                "peak_flops_source": f"not summarized ({_reason(error)})", "compute_dtype": None}
+
+
+def _summarize(updates: Iterable[Any], peak: PeakFlops, world_size: int) -> dict[str, Any]:
     rows = [u if isinstance(u, Mapping) else vars(u) for u in updates]
     counted = [u for u in rows if u.get("flops") is not None]
     timed = [u for u in counted if u.get("seconds")]
@@ -237,18 +359,79 @@ def summarize(updates: Iterable[Any], peak: PeakFlops, world_size: int) -> dict[
 
 def describe(summary: Mapping[str, Any]) -> str:
     """The end line's words: ``model FLOPs 1.2e+11/update, 85.3 GFLOP/s, MFU 42.1% (peak ...)``."""
-    if summary.get("flops_per_update") is None:
-        return "model FLOPs not counted"
-    achieved = summary.get("flops_per_second")
-    rate = f", {achieved / 1e9:,.1f} GFLOP/s" if achieved is not None else ""
-    mfu = summary.get("mfu")
-    mfu_text = f"MFU {mfu:.1%}" if mfu is not None else "MFU n/a"
-    return f"model FLOPs {summary['flops_per_update']:.3g}/update{rate}, {mfu_text} ({summary['peak_flops_source']})"
+    try:
+        if summary.get("flops_per_update") is None:
+            return "model FLOPs not counted"
+        achieved = summary.get("flops_per_second")
+        rate = f", {achieved / 1e9:,.1f} GFLOP/s" if achieved is not None else ""
+        mfu = summary.get("mfu")
+        mfu_text = f"MFU {mfu:.1%}" if mfu is not None else "MFU n/a"
+        return (f"model FLOPs {summary['flops_per_update']:.3g}/update{rate}, {mfu_text} "
+                f"({summary['peak_flops_source']})")
+    except Exception as error:
+        return f"utilization not reported ({_reason(error)})"
 
 
 def meter_run(boundary: Any, model: torch.nn.Module, unit: str, *, device: Any, mixed_precision: str | None,
               world_size: int, configured: float | None, key: str) -> UtilizationMeter:
     """Count every update's model FLOPs at ``boundary`` (an :class:`~hf_accum.boundary.UpdateBoundary`) and
-    return the meter that times them. ``unit``: what the loss counts (``"target"``: the head runs per target)."""
-    boundary.model_flops = ModelFlops.of(model).window_flops(head_on_targets=unit == "target")
-    return UtilizationMeter.for_run(model, device, mixed_precision, world_size, configured, key)
+    return the meter that times them. ``unit``: what the loss counts (``"target"``: the head runs per target).
+    Never raises: a count or a peak that cannot be had is left out and said once (:class:`MissingNumbers`); a
+    half-precision compute slower than float32 on this CPU is said once too."""
+    missing = MissingNumbers()
+    boundary.model_flops = _flops_counter(model, unit, missing)
+    meter = UtilizationMeter(_peak(model, device, mixed_precision, configured, key, missing), world_size,
+                             missing=missing)
+    _say_if_half_precision_is_slow(model, device, mixed_precision)
+    return meter
+
+
+def _flops_counter(model: torch.nn.Module, unit: str, missing: MissingNumbers) -> Callable[[Any], float | None] | None:
+    """The boundary's ``totals -> FLOPs``, returning None (said once) where counting fails; None where the model's
+    FLOPs cannot be read at all."""
+    try:
+        count = ModelFlops.of(model).window_flops(head_on_targets=unit == "target")
+    except Exception as error:
+        missing.say(FLOPS, f"cannot count {type(_base_model(model)).__name__}'s: {_reason(error)}")
+        return None
+
+    def soft_count(totals: Any) -> float | None:
+        try:
+            return count(totals)
+        except Exception as error:
+            missing.say(FLOPS, error)
+            return None
+
+    return soft_count
+
+
+def _peak(model: torch.nn.Module, device: Any, mixed_precision: str | None, configured: float | None, key: str,
+          missing: MissingNumbers) -> PeakFlops:
+    """One device's peak (:mod:`hf_accum.peak_flops`); unknown (said once: no MFU) where it cannot be had."""
+    try:
+        peak = device_peak_flops(device, compute_dtype(model, mixed_precision), configured, key)
+    except Exception as error:
+        peak = PeakFlops(None, f"not found: {_reason(error)}; set {key}")
+    if peak.flops is None:
+        missing.say(MFU, peak.describe())
+    return peak
+
+
+def _say_if_half_precision_is_slow(model: torch.nn.Module, device: Any, mixed_precision: str | None) -> None:
+    """One line (main process) when the run computes in bf16 / fp16 on a CPU whose half-precision GEMMs are
+    slower than its float32 ones, with the measured ratio and what to set instead."""
+    try:
+        dtype = compute_dtype(model, mixed_precision)
+        slowdown = half_precision_slowdown(device, dtype)
+    except Exception as error:  # the check is advice: it may not stop the run either
+        logger.debug("half-precision speed not checked: %s", _reason(error))
+        return
+    if slowdown is not None and _main_process():
+        logger.warning("%s: %s", slowdown, _precision_advice(mixed_precision))
+
+
+def _precision_advice(mixed_precision: str | None) -> str:
+    if mixed_precision in ("bf16", "fp16"):
+        return (f"turn {mixed_precision} autocast off (recipe: training.{mixed_precision}=false; Trainer: "
+                f"TrainingArguments({mixed_precision}=False); loop: Accelerator(mixed_precision='no'))")
+    return "load the model in float32 (recipe: model.dtype=float32; from_pretrained(..., dtype=torch.float32))"
