@@ -41,7 +41,8 @@ logger = logging.getLogger("hf_accum.fused_loss")
 # with different units returns 1-d tensors (one sum and one count per term, hf_accum.accumulation); such a loss
 # (or one whose unit is not the target token, e.g. hf_accum.preference.DPOPairLoss) also declares
 # ``term_names`` and ``count_units(labels, inputs)`` (the same counts from the labels alone, for the front-ends
-# that count a window before backward) and may name ``non_model_keys`` (batch keys kept out of the forward).
+# that count a window before backward) and may name ``non_model_keys`` (batch keys kept out of the forward) and
+# ``run_forward(model, inputs, labels)`` (runs the model itself, e.g. with fused log-probs; its outputs go to the loss).
 LossSumFn = Callable[[Any, torch.Tensor, dict], "tuple[torch.Tensor, torch.Tensor]"]
 
 
@@ -176,7 +177,11 @@ class MicroBatchLoss:
             if fused is not None:
                 outputs, loss_sum = fused
                 return outputs, loss_sum, count if count is not None else count_targets(labels, self.kind)
-        outputs = model(**self.model_inputs(inputs))  # no labels: no model-side loss, no wasted (fp32) loss math
+        # No labels: no model-side loss, no wasted (fp32) loss math. A loss that runs the forward itself
+        # (``run_forward``: DPOPairLoss's fused log-probs, its head returning them) does so unless logits are asked.
+        own_forward = None if need_logits else getattr(self.loss_sum_fn, "run_forward", None)
+        model_inputs = self.model_inputs(inputs)
+        outputs = own_forward(model, model_inputs, labels) if own_forward is not None else model(**model_inputs)
         loss_sum, n_targets = self.loss_sum_fn(outputs, labels, inputs)
         if stats is not None and loss_kind_spec(self.kind).per_token:
             stats.add_(logits_token_stats(outputs.logits, labels, self.kind))
