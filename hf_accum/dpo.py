@@ -20,9 +20,11 @@ What the composition has to repair:
 
 * the batches: TRL's collator marks completions with ``completion_mask``; :class:`PairLabels` turns it into
   ``labels`` (-100 outside the completions), the convention every front-end counts from;
-* the log-probs: TRL's fused LM head accumulates in float32 whatever the model's dtype; here they are computed
-  from the logits in the model's own dtype (:func:`hf_accum.preference.completion_logps`), for the policy, the
-  live reference and the precomputed reference alike (float64 models are exact to rounding);
+* the log-probs: TRL's fused LM head accumulates in float32 whatever the model's dtype; here they come from our
+  fused log-probs (:mod:`hf_accum.fused_logprobs`: chunked, no ``[tokens, vocab]`` logits, sums in at least
+  float32 and float64 for a float64 model), for the policy, the live reference and the precomputed reference
+  alike; ``fused_loss=False`` (or a head that cannot be fused) takes the logits in the model's own dtype
+  (:func:`hf_accum.preference.completion_logps`). Both are exact to rounding on float64 models;
 * the metrics: ``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins``,
   ``logps/chosen``, ``logps/rejected`` are sums over pairs on each rank, all-reduced once per update and
   logged as pair-weighted means over the logged updates (exact over the update like the loss); ``num_tokens``
@@ -49,8 +51,16 @@ from hf_accum.compat import (
     trl_without_gradient_checkpointing,
 )
 from hf_accum.errors import InputError
+from hf_accum.fused_logprobs import FusedLogProbs
 from hf_accum.micro_batch import MicroBatchLoss
-from hf_accum.preference import IGNORE_INDEX, REFERENCE_KEYS, SUPPORTED_LOSS_TYPES, DPOPairLoss, completion_logps
+from hf_accum.preference import (
+    IGNORE_INDEX,
+    REFERENCE_KEYS,
+    SUPPORTED_LOSS_TYPES,
+    DPOPairLoss,
+    completion_logps,
+    fused_completion_logps,
+)
 from hf_accum.trainer import AccumTrainer
 
 try:
@@ -127,6 +137,8 @@ class AccumDPOTrainer(AccumTrainer, DPOTrainer):  # type: ignore[misc]  # TRL ty
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         check_dpo_args(kwargs.get("args", args[2] if len(args) > 2 else None))
+        # The reference's log-probs, fused as the policy's (TRL's precompute pass runs inside its constructor).
+        self._reference_logps = FusedLogProbs() if kwargs.get("fused_loss", True) else None
         super().__init__(*args, **kwargs)
         self.data_collator = PairLabels(self.data_collator)
         device = self.args.device
@@ -134,11 +146,13 @@ class AccumDPOTrainer(AccumTrainer, DPOTrainer):  # type: ignore[misc]  # TRL ty
                               for mode in ("train", "eval")}
 
     def _build_micro_batch_loss(self, loss_kind: Any, fused_loss: bool, normalization: str = "token") -> MicroBatchLoss:
-        """Called by AccumTrainer's constructor: the pair loss of TRL's settings, on the logits path (full
-        precision; TRL's fused head would compute the log-probs in float32)."""
+        """Called by AccumTrainer's constructor: the pair loss of TRL's settings, its log-probs fused unless
+        ``fused_loss=False`` (:class:`~hf_accum.preference.DPOPairLoss` runs the forward; the cross-entropy's own
+        fused path is off: the loss is not a token cross-entropy)."""
         if normalization != "token":
             raise InputError(f"AccumDPOTrainer(normalization={normalization!r}): a DPO loss is normalized per pair")
-        self.dpo_loss = DPOPairLoss(self.beta, self.loss_types, self.label_smoothing, loss_weights=self.loss_weights)
+        self.dpo_loss = DPOPairLoss(self.beta, self.loss_types, self.label_smoothing, loss_weights=self.loss_weights,
+                                    fused=fused_loss)
         return MicroBatchLoss("causal_lm", loss_sum_fn=self.dpo_loss, fused=False)
 
     # -- the reference log-probs (live or precomputed), in the model's dtype -----------------------------
@@ -149,10 +163,12 @@ class AccumDPOTrainer(AccumTrainer, DPOTrainer):  # type: ignore[misc]  # TRL ty
         if labels is None:
             labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, IGNORE_INDEX)
         model_inputs = {key: value for key, value in inputs.items() if key not in _NOT_MODEL_INPUTS}
+        model_inputs["use_cache"] = False
+        fused = self._reference_logps
         with torch.no_grad(), trl_without_gradient_checkpointing(self), trl_reference_context(self), \
                 self.accelerator.autocast():
-            logits = model(**model_inputs, use_cache=False).logits
-        logps, _ = completion_logps(logits, labels)
+            result = fused_completion_logps(fused, model, model_inputs, labels) if fused is not None else None
+            logps = result[1] if result is not None else completion_logps(model(**model_inputs).logits, labels)[0]
         return logps.chunk(2, dim=0)
 
     def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:

@@ -4,7 +4,8 @@ This module owns the math of one micro-batch of preference pairs, free of any tr
 
 * :func:`completion_logps` -- each row's summed log-probability of its completion (labels != -100 after the
   causal shift), in the logits' own dtype (float64 stays float64: the exactness tests need it; TRL's fused head
-  accumulates in float32);
+  accumulates in float32); :func:`fused_completion_logps` the same without the logits
+  (:mod:`hf_accum.fused_logprobs`, in :func:`hf_accum.loss.compute_dtype`: float64 stays float64);
 * :func:`pair_losses` -- TRL 1.16's per-pair formulas (``trl/trainer/dpo_trainer.py``, ``_compute_loss``) for
   the loss types whose value depends on one pair only: ``sigmoid``, ``hinge``, ``ipo``, ``robust``;
 * :class:`DPOPairLoss` -- a ``loss_sum_fn`` for :func:`hf_accum.train` and the loss of
@@ -26,6 +27,9 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from hf_accum.fused_logprobs import FusedLogProbs
 
 IGNORE_INDEX = -100
 
@@ -50,6 +54,17 @@ def completion_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.
     token_logps = log_probs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     token_logps = token_logps.masked_fill(~is_target, 0.0)
     return token_logps.sum(-1), is_target.sum(-1)
+
+
+def fused_completion_logps(fused: FusedLogProbs, model: nn.Module, inputs: dict[str, Any],
+                           labels: torch.Tensor) -> tuple[Any, torch.Tensor, torch.Tensor] | None:
+    """``(outputs, logp_sum[rows], n_targets[rows])`` as :func:`completion_logps` gives them, from one forward whose
+    head returns the log-probs (no ``[tokens, vocab]`` logits; ``outputs.logits`` is a marker); ``None`` when the
+    model's head cannot be fused."""
+    result = fused.causal_logps(model, inputs, labels)
+    if result is None:
+        return None
+    return result.outputs, result.logps.sum(-1), labels[:, 1:].ne(IGNORE_INDEX).sum(-1).to(result.logps.device)
 
 
 def pair_losses(
@@ -131,12 +146,17 @@ class DPOPairLoss:
     ``loss_weights``. :meth:`count_units` counts the same units from the labels alone (the front-ends that
     count a window before backward use it), :attr:`term_names` names them, :attr:`last_stats` holds the last
     micro-batch's detached sums for TRL's metrics (rewards, margins, accuracies, log-probs).
+
+    ``fused`` (default): while training, :meth:`run_forward` runs the model with its head returning the log-probs
+    (:mod:`hf_accum.fused_logprobs`: no ``[tokens, vocab]`` logits, exact to rounding in the loss dtype); a model
+    whose head cannot be fused, evaluation, and ``fused=False`` take the logits path.
     """
 
     non_model_keys = REFERENCE_KEYS
 
     def __init__(self, beta: float = 0.1, loss_type: str | Sequence[str] = "sigmoid", label_smoothing: float = 0.0,
-                 sft_weight: float = 0.0, loss_weights: Sequence[float] | None = None) -> None:
+                 sft_weight: float = 0.0, loss_weights: Sequence[float] | None = None, fused: bool = True,
+                 chunk_bytes: int | None = None) -> None:
         self.pair_weights, self.sft_weight = loss_terms(loss_type, loss_weights, sft_weight)
         if not self.pair_weights:
             raise ValueError(f"DPOPairLoss(loss_type={loss_type!r}) needs at least one pair loss type "
@@ -147,6 +167,8 @@ class DPOPairLoss:
         self.beta = float(beta)
         self.label_smoothing = float(label_smoothing)
         self.last_stats: dict[str, torch.Tensor] | None = None
+        self.fused = FusedLogProbs(chunk_bytes) if fused else None
+        self._fused_logps: tuple[Any, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def term_names(self) -> tuple[str, ...]:
@@ -161,10 +183,22 @@ class DPOPairLoss:
         chosen_targets = labels[:pairs, 1:].ne(IGNORE_INDEX).sum().to(torch.float64)
         return torch.stack([torch.tensor(float(pairs), dtype=torch.float64, device=labels.device), chosen_targets])
 
+    def run_forward(self, model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor) -> Any:
+        """The micro-batch's forward (:class:`~hf_accum.micro_batch.MicroBatchLoss` calls it): fused log-probs while
+        training (kept for :meth:`__call__`), else the model's own forward (logits)."""
+        self._fused_logps = None
+        if self.fused is not None and model.training and torch.is_grad_enabled():
+            self._fused_logps = fused_completion_logps(self.fused, model, inputs, labels)
+        return self._fused_logps[0] if self._fused_logps is not None else model(**inputs)
+
     def __call__(self, outputs: Any, labels: torch.Tensor,
                  inputs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         pairs = _pair_count(labels)
-        logp_sum, n_targets = completion_logps(outputs.logits, labels)
+        fused, self._fused_logps = self._fused_logps, None
+        if fused is not None and fused[0] is outputs:
+            logp_sum, n_targets = fused[1], fused[2]
+        else:
+            logp_sum, n_targets = completion_logps(outputs.logits, labels)
         return self.from_logps(logp_sum, n_targets, inputs["ref_chosen_logps"], inputs["ref_rejected_logps"], pairs)
 
     def from_logps(self, logp_sum: torch.Tensor, n_targets: torch.Tensor, ref_chosen: torch.Tensor,

@@ -252,9 +252,11 @@ def run_dpo_trainer(trainer_cls: Any, rows: Any, tokenizer: Any, out_dir: str, *
                     accumulation: int = 3, loss_type: tuple[str, ...] | list[str] = ("sigmoid",),
                     loss_weights: list[float] | None = None, beta: float = 0.5, label_smoothing: float = 0.0,
                     precompute: bool = False, peft: str | bool = False, even_batches: bool = True,
-                    logging_steps: int = 1) -> dict:
+                    logging_steps: int = 1, trainer_kwargs: dict | None = None) -> dict:
     """Train ``rows`` once with ``trainer_cls`` (``AccumDPOTrainer`` or TRL's ``DPOTrainer``) under a
-    :class:`PairAudit`; return the errors of every update against the reference, the logs, the trainer."""
+    :class:`PairAudit`; return the errors of every update against the reference, the logs, the trainer.
+    ``trainer_kwargs``: more constructor arguments (e.g. AccumDPOTrainer's ``fused_loss=False``)."""
+    extra = dict(trainer_kwargs or {})
     import copy
 
     from trl import DPOConfig
@@ -281,7 +283,7 @@ def run_dpo_trainer(trainer_cls: Any, rows: Any, tokenizer: Any, out_dir: str, *
 
         args.optim = "sgd"
         trainer = trainer_cls(model, args=args, train_dataset=rows, processing_class=tokenizer,
-                              peft_config=lora_config(existing=False), callbacks=[Attach()])
+                              peft_config=lora_config(existing=False), callbacks=[Attach()], **extra)
         from peft import get_peft_model
 
         # Not a copy of trainer.model: TRL's patched forward would still run the original module.
@@ -289,7 +291,7 @@ def run_dpo_trainer(trainer_cls: Any, rows: Any, tokenizer: Any, out_dir: str, *
     else:
         optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
         trainer = trainer_cls(model, ref_model=ref_model, args=args, train_dataset=rows, processing_class=tokenizer,
-                              optimizers=(optimizer, None))
+                              optimizers=(optimizer, None), **extra)
         audit.attach(trainer.model, optimizer)
         holder = copy.deepcopy(initial)
     trainer.data_collator = audit.wrap(trainer.data_collator)

@@ -41,6 +41,9 @@ CASES = {
     "peft_adapter_disabled_reference": dict(loss_type=("sigmoid", "sft"), loss_weights=[1.0, 0.25], peft="new"),
     # A model with its adapter already: TRL's reference is a frozen copy of that adapter ("ref").
     "peft_existing_adapter_reference": dict(loss_type=("sigmoid",), peft="existing"),
+    # The log-probs from the full logits (the fused log-probs are the default).
+    "sigmoid_sft_logits_path": dict(loss_type=("sigmoid", "sft"), loss_weights=[1.0, 0.5],
+                                    trainer_kwargs={"fused_loss": False}),
 }
 
 
@@ -72,6 +75,11 @@ def test_accum_dpo_trainer_is_exact(runs, name):
     run = runs(name)
     assert run["pairs"] == [6, 6, 1]  # uneven micro-batches, a short last window
     assert max(run["errors"]) < EXACT, run["errors"]
+    fused, reference = run["trainer"].dpo_loss.fused, run["trainer"]._reference_logps
+    if "fused_loss" in CASES[name].get("trainer_kwargs", {}):
+        assert fused is None and reference is None
+    else:  # the policy's 7 micro-batches, and the reference's log-probs (live, or TRL's precompute pass), fused
+        assert fused.forwards == 7 and reference.forwards >= 7
     # The logged update size is the update's pairs (all of them, not a micro-batch's).
     assert [log["pairs_per_update"] for log in run["logs"]] == run["pairs"]
 
@@ -144,6 +152,7 @@ LOOP_CASES = {
 @pytest.mark.parametrize("name", list(LOOP_CASES))
 def test_loop_with_dpo_pair_loss_is_exact(name):
     run = run_dpo_loop(pair_features(13, seed=3), LOOP_CASES[name])
+    assert LOOP_CASES[name].fused.forwards == 7  # the fused log-probs, every micro-batch
     assert run["pairs"] == [6, 6, 1]
     assert max(run["errors"]) < EXACT, run["errors"]
     assert [update.targets for update in run["result"].updates] == run["pairs"]
