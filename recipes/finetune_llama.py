@@ -15,6 +15,7 @@ helpers it calls stay in the recipe kit, hf_accum.recipe (config, data, modeling
 """
 
 import contextlib
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -47,9 +48,11 @@ from hf_accum.recipe.launch import (  # noqa: E402
 from hf_accum.recipe.modeling import build_model, trainable_summary  # noqa: E402
 from hf_accum.recipe.preference import Objective, dpo_objective  # noqa: E402
 from hf_accum.recipe.outputs import (  # noqa: E402
-    RunRecord, barrier, check_output_dir, claim_output_dir, describe_trainable, disk_full_is_one_line, percent,
-    probe_writable, quiet_third_party_warnings, run_cli, save_outputs, say,
+    EVAL_BEFORE_NAME, RunRecord, barrier, check_output_dir, claim_output_dir, describe_trainable,
+    disk_full_is_one_line, percent, probe_writable, quiet_third_party_warnings, run_cli, save_eval_before,
+    save_outputs, saved_eval_before, say,
 )
+from hf_accum.recipe.progress import launcher_defaults_note, phase_bar  # noqa: E402
 from hf_accum.recipe.resume import check_resume_fits, resume_checkpoint  # noqa: E402
 from hf_accum.peak_memory import describe as describe_peak_memory, largest_over_ranks, peak_memory  # noqa: E402
 from hf_accum.run_lock import run_lock  # noqa: E402
@@ -148,8 +151,9 @@ ENGINES = {
 }
 
 
-def evaluate(model, tokenizer, data, config, args):
-    """Held-out exact match of the greedy answer, returned on the main process (None elsewhere).
+def evaluate(model, tokenizer, data, config, args, when=""):
+    """Held-out exact match of the greedy answer, returned on the main process (None elsewhere), with a progress
+    bar of the rows (``when``: "before training" / "after training").
 
     A whole model is scored by the main process alone. A ZeRO-3-partitioned one gathers its
     parameters in every forward, so every rank generates the same answers in step (synced_gpus);
@@ -160,10 +164,11 @@ def evaluate(model, tokenizer, data, config, args):
     hooked = is_fsdp_sharded(model) or hasattr(model, "ds_id")  # DeepSpeed numbers the modules it hooks
     if not data.eval_rows or (partitioned and not hooked) or (not partitioned and args.process_index != 0):
         return None
-    with fsdp_unsharded_root(model) if is_fsdp_sharded(model) else contextlib.nullcontext():
+    with (fsdp_unsharded_root(model) if is_fsdp_sharded(model) else contextlib.nullcontext(),
+          phase_bar(len(data.eval_rows), f"held-out exact match {when}".strip()) as advance):
         score = exact_match(
             model, tokenizer, data.eval_rows, config.data.eval_max_new_tokens,
-            batch_size=args.per_device_eval_batch_size, synced_gpus=partitioned,
+            batch_size=args.per_device_eval_batch_size, on_rows=advance, synced_gpus=partitioned,
         )
     return score if args.process_index == 0 else None
 
@@ -215,6 +220,10 @@ def run(config):
                                      **fsdp_training_arguments(config.training, launch))
     start_process_group(args, launch)  # before any model load (a quantized one, ZeRO-3's zero.Init)
     say(f"engine {config.engine}: {launch_line(args, launch)}")
+    precision = ("bf16 mixed precision, training.bf16" if args.bf16 else "fp16 mixed precision, training.fp16"
+                 if args.fp16 else f"no mixed precision, weights in {config.model.dtype}")
+    if note := launcher_defaults_note(precision):
+        say(note)  # after accelerate launch's own warning that it used defaults (it prints before this process)
     resume = resume_checkpoint(given, out, state)  # None: a fresh start; rank 0 verifies, every rank decides alike
     check_resume_fits(resume, args, deepspeed=launch.backend == "deepspeed")  # batch arithmetic, engine files
     objective = OBJECTIVES[config.objective]
@@ -225,33 +234,36 @@ def run(config):
     # 2. Tokenizer and data: the format detected from the columns, chat template applied, labels -100
     #    outside the answers, a held-out split (given, or carved off), every bad row refused.
     set_seed(args.seed)
+    say(f"reading {config.data.dataset} with the tokenizer of {config.model.name_or_path} ...")
     tokenizer, data = objective.load_data(config.model, config.data)  # DPO: prompt/chosen/rejected pairs
     for line in data.report:
         say(line)
     collator = objective.collator(config, tokenizer)  # DPO: chosen rows, then rejected rows
 
     # 3. Model: LoRA targets checked on a weightless skeleton, then weights, LoRA/QLoRA, checkpointing.
+    say(f"loading model {config.model.name_or_path} ...")
     model = build_model(config, tokenizer, seed=args.seed, model_checkpointing=launch.backend != "fsdp")
     record.facts["trainable"] = trainable_summary(model)
     say(describe_trainable(record.facts["trainable"]))
 
-    # 4. Held-out metric, training with exact accumulation, the metric again.
-    before = objective.evaluate(model, tokenizer, data, config, args)
-    why = " (ZeRO-3 partitioned the model as it loaded: scored after training)" if (
-        before is None and data.eval_rows and is_partitioned(model)) else ""
-    say(f"held-out {objective.metric} before training: {objective.score(before)}{why}")
+    # 4. Held-out metric (before training: once per output directory), training with exact accumulation, again.
+    before = score_before_training(objective, model, tokenizer, data, config, args, resuming=state == "resume")
     claim_output_dir(config)  # from here on, the directory is this run's (a re-run may resume it)
+    if config.data.eval_before:
+        save_eval_before(config, before)  # a resumed run reads it back instead of scoring the base model again
+    record.resumed_at = checkpoint_step(resume)  # the updates before it were trained by an earlier process
     train_start = time.time()
     model, plan = train_engine(model, tokenizer, data, collator, args, record, resume, launch)
     train_seconds = time.time() - train_start
-    after = objective.evaluate(model, tokenizer, data, config, args)
+    after = objective.evaluate(model, tokenizer, data, config, args, "after training")
 
     # 5. Outputs: adapter (or model) + tokenizer, loss/LR plot, metrics.json (written last: finished).
     peak = largest_over_ranks(peak_memory(args.device))  # every rank: a collective
     record.add_result(plan, eval_before=before, eval_after=after, train_seconds=train_seconds, data=data_facts(data),
                       peak_memory=peak)
     out = save_outputs(record, model, tokenizer)
-    say(f"{len(record.updates)} updates in {train_seconds:.0f}s; wall time {record.wall_seconds:.0f}s "
+    unit = "pairs" if config.objective == "dpo" else "tokens"  # what each update's targets count
+    say(f"{record.trained_line(train_seconds, unit)}; wall time {record.wall_seconds:.0f} s "
         f"(from process start); {describe_peak_memory(peak)}")
     say(record.utilization_line())  # model FLOPs per update, achieved FLOP/s, MFU against the device's peak
     say(f"held-out {objective.metric}: before {objective.score(before)} -> after {objective.score(after)}  "
@@ -260,6 +272,30 @@ def run(config):
         say(record.noise_scale_advice)  # accumulation.noise_scale: the measured critical batch vs this run's
     leave_process_group()
     return record.metrics()
+
+
+def score_before_training(objective, model, tokenizer, data, config, args, resuming):
+    """The held-out metric before training, printed: scored once per output directory (a resumed run reads back
+    what its first start scored), or skipped (data.eval_before=false)."""
+    name = f"held-out {objective.metric} before training"
+    if not config.data.eval_before:
+        say(f"{name}: skipped (data.eval_before=false)")
+        return None
+    found, before = saved_eval_before(config) if resuming else (False, None)
+    if found:
+        say(f"{name}: {objective.score(before)} (scored at this run's first start, kept in {EVAL_BEFORE_NAME})")
+        return before
+    before = objective.evaluate(model, tokenizer, data, config, args, "before training")
+    why = " (ZeRO-3 partitioned the model as it loaded: scored after training)" if (
+        before is None and data.eval_rows and is_partitioned(model)) else ""
+    say(f"{name}: {objective.score(before)}{why}")
+    return before
+
+
+def checkpoint_step(checkpoint):
+    """The update a checkpoint directory (``checkpoint-N``) was written after; 0 for None (a fresh start)."""
+    name = os.path.basename(os.path.normpath(checkpoint)) if checkpoint else ""
+    return int(name.rsplit("-", 1)[1]) if name.startswith("checkpoint-") and name.rsplit("-", 1)[1].isdigit() else 0
 
 
 def announce_config(config, honoured):

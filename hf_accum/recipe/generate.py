@@ -7,6 +7,8 @@ the embedded ``hf_accum:tiny-llama`` is rebuilt in-process from the same seed, s
 no ``base_model_name_or_path`` on disk) fits it exactly -- the adapter goes on top, and the prompt is
 rendered as a one-turn user conversation through the chat template and decoded greedily, up to the end of
 the assistant's turn (the held-out metric's stop tokens: :func:`hf_accum.recipe.data.stop_token_ids`).
+Prompted the way the run trained: the chat template is the one saved with the run's tokenizer, and the run's
+``data.system_prompt`` comes first unless ``--system`` overrides it (``--system ''``: none).
 """
 
 from __future__ import annotations
@@ -69,14 +71,26 @@ def load_trained(run_dir: str) -> tuple[Any, Any, RecipeConfig]:
     return PeftModel.from_pretrained(base, weights).eval(), tokenizer, config
 
 
+def trained_system_prompt(config: RecipeConfig, given: str | None = None) -> str | None:
+    """The system message to prompt with: ``given`` (``--system``; ``""``: none) when given, else the run's own
+    ``data.system_prompt`` -- the data loader put it before every training row that had none, so prompting without
+    it asks the model something it was not trained on."""
+    return config.data.system_prompt if given is None else given
+
+
+def messages_of(prompt: str, system: str | None = None) -> list[dict[str, str]]:
+    """A one-turn user conversation, with ``system`` first when it is a non-empty text."""
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+
+
 def complete(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int, system: str | None = None) -> str:
-    """The greedy completion of ``prompt`` as a one-turn user conversation (through the chat template)."""
+    """The greedy completion of ``prompt`` as a one-turn user conversation (through the chat template), after the
+    system message ``system`` (None or ``""``: none; a run's own: :func:`trained_system_prompt`)."""
     import torch
 
     from hf_accum.recipe.data.encoding import cut_at_stop, prompt_ids, stop_token_ids
 
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    ids = torch.tensor([prompt_ids(tokenizer, messages)])
+    ids = torch.tensor([prompt_ids(tokenizer, messages_of(prompt, system))])
     stops = stop_token_ids(tokenizer, model)
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,

@@ -32,6 +32,7 @@ from hf_accum.checkpoint import OutputDirNotWritable, check_output_dir_writable,
 from hf_accum.distributed import is_main_process
 from hf_accum.errors import EXIT_BAD_INPUT, EXIT_DISK_FULL, EXIT_INTERRUPTED, EXIT_NONFINITE, InputError
 from hf_accum.recipe import config as config_module
+from hf_accum.recipe.progress import phase_bar, quiet_third_party_warnings  # noqa: F401 -- one import path
 from hf_accum.run_lock import LOCK_NAME
 
 METRICS_NAME = "metrics.json"
@@ -138,6 +139,44 @@ def claim_output_dir(config: config_module.RecipeConfig) -> None:
         write_text_atomically(os.path.join(out, config_module.RESOLVED_CONFIG_NAME), config.to_yaml())
 
 
+# The held-out metric before training, scored once per output directory: a resumed run reads it back.
+EVAL_BEFORE_NAME = "eval_before.json"
+
+
+def saved_eval_before(config: config_module.RecipeConfig) -> tuple[bool, Any]:
+    """``(found, result)``: the before-training metric this run's directory holds from an earlier start of the same
+    run (its saved config equal to this one, where the directory is left aside), read by the main process and
+    handed to every rank (they decide alike whether to score: a partitioned model scores on all ranks in step)."""
+    found, result = False, None
+    if is_main_process():
+        path = os.path.join(config.training["output_dir"], EVAL_BEFORE_NAME)
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            with open(path) as handle:
+                saved = json.load(handle)
+            same_run = not [line for line in config_module.differences(saved["config"], config.to_dict())
+                            if not line.startswith("training.output_dir:")]
+            found, result = same_run, saved["result"] if same_run else None
+    return _from_main_process((found, result))
+
+
+def save_eval_before(config: config_module.RecipeConfig, result: Any) -> None:
+    """Keep the before-training metric (None: not scored) with the config it was scored for (main process)."""
+    if is_main_process():
+        path = os.path.join(config.training["output_dir"], EVAL_BEFORE_NAME)
+        write_text_atomically(path, json.dumps({"config": config.to_dict(), "result": result}, default=str))
+
+
+def _from_main_process(value: Any) -> Any:
+    """``value`` as the main process has it, on every rank (a broadcast when there is a process group)."""
+    import torch
+
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return value
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 # ----------------------------------------------------------------------------------------------
 # During and after the run
 # ----------------------------------------------------------------------------------------------
@@ -156,6 +195,9 @@ class RunRecord:
     utilization: dict[str, Any] | None = None
     """Either engine's :func:`hf_accum.utilization.summarize`: ``flops_per_update``, ``flops_per_second``,
     ``mfu``, the peak and its source (top-level keys of metrics.json; each update's own are in ``updates``)."""
+    resumed_at: int = 0
+    """The update the run resumed after (its checkpoint's number); 0 for a fresh start. The updates up to it were
+    trained by an earlier process: ``updates`` holds them too, the end line and ``trained_*`` do not."""
 
     def keep_update(self, update: Any) -> None:  # an hf_accum.UpdateLog
         """``on_update``: keep every update for ``metrics.json`` and the plot."""
@@ -185,15 +227,40 @@ class RunRecord:
 
     def metrics(self) -> dict[str, Any]:
         advice = {"noise_scale_advice": self.noise_scale_advice} if self.noise_scale_advice else {}
-        return {"engine": self.config.engine, **self.facts, **advice, **(self.utilization or {}),
+        here = self.trained_here()
+        trained = {"resumed_after_update": self.resumed_at, "trained_updates": len(here),
+                   "trained_targets": sum(int(u.get("targets", 0)) for u in here), "total_updates": len(self.updates)}
+        return {"engine": self.config.engine, **self.facts, **trained, **advice, **(self.utilization or {}),
                 "wall_seconds": self.wall_seconds, "updates": self.updates}
+
+    def trained_here(self) -> list[dict[str, Any]]:
+        """The updates this process trained (a resumed run's ``updates`` include the ones before its checkpoint)."""
+        return [update for update in self.updates if int(update.get("step", 0)) > self.resumed_at]
+
+    def trained_line(self, seconds: float, unit: str = "tokens") -> str:
+        """``trained 1 update (8 in all), 36 tokens (290 in all) in 52 s``: what this process trained, and for a
+        resumed run the run's totals beside it. ``unit``: what ``targets`` counts (tokens; DPO: pairs)."""
+        here = self.trained_here()
+        count, targets = len(here), sum(int(u.get("targets", 0)) for u in here)
+        updates = f"{count} update{'' if count == 1 else 's'}"
+        amount = f"{targets:,} {unit}"
+        if self.resumed_at:
+            updates += f" ({len(self.updates)} in all)"
+            amount += f" ({sum(int(u.get('targets', 0)) for u in self.updates):,} in all)"
+        return f"trained {updates}, {amount} in {seconds:.0f} s"
 
     def utilization_line(self) -> str:
         """The end line's utilization: model FLOPs per update, achieved FLOP/s, MFU and the peak it is measured
-        against (:func:`hf_accum.utilization.describe`)."""
+        against (:func:`hf_accum.utilization.describe`); no MFU when there is no peak to measure it against."""
         from hf_accum.utilization import describe
 
-        return describe(self.utilization or {})
+        summary = self.utilization or {}
+        if summary.get("flops_per_update") is not None and not summary.get("peak_flops"):
+            achieved = summary.get("flops_per_second")
+            rate = f", {achieved / 1e9:,.1f} GFLOP/s" if achieved is not None else ""
+            return (f"model FLOPs {summary['flops_per_update']:.3g}/update{rate} (no MFU: no peak FLOP/s known for "
+                    "this device; set accumulation.peak_flops to get one)")
+        return describe(summary)
 
 
 def save_outputs(record: RunRecord, model: Any, tokenizer: Any) -> str:
@@ -205,23 +272,30 @@ def save_outputs(record: RunRecord, model: Any, tokenizer: Any) -> str:
     main = is_main_process()
     target = os.path.join(out, ADAPTER_DIR if config.lora is not None else MODEL_DIR)
     temporary = f"{target}.tmp"
-    # Every rank: under ZeRO-3 the sharded parameters are gathered (a collective); the main process writes.
-    try:
-        save_pretrained(model, temporary, main)
-        if main:
-            tokenizer.save_pretrained(temporary)
-    except BaseException:  # a full disk: the unfinished copy goes, the checkpoints stay
-        if main:
-            shutil.rmtree(temporary, ignore_errors=True)
-        raise
-    if not main:
-        return out
-    if os.path.isdir(target):
-        shutil.rmtree(target)
-    os.replace(temporary, target)  # the finished weights appear whole, or not at all
-    if record.updates and not plot_curves(record.updates, os.path.join(out, PLOT_NAME), title=run_title(config)):
+    # weights, tokenizer, plot, metrics.json: a bar of 4 steps (a full model's weights take a while)
+    with phase_bar(4, f"writing {os.path.basename(target)}/, plot and {METRICS_NAME}", unit="file") as advance:
+        # Every rank: under ZeRO-3 the sharded parameters are gathered (a collective); the main process writes.
+        try:
+            save_pretrained(model, temporary, main)
+            advance(1)
+            if main:
+                tokenizer.save_pretrained(temporary)
+            advance(1)
+        except BaseException:  # a full disk: the unfinished copy goes, the checkpoints stay
+            if main:
+                shutil.rmtree(temporary, ignore_errors=True)
+            raise
+        if not main:
+            return out
+        if os.path.isdir(target):
+            shutil.rmtree(target)
+        os.replace(temporary, target)  # the finished weights appear whole, or not at all
+        drawn = not record.updates or plot_curves(record.updates, os.path.join(out, PLOT_NAME), title=run_title(config))
+        advance(1)
+        write_text_atomically(os.path.join(out, METRICS_NAME), json.dumps(record.metrics(), indent=2, default=str))
+        advance(1)
+    if not drawn:
         say(f"note: {PLOT_NAME} not drawn: matplotlib is not installed (pip install 'hf_accum[recipe]')")
-    write_text_atomically(os.path.join(out, METRICS_NAME), json.dumps(record.metrics(), indent=2, default=str))
     return out
 
 
@@ -297,16 +371,6 @@ def describe_trainable(summary: dict[str, Any]) -> str:
     described += [f"in full: {', '.join(sorted(full)[:8])}{' ...' if len(full) > 8 else ''}"] if full else []
     return (f"trainable: {summary['trainable_parameters']:,} of {summary['total_parameters']:,} parameters "
             f"({summary['trainable_fraction']:.1%}); {'; '.join(described) or 'nothing'}")
-
-
-def quiet_third_party_warnings() -> None:
-    """Deprecation notices that the user cannot act on (they come from inside transformers/peft/accelerate
-    calling each other), filtered at the recipe's edge; everything else still shows."""
-    import warnings
-
-    for pattern in (r".*is_gradient_checkpointing.* is deprecated", r".*`gradient_checkpointing` is deprecated",
-                    r".*torch\.utils\.checkpoint: the use_reentrant parameter"):
-        warnings.filterwarnings("ignore", message=pattern)
 
 
 def percent(result: dict[str, Any] | None) -> str:

@@ -52,8 +52,11 @@ def run_auto_plan(args: argparse.Namespace, processes: int) -> int:
     spec["argv"] = argv
     try:
         plan = plan_micro_batch(lambda m: watch.measure(dict(spec, micro_batch=m)), setup["per_process"], budget)
-    except MemoryBudgetError as error:
-        raise MemoryBudgetError(f"{error}; planner peak {format_bytes(watch.peak)} (probe included)") from None
+    except MemoryBudgetError:
+        for line in watch.measures(budget):  # one memory measure a line, each named
+            print(line, flush=True)
+        raise MemoryBudgetError(f"no micro-batch fits the budget of {format_bytes(budget)} per process (larger "
+                                f"micro-batches not probed); to fit micro-batch 1: {advice(setup)}") from None
     print(plan.table())
     print(f"planner peak {format_bytes(watch.peak)} (this process + its probe), budget {format_bytes(budget)}")
     assert plan.micro_batch is not None and plan.accumulation_steps is not None
@@ -63,6 +66,18 @@ def run_auto_plan(args: argparse.Namespace, processes: int) -> int:
     print(f"use: training.per_device_train_batch_size={plan.micro_batch} "
           f"global_batch_size={chosen.global_batch_size}")
     return 0
+
+
+def advice(setup: dict[str, Any]) -> str:
+    """What could make micro-batch 1 fit, read from the planned config: only what it does not already do."""
+    ways = [f"shorten the rows (--max-length, {setup['max_length']} tokens now)"]
+    if not setup.get("checkpointing"):
+        ways.append("recompute activations (training.activation_checkpointing=true)")
+    if setup.get("lora") and not setup.get("quantized"):
+        ways.append("quantize the frozen base (QLoRA: a quantization section, as recipes/configs/llama3_8b_qlora.yaml)")
+    if not setup.get("lora"):
+        ways.append("train LoRA adapters instead of every weight (a lora section)")
+    return "; ".join(ways[:-1]) + ("; or " if len(ways) > 1 else "") + ways[-1]
 
 
 def _recipe_argv(args: argparse.Namespace) -> list[str]:
@@ -84,6 +99,14 @@ class ProbeWatch:
         self.budget = budget
         self.peak = 0
         self.announce = announce
+        self.measured: dict[int, str] = {}
+        """Micro-batch -> what its probe measured, in words naming the measure."""
+
+    def measures(self, budget: int) -> list[str]:
+        """Each probe's measure and the planner's own peak, one named measure a line (printed when nothing fits)."""
+        lines = [f"micro-batch {m}: {what}" for m, what in sorted(self.measured.items())]
+        return [*lines, f"planner peak: {format_bytes(self.peak)} (this process and its probe together, at most)",
+                f"budget: {format_bytes(budget)} per process"]
 
     def resolve(self, spec: dict[str, Any]) -> dict[str, Any]:
         """The planner's inputs from the config (a ``ValueError`` with the child's one line for bad input)."""
@@ -106,15 +129,22 @@ class ProbeWatch:
         if reached is not None:
             self.announce(f"probe at micro-batch {micro_batch} stopped at {format_bytes(reached)} (this process + "
                           f"probe), over {_SAFETY:.0%} of the budget: counted as not fitting")
+            self.measured[micro_batch] = (f"needs more than {format_bytes(int(reached))} (this process and the probe "
+                                          "when it was stopped)")
             return OverBudget(reached)
         if returncode != 0 and self._out_of_memory(err):
             # An allocation refused (the memory cap, or a device out of memory) before it could report.
             self.announce(f"probe at micro-batch {micro_batch} ran out of the memory the budget leaves it: counted "
                           "as not fitting")
-            return OverBudget(self._child_allowance())
+            allowance = self._child_allowance()
+            self.measured[micro_batch] = (f"needs more than {format_bytes(allowance)} (the probe's own memory cap, "
+                                          "which it ran out of)")
+            return OverBudget(allowance)
         result = self._answer(returncode, out, err, f"probe at micro-batch {micro_batch}")
         rss = result["rss_peak"] if spec["device"] == "cpu" else 0
-        return max(int(result["tensor_peak"]), int(rss))
+        peak = max(int(result["tensor_peak"]), int(rss))
+        self.measured[micro_batch] = f"measured peak {format_bytes(peak)} (the probe's training step)"
+        return peak
 
     def _out_of_memory(self, err: str) -> bool:
         # Stopped by the data limit before it could say anything (empty stderr), or an out-of-memory message.

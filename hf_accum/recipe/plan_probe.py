@@ -46,7 +46,10 @@ def resolve(spec: dict[str, Any]) -> dict[str, Any]:
     training = config.training
     precision = "bf16" if training.get("bf16") else "fp16" if training.get("fp16") else "no"
     return {"device": device.type, "precision": precision, "max_length": max_length, "per_process": per_process,
-            "model": config.model.name_or_path, "default_budget": default_budget(device)}
+            "model": config.model.name_or_path, "default_budget": default_budget(device),
+            # what the run already does to save memory, so that the advice when nothing fits reads the config
+            "lora": config.lora is not None, "quantized": config.quantization is not None,
+            "checkpointing": bool(modeling.checkpointing_requested(dict(training)))}
 
 
 def _per_process_batch(global_batch_size: int | None, config: Any, processes: int) -> int:

@@ -41,7 +41,8 @@ class Objective:
     collator: Callable
     """``(config, tokenizer) -> collate_fn`` of the training micro-batches."""
     evaluate: Callable
-    """``(model, tokenizer, data, config, args) -> result | None`` (None: not scored on this process)."""
+    """``(model, tokenizer, data, config, args, when) -> result | None`` (None: not scored on this process;
+    ``when``: ``"before training"`` / ``"after training"``, for its progress bar)."""
     score: Callable
     """``result -> "53.0%"`` (``"n/a"`` for None)."""
     engines: dict
@@ -149,13 +150,18 @@ def pair_collator(config: Any, tokenizer: Any) -> Callable[..., Any]:
     return partial(collate_pairs, pad_token_id=tokenizer.pad_token_id)
 
 
-def evaluate_pairs(model: Any, tokenizer: Any, data: Any, config: Any, args: Any) -> dict[str, Any] | None:
-    """The held-out pairwise accuracy, on the main process (None elsewhere, and without held-out pairs)."""
+def evaluate_pairs(model: Any, tokenizer: Any, data: Any, config: Any, args: Any,
+                   when: str = "") -> dict[str, Any] | None:
+    """The held-out pairwise accuracy, on the main process (None elsewhere, and without held-out pairs), with a
+    progress bar (``when``: ``"before training"`` / ``"after training"``)."""
+    from hf_accum.recipe.progress import phase_bar
     from hf_accum.recipe.reference import pairwise_accuracy
 
     if not data.held_out or not data.held_out.examples or args.process_index != 0:
         return None
-    return pairwise_accuracy(model, data.held_out, tokenizer.pad_token_id, args.per_device_eval_batch_size)
+    with phase_bar(len(data.held_out.examples), f"held-out {METRIC} {when}".strip(), unit="pair") as advance:
+        return pairwise_accuracy(model, data.held_out, tokenizer.pad_token_id, args.per_device_eval_batch_size,
+                                 on_rows=advance)
 
 
 def accuracy_percent(result: dict[str, Any] | None) -> str:

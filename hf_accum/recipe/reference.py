@@ -25,6 +25,7 @@ import torch
 
 from hf_accum.preference import REFERENCE_KEYS, collate_pairs, completion_logps
 from hf_accum.recipe.data.preference import SIDES, labelled
+from hf_accum.recipe.progress import phase_bar
 
 CACHE_NAME = "reference_logps.pt"
 
@@ -53,8 +54,10 @@ def reference_mode(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
 
 @torch.no_grad()
 def completion_logps_of(model: torch.nn.Module, pairs: Sequence[dict[str, Any]], pad_token_id: int,
-                        batch_size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(chosen, rejected)``: each pair's summed completion log-prob under ``model`` as it is, float64 ``[pairs]``."""
+                        batch_size: int = 16,
+                        on_rows: Callable[[int], Any] = lambda rows: None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(chosen, rejected)``: each pair's summed completion log-prob under ``model`` as it is, float64 ``[pairs]``;
+    ``on_rows(n)`` as each batch of ``n`` pairs is done (a progress bar's advance)."""
     device = next(model.parameters()).device
     chosen, rejected = [], []
     for start in range(0, len(pairs), batch_size):
@@ -66,6 +69,7 @@ def completion_logps_of(model: torch.nn.Module, pairs: Sequence[dict[str, Any]],
         logps = logps.double().cpu()
         chosen.append(logps[: len(features)])
         rejected.append(logps[len(features) :])
+        on_rows(len(features))
     empty = torch.zeros(0, dtype=torch.float64)
     return (torch.cat(chosen) if chosen else empty), (torch.cat(rejected) if rejected else empty)
 
@@ -108,9 +112,10 @@ def reference_logps(model: torch.nn.Module, splits: dict[str, Sequence[dict[str,
         path = os.path.join(cache_dir, CACHE_NAME) if cache_dir else None
         cached = _read_cache(path, key, report)
         if cached is None:
-            cached = {name: completion_logps_of(model, pairs, pad_token_id, batch_size)
-                      for name, pairs in splits.items()}
             total = sum(len(pairs) for pairs in splits.values())
+            with phase_bar(total, "reference log-probs (base model)", unit="pair") as advance:
+                cached = {name: completion_logps_of(model, pairs, pad_token_id, batch_size, advance)
+                          for name, pairs in splits.items()}
             report(f"reference log-probs: {total} pairs scored by the base model (adapter disabled)"
                    + (f", cached in {path}" if path else ""))
             if path and is_main:
@@ -148,13 +153,15 @@ def _write_cache(path: str, key: dict[str, str], values: dict[str, tuple[torch.T
 
 
 @torch.no_grad()
-def pairwise_accuracy(model: torch.nn.Module, split: Any, pad_token_id: int, batch_size: int = 16) -> dict[str, Any]:
+def pairwise_accuracy(model: torch.nn.Module, split: Any, pad_token_id: int, batch_size: int = 16,
+                      on_rows: Callable[[int], Any] = lambda rows: None) -> dict[str, Any]:
     """Share of ``split``'s pairs (a :class:`~hf_accum.recipe.data.preference.PreferenceSplit`) whose chosen
-    answer has the higher summed log-prob under ``model``; overall and per ``task``, with the mean margin."""
+    answer has the higher summed log-prob under ``model``; overall and per ``task``, with the mean margin.
+    ``on_rows(n)``: as each batch of ``n`` pairs is scored."""
     was_training = model.training
     model.eval()
     try:
-        chosen, rejected = completion_logps_of(model, split.examples, pad_token_id, batch_size)
+        chosen, rejected = completion_logps_of(model, split.examples, pad_token_id, batch_size, on_rows)
     finally:
         model.train(was_training)
     wins = (chosen > rejected).tolist()

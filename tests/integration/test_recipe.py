@@ -82,6 +82,18 @@ def test_loop_engine_one_process_end_to_end(tmp_path):
     assert re.search(r"model FLOPs \S+/update, [\d.,]+ GFLOP/s, MFU \d+\.\d%", stdout)  # the end line
     assert re.search(r"update 16 \|.* \| MFU \d+\.\d%", stdout)  # each logged update
     assert "updates: 100%" in proc.stderr  # the tqdm progress bar
+    # Every long phase shows progress (issue 40): the held-out evaluation before and after (rows done, rate, time
+    # left), the final files; a line before the data and the model load; the end line says what was trained.
+    for phase in ("held-out exact match before training: 100%", "held-out exact match after training: 100%"):
+        assert re.search(re.escape(phase) + r".*\| 8/8 \[\d\d:\d\d<\d\d:\d\d, +[\d.]+row/s\]", proc.stderr), phase
+    assert re.search(r"writing adapter/, plot and metrics\.json: 100%.*\| 4/4", proc.stderr)
+    assert "reading hf_accum:synthetic-tasks with the tokenizer of hf_accum:tiny-llama ..." in stdout
+    assert stdout.index("loading model hf_accum:tiny-llama ...") < stdout.index("trainable: ")
+    tokens = sum(u["targets"] for u in updates)
+    assert f"trained 16 updates, {tokens:,} tokens in " in stdout and "(16 in all)" not in stdout
+    assert (metrics["resumed_after_update"], metrics["trained_updates"], metrics["trained_targets"]) == (0, 16, tokens)
+    saved = json.loads((out / run_outputs.EVAL_BEFORE_NAME).read_text())  # read back by a resumed run
+    assert saved["result"] == metrics["eval_before"]
 
 
 @pytest.mark.slow
@@ -154,15 +166,20 @@ def test_two_cpu_processes_end_to_end(engine, tmp_path):
 def test_qlora_runs_on_cpu_with_the_tiny_model(tmp_path):
     pytest.importorskip("bitsandbytes")
     out = tmp_path / "qlora"
-    run_script(
+    proc = run_script(
         PYTHON, out, "--config", "recipes/configs/llama3_8b_qlora.yaml", "model.name_or_path=hf_accum:tiny-llama",
         "model.dtype=float32", "training.bf16=false", "quantization.bnb_4bit_compute_dtype=float32",
         "data.dataset=hf_accum:synthetic-tasks", "data.eval_split=test", "data.max_length=128", "training.max_steps=2",
-        "global_batch_size=8",
+        "global_batch_size=8", "data.eval_before=false",
     )
     metrics = read_metrics(out)
     assert metrics["trainable"]["quantized_linear_layers"] > 0
     assert len(metrics["updates"]) == 2 and metrics["accumulation_steps"] == 4
+    # data.eval_before=false: the base model is not scored (no bar, nothing kept to read back); after training is
+    assert "held-out exact match before training: skipped (data.eval_before=false)" in proc.stdout
+    assert "held-out exact match before training:" not in proc.stderr and "after training: 100%" in proc.stderr
+    assert metrics["eval_before"] is None and metrics["eval_after"]["examples"] > 0
+    assert not (out / run_outputs.EVAL_BEFORE_NAME).exists()
 
 
 @pytest.mark.slow
@@ -208,6 +225,8 @@ def test_two_processes_without_use_cpu_on_a_cpu_machine_stop_before_loading(tmp_
     [
         (["training.learnig_rate=1e-4"], "Did you mean 'learning_rate'"),
         (["training.learning_rate=fast"], "training.learning_rate: expected float"),
+        (["data.eval_before=maybe"], "data.eval_before: expected bool"),
+        (["data.max_eval_examples=-1"], "data.max_eval_examples=-1 must be >= 0"),
         (["global_batch_size=null", "training.gradient_accumulation_steps=0"], "must be >= 1"),
         (["training.per_device_train_batch_size=0"], "per_device_train_batch_size=0 (command line) must be >= 1"),
         (["global_batch_size=30"], "nearest valid global_batch_size: 24 or 32"),
@@ -388,8 +407,20 @@ def test_sigterm_then_the_same_command_with_resume_reproduces_the_uninterrupted_
     _, stderr = process.communicate(timeout=240)
     assert process.returncode == EXIT_PREEMPTED, stderr[-3000:]
     assert "stopped:" in stderr and not (out / run_outputs.METRICS_NAME).exists()
-    run_script(PYTHON, out, *overrides, "training.resume_from_checkpoint=true")
-    resumed, expected = read_metrics(out)["updates"], read_metrics(reference)["updates"]
+    proc = run_script(PYTHON, out, *overrides, "training.resume_from_checkpoint=true")
+    metrics = read_metrics(out)
+    resumed, expected = metrics["updates"], read_metrics(reference)["updates"]
+    # The resumed process reports what IT trained beside the run's total, and reads the before metric back.
+    start = metrics["resumed_after_update"]
+    assert start >= 2 and f"resuming from {out / f'checkpoint-{start}'}" in proc.stdout
+    here = [u for u in resumed if u["step"] > start]
+    assert (metrics["trained_updates"], metrics["trained_targets"]) == (6 - start, sum(u["targets"] for u in here))
+    total = sum(u["targets"] for u in resumed)
+    assert (f"trained {6 - start} update{'' if 6 - start == 1 else 's'} (6 in all), "
+            f"{metrics['trained_targets']:,} tokens ({total:,} in all) in ") in proc.stdout
+    assert "held-out exact match before training: " in proc.stdout and "(scored at this run's first start" in proc.stdout
+    assert "held-out exact match before training:" not in proc.stderr  # no bar: not scored again
+    assert metrics["eval_before"] == read_metrics(reference)["eval_before"]
     assert [u["step"] for u in resumed] == list(range(1, 7))
     for ours, theirs in zip(resumed, expected):
         assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-9, abs=0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -299,4 +300,8 @@ def test_both_engines_train_dpo_on_the_embedded_pairs_and_print_the_pairwise_acc
     if engine == "loop":  # 8 pairs per update: the pair is the unit the update's loss is a mean over
         assert [update["targets"] for update in metrics["updates"]] == [8, 8, 8]
         assert "reference log-probs: 80 pairs scored by the base model" in proc.stdout
+        assert re.search(r"reference log-probs \(base model\): 100%.*\| 80/80 \[", proc.stderr)  # its progress
+        assert "trained 3 updates, 24 pairs in " in proc.stdout
         assert os.path.isfile(tmp_path / engine / "reference_logps.pt")
+    for when in ("before", "after"):  # the held-out scoring's progress (main process)
+        assert re.search(rf"held-out pairwise accuracy {when} training: 100%.*\| 16/16 \[", proc.stderr), when

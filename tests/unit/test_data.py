@@ -495,3 +495,30 @@ def test_the_recipe_trains_a_sharegpt_file_from_data_dataset_alone(tmp_path):
         metrics = json.load(handle)
     assert metrics["data"]["format"] == "chat" and len(metrics["updates"]) == 2
     assert f"data: {path}: format chat (conversations)" in proc.stdout
+
+
+def test_generate_prompts_with_the_runs_system_prompt_unless_told_otherwise():
+    """``hf-accum generate --run`` prompts the way the run trained: its ``data.system_prompt`` first (the data loader
+    added it to every training row), ``--system TEXT`` instead, ``--system ''`` none."""
+    from hf_accum.recipe.generate import complete, trained_system_prompt
+
+    config = recipe_config.load_config(None, {"data.system_prompt": "repeat the words"})
+    tokenizer = modeling.load_tokenizer(embedded.TINY_MODEL)
+    prompts: list[str] = []
+
+    class PromptRecorder:  # a model that records the prompt it is given and answers nothing
+        generation_config = None
+
+        def generate(self, input_ids, **kwargs):
+            prompts.append(tokenizer.decode(input_ids[0].tolist()))
+            return input_ids
+
+    for given in (None, "last word of", ""):
+        assert complete(PromptRecorder(), tokenizer, "lemon river", 4, trained_system_prompt(config, given)) == ""
+    runs_own, overridden, without = prompts
+    assert "<|system|> repeat the words <|end|> <|user|> lemon river" in runs_own  # as the run's rows were encoded
+    assert "<|system|> last word of <|end|> <|user|> lemon river" in overridden and "repeat" not in overridden
+    assert "<|system|>" not in without and "<|user|> lemon river" in without
+    training_row = data_module.to_example({"prompt": "lemon river", "completion": "x"}, data_module.resolve_format(
+        ["prompt", "completion"], config.data, "rows"))
+    assert training_row.conversation()[0] == {"role": "system", "content": trained_system_prompt(config)}

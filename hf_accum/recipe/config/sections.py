@@ -68,7 +68,11 @@ class DataSection:
     """Padding-free packing (both engines, ``hf_accum.batching.PackingCollator``): each micro-batch's sequences in
     one row, ``position_ids`` restarting per sequence; same targets, no pad tokens (docs/recipe.md)."""
     max_eval_examples: int = 200
-    """Held-out rows scored by exact match (the first ones; caps the ``eval_fraction`` carve-out)."""
+    """Held-out rows scored by exact match (the first ones; caps the ``eval_fraction`` carve-out). Greedy generation
+    of each: on a CPU a real model takes seconds per row, before training and after."""
+    eval_before: bool = True
+    """Score the held-out metric before training too (once per output directory: a resumed run reads back its first
+    start's); false skips it (the score after training is still given)."""
     eval_max_new_tokens: int = 32
     num_train_examples: int = 6000
     """Embedded dataset only: generated training examples."""

@@ -6,7 +6,7 @@ answer scored is the text before the first stop."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -34,7 +34,7 @@ def exact_match(
     examples: Sequence[Example],
     max_new_tokens: int = 16,
     batch_size: int = 32,
-    progress: Callable[[Iterable], Iterable] = lambda x: x,
+    on_rows: Callable[[int], Any] = lambda rows: None,
     synced_gpus: bool = False,
 ) -> dict[str, Any]:
     """Greedy-decode each conversation's prompt; score 1 when the answer matches the last assistant
@@ -42,14 +42,17 @@ def exact_match(
 
     ``synced_gpus``: every rank calls this with the same examples and keeps running forwards until
     all ranks are done (``generate(synced_gpus=True)``), as a ZeRO-3-partitioned model needs: each
-    forward gathers parameters from all ranks."""
+    forward gathers parameters from all ranks. ``on_rows(n)``: called as each batch of ``n`` rows is scored (a
+    progress bar's advance: :func:`hf_accum.recipe.progress.phase_bar`)."""
     was_training = model.training
     model.eval()
     hits: list[tuple[str, bool]] = []
     samples: list[dict[str, str]] = []
-    for start in progress(range(0, len(examples), batch_size)):
+    for start in range(0, len(examples), batch_size):
         chunk = examples[start : start + batch_size]
-        for example, text in zip(chunk, _generate(model, tokenizer, chunk, max_new_tokens, synced_gpus)):
+        answers = _generate(model, tokenizer, chunk, max_new_tokens, synced_gpus)
+        on_rows(len(chunk))
+        for example, text in zip(chunk, answers):
             expected = example.conversation()[-1]["content"]
             ok = normalize_answer(text) == normalize_answer(_as_decoded(tokenizer, expected))
             hits.append((example.task, ok))
