@@ -118,7 +118,8 @@ def _parser() -> argparse.ArgumentParser:
                           help="the run's training.output_dir (holding adapter/ or model/)")
     generate.add_argument("prompt", help="the user message")
     generate.add_argument("--max-new-tokens", type=int, help="default: the run's data.eval_max_new_tokens")
-    generate.add_argument("--system", help="a system message before the prompt")
+    generate.add_argument("--system", help="the system message before the prompt (default: the run's own "
+                          "data.system_prompt, as it trained; --system '' for none)")
     generate.set_defaults(run=_run_generate)
 
     # Everything after "bench" goes to the benchmarks' own parser (python -m benchmarks --help lists it).
@@ -302,6 +303,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         complete,
         load_trained,
         trained_model_dir,
+        trained_system_prompt,
     )
 
     trained_model_dir(args.run_dir)  # a bad directory: one line, before torch and transformers load
@@ -310,7 +312,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     quiet_third_party_warnings()
     model, tokenizer, config = load_trained(args.run_dir)
     max_new_tokens = args.max_new_tokens or config.data.eval_max_new_tokens
-    print(complete(model, tokenizer, args.prompt, max_new_tokens, args.system))
+    system = trained_system_prompt(config, args.system)  # as the run trained, unless --system says otherwise
+    print(complete(model, tokenizer, args.prompt, max_new_tokens, system))
     return 0
 
 
