@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from datasets import Dataset
-from transformers import LlamaForSequenceClassification
+from transformers import LlamaForSequenceClassification, TrainerCallback
 
 from hf_accum.testing.dpo_reference import PairAudit, relative_error
 from hf_accum.testing.models import _in_dtype, keep_norm_dtype, tiny_config
@@ -100,7 +100,8 @@ def reference_gradient(model: torch.nn.Module, pairs: list[tuple], center: float
     loss = reference_loss(model, pairs, center)
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
-    return {name: (g if g is not None else torch.zeros_like(p)) for (name, p), g in zip(named, grads)}, float(loss)
+    gradient = {name: (g if g is not None else torch.zeros_like(p)) for (name, p), g in zip(named, grads)}
+    return gradient, float(loss.detach())
 
 
 @torch.no_grad()
@@ -114,6 +115,25 @@ def reference_metrics(model: torch.nn.Module, pairs: list[tuple]) -> dict[str, f
             "max_reward": float(rewards.max())}
 
 
+def lora_config() -> Any:
+    """A LoRA adapter on the attention's q/v projections, the reward head trained in full (TRL's advice)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["score"],
+                      task_type="SEQ_CLS")
+
+
+class _AttachAudit(TrainerCallback):
+    """Attaches a :class:`PairAudit` to the model and optimizer Trainer built (a PEFT run's)."""
+
+    def __init__(self, audit: PairAudit) -> None:
+        self.audit = audit
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                       **kwargs: Any) -> None:
+        self.audit.attach(model, getattr(optimizer, "optimizer", optimizer))
+
+
 def _load(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         params = dict(model.named_parameters())
@@ -123,14 +143,20 @@ def _load(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
 
 def run_reward_trainer(trainer_cls: Any, rows: Any, tokenizer: Any, out_dir: str, *, micro_batch: int = 2,
                        accumulation: int = 3, center_rewards_coefficient: float | None = None,
-                       even_batches: bool = True, distinct: bool = False, logging_steps: int = 1) -> dict:
+                       even_batches: bool = True, distinct: bool = False, logging_steps: int = 1,
+                       lora: bool = False) -> dict:
     """Train ``rows`` once with ``trainer_cls`` (``AccumRewardTrainer`` or TRL's ``RewardTrainer``) under a
     :class:`PairAudit`; return every update's error against the reference (rank 0 audits every rank's windows),
-    the reference losses and metrics, the logs, the pairs per update."""
+    the reference losses and metrics, the logs, the pairs per update. ``lora``: TRL adds a LoRA adapter
+    (``peft_config``, the reward head trained in full: ``modules_to_save=["score"]``)."""
     from trl import RewardConfig
 
     model = reward_model(tokenizer)
     holder = copy.deepcopy(model)
+    if lora:
+        from peft import get_peft_model
+
+        holder = get_peft_model(holder, lora_config())  # the trained weights are copied in from the audit
     args = RewardConfig(
         output_dir=out_dir, per_device_train_batch_size=micro_batch, gradient_accumulation_steps=accumulation,
         learning_rate=0.05, lr_scheduler_type="constant", max_grad_norm=0.0, bf16=False, report_to="none",
@@ -138,11 +164,16 @@ def run_reward_trainer(trainer_cls: Any, rows: Any, tokenizer: Any, out_dir: str
         center_rewards_coefficient=center_rewards_coefficient, gradient_checkpointing=False,
         accelerator_config={"even_batches": even_batches}, ddp_find_unused_parameters=False, use_cpu=True,
     )
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    trainer = trainer_cls(model, args=args, train_dataset=rows, processing_class=tokenizer,
-                          optimizers=(optimizer, None))
     audit = PairAudit()
-    audit.attach(trainer.model, optimizer)
+    if lora:  # TRL wraps the model: its optimizer is built at train(), audited from there
+        args.optim = "sgd"
+        trainer = trainer_cls(model, args=args, train_dataset=rows, processing_class=tokenizer,
+                              peft_config=lora_config(), callbacks=[_AttachAudit(audit)])
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        trainer = trainer_cls(model, args=args, train_dataset=rows, processing_class=tokenizer,
+                              optimizers=(optimizer, None))
+        audit.attach(trainer.model, optimizer)
     trainer.data_collator = audit.wrap(trainer.data_collator)
     trainer.train()
     if dist.is_initialized() and dist.get_rank() != 0:  # every rank's windows are on rank 0: it audits

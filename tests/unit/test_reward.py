@@ -27,6 +27,8 @@ TOKENIZER = sft_tokenizer()
 CASES = {
     "bradley_terry": dict(margins=False, center_rewards_coefficient=None),
     "margin_and_centering": dict(margins=True, center_rewards_coefficient=0.05),
+    # TRL adds the adapter (peft_config); the reward head trains in full (modules_to_save=["score"]).
+    "lora_bradley_terry": dict(margins=False, center_rewards_coefficient=None, lora=True),
 }
 
 
@@ -49,7 +51,8 @@ def runs(tmp_path_factory):
             case = CASES[name]
             rows = reward_rows(11, seed=2, margins=case["margins"])
             cache[key] = run_reward_trainer(trainer_cls, rows, TOKENIZER, str(tmp_path_factory.mktemp(name)),
-                                            center_rewards_coefficient=case["center_rewards_coefficient"])
+                                            center_rewards_coefficient=case["center_rewards_coefficient"],
+                                            lora=case.get("lora", False))
         return cache[key]
 
     return get
