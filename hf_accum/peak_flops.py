@@ -295,7 +295,7 @@ def _read_cache() -> dict[str, Any]:
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as error:
-        _say_cache_problem(f"not read ({error})")
+        _say_cache_problem(f"not read ({type(error).__name__}: {error})")
         return {}
     entries = data.get("entries") if isinstance(data, dict) else None
     return entries if isinstance(entries, dict) else {}
