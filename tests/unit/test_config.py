@@ -816,3 +816,14 @@ def test_the_recipe_refuses_lora_r_0_before_loading(tmp_path):
         "error: PEFT refuses the lora section: `r` should be a positive integer value but the value passed is 0 "
         "[lora.r=0 (command line)]"]
     assert "Traceback" not in proc.stderr and not out.exists()
+
+
+@pytest.mark.parametrize("name", ["smollm2_135m_cpu.yaml", "gemma3_270m_cpu.yaml"])
+def test_the_real_model_configs_say_how_to_shorten_or_skip_the_held_out_scoring(name):
+    """Scoring is generation, minutes on a CPU: the header names the keys that cap or skip it, and they are keys."""
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "configs", name)
+    with open(path) as handle:
+        header = "".join(line for line in handle if line.startswith("#"))
+    assert "data.max_eval_examples" in header and "data.eval_before=false" in header
+    config = recipe_config.load_config(path, {"data.max_eval_examples": 8, "data.eval_before": "false"})
+    assert (config.data.max_eval_examples, config.data.eval_before) == (8, False)
