@@ -226,8 +226,18 @@ MFU = "MFU"
 SUMMARY = "the run's utilization summary"
 
 
+_said: set[str] = set()
+"""What this process has said (the recipe's memory probes run ``train`` too: one line, not one per probe run)."""
+
+
+def _say_once(message: str) -> None:
+    if message not in _said and _main_process():
+        _said.add(message)
+        logger.warning("%s", message)
+
+
 class MissingNumbers:
-    """Says once per run (main process, a logger warning) which number the meter cannot give and why."""
+    """Says once (main process, a logger warning) which number the meter cannot give and why."""
 
     def __init__(self) -> None:
         self.said: dict[str, str] = {}
@@ -236,8 +246,7 @@ class MissingNumbers:
         if number in self.said:
             return
         self.said[number] = reason = _reason(why)
-        if _main_process():
-            logger.warning("%s not reported: %s (training goes on without it)", number, reason)
+        _say_once(f"{number} not reported: {reason} (training goes on without it)")
 
 
 def _reason(why: object) -> str:
@@ -426,8 +435,8 @@ def _say_if_half_precision_is_slow(model: torch.nn.Module, device: Any, mixed_pr
     except Exception as error:  # the check is advice: it may not stop the run either
         logger.debug("half-precision speed not checked: %s", _reason(error))
         return
-    if slowdown is not None and _main_process():
-        logger.warning("%s: %s", slowdown, _precision_advice(mixed_precision))
+    if slowdown is not None:
+        _say_once(f"{slowdown}: {_precision_advice(mixed_precision)}")
 
 
 def _precision_advice(mixed_precision: str | None) -> str:

@@ -12,7 +12,7 @@ import logging
 import pytest
 import torch
 
-from hf_accum import AccumTrainer
+from hf_accum import AccumTrainer, utilization
 from hf_accum.batching import PaddingCollator
 from hf_accum.peak_flops import PeakFlops
 from hf_accum.testing import PAD, Scenario, random_rows, run_exact, run_trainer, tiny_causal_lm
@@ -116,6 +116,11 @@ def test_summary_and_end_line_survive_bad_records(caplog):
     assert summary["mfu"] is None and summary["flops_per_update"] is None
     assert "not summarized" in summary["peak_flops_source"] and len(_missing_lines(caplog, "the run's")) == 1
     assert describe({"flops_per_update": "many"}).startswith("utilization not reported")
+
+
+@pytest.fixture(autouse=True)
+def nothing_said_yet(monkeypatch):
+    monkeypatch.setattr(utilization, "_said", set())
 
 
 @pytest.fixture(autouse=True)
