@@ -6,14 +6,23 @@ A worker runs as ``python WORKER OUT TAG [--kill-at-micro-batch N] [--kill-in-sa
 ``OUT/run``) and its own ``TAG``; rank 0 writes ``OUT/records/TAG/update-<n>.pt`` per update (the gradient the
 optimizer applied, the LR, the logged loss) and, when training completes, ``OUT/final-TAG.pt`` (the trained
 weights) and ``OUT/result-TAG.json``.
+
+Ctrl-C as a user types it: :class:`Terminal` runs a launcher in a pseudo-terminal, and the recipe under it
+(``hf_accum/testing/cases/ctrl_c_recipe_worker.py``) pauses where the test types each Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
+import re
 import signal
+import subprocess
+import termios
+import threading
+import time
 from typing import Any, Callable
 
 import torch
@@ -149,3 +158,95 @@ def assert_same_run(reference: dict[int, dict], resumed: dict[int, dict], tolera
         if want["grad"] is not None:
             error = torch.linalg.vector_norm(got["grad"] - want["grad"]) / torch.linalg.vector_norm(want["grad"])
             assert error <= tolerance, (step, float(error))
+
+
+# -- Ctrl-C typed into a terminal (tests/integration/test_interrupted_runs.py) ----------------------------
+
+
+class Terminal:
+    """A command run the way a shell runs a foreground job in a terminal: in a pseudo-terminal that is its
+    controlling terminal, as the leader of its session and of the terminal's foreground process group.
+
+    :meth:`type_ctrl_c` writes the byte 0x03 as a keyboard does: the terminal's line discipline sends SIGINT to
+    the foreground process group (whichever it is then), exactly as for a user's Ctrl-C. Everything the processes
+    write to the terminal is collected in :attr:`output` (``\\r\\n`` read as ``\\n``).
+    """
+
+    def __init__(self, command: list[str], env: dict[str, str], cwd: str) -> None:
+        master, slave = os.openpty()
+        self.process = subprocess.Popen(command, stdin=slave, stdout=slave, stderr=slave, env=env, cwd=cwd,
+                                        start_new_session=True, preexec_fn=_make_controlling_terminal)
+        os.close(slave)
+        self.master = master
+        self.output = ""
+        self.closed = False
+        self._changed = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                chunk = os.read(self.master, 65536)
+            except OSError:  # EIO: every process has closed the terminal
+                chunk = b""
+            with self._changed:
+                if not chunk:
+                    self.closed = True
+                    self._changed.notify_all()
+                    return
+                self.output += chunk.decode(errors="replace").replace("\r\n", "\n")
+                self._changed.notify_all()
+
+    def wait_for(self, text: str, timeout: float, start: int = 0) -> int:
+        """The end of the first ``text`` in the output after position ``start``, waiting up to ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while (found := self.output.find(text, start)) < 0:
+                left = deadline - time.monotonic()
+                if left <= 0 or self.closed:
+                    raise AssertionError(f"{text!r} not seen in {timeout:.0f} s; output:\n{self.output[-4000:]}")
+                self._changed.wait(min(left, 1.0))
+            return found + len(text)
+
+    def type_ctrl_c(self) -> None:
+        os.write(self.master, b"\x03")
+
+    def wait(self, timeout: float) -> tuple[int, float]:
+        """The command's exit code and when it was seen to end (``time.monotonic()``)."""
+        code = self.process.wait(timeout)
+        ended = time.monotonic()
+        self._reader.join(timeout)  # the rest of the output (workers that outlived the launcher included)
+        return code, ended
+
+    def close(self, stray_pids: list[int]) -> None:
+        """Kill what is left (the launcher's group, and ``stray_pids``: workers in sessions of their own)."""
+        for kill in (lambda: os.killpg(self.process.pid, signal.SIGKILL),
+                     *(lambda pid=pid: os.kill(pid, signal.SIGKILL) for pid in stray_pids)):
+            try:
+                kill()
+            except OSError:
+                pass
+        self.process.wait()
+        self._reader.join(5)
+        os.close(self.master)
+
+
+def _make_controlling_terminal() -> None:
+    """In the child, after ``setsid``: its standard input (the pseudo-terminal) becomes its controlling terminal."""
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+def worker_pids(output: str) -> list[int]:
+    """The pids the Ctrl-C workers (hf_accum/testing/cases/ctrl_c_recipe_worker.py) announced."""
+    return [int(pid) for pid in re.findall(r"ctrl-c test: rank \d+ pid (\d+)", output)]
+
+
+def worker_exits(report_dir: str) -> dict[int, dict]:
+    """rank -> {"code", "monotonic", "pid"} of every Ctrl-C worker that ended through Python's exit."""
+    exits = {}
+    for name in os.listdir(report_dir):
+        if name.startswith("exit-") and name.endswith(".json"):
+            with open(os.path.join(report_dir, name)) as handle:
+                exits[int(name[len("exit-"):-len(".json")])] = json.load(handle)
+    return exits

@@ -14,6 +14,12 @@ Stitched together (each update as the last run that executed it recorded it), th
 uninterrupted one: per-update applied gradients within 1e-12 relative, the same LRs and logged losses, and
 identical final weights. The same on 2 DDP processes: SIGKILL of both ranks across the short window and the
 epoch boundary, then SIGTERM of one rank only (both must stop after the same update), then completion.
+
+Ctrl-C as a user types it into a terminal (a pseudo-terminal; :class:`hf_accum.testing.interruptions.Terminal`),
+the recipe under ``accelerate launch`` (one process, and 2 through its torchrun-based launcher) and ``python``:
+one note at the first Ctrl-C, typed in update 3; a second Ctrl-C in the middle of writing checkpoint-3 aborts
+it, leaving checkpoint-2 whole (it verifies against its manifest, and resumes); every worker exits 130, and the
+launcher stays until they have ended.
 """
 
 from __future__ import annotations
@@ -28,16 +34,28 @@ import pytest
 import torch
 
 from hf_accum.checkpoint import (
+    CHECKPOINT_PREFIX,
     ResumeMismatchError,
     is_complete_checkpoint,
     latest_complete_checkpoint,
 )
-from hf_accum.control import EXIT_PREEMPTED
+from hf_accum.control import CTRL_C_NOTE, EXIT_INTERRUPTED, EXIT_PREEMPTED
+from hf_accum.manifest import verify_checkpoint
+from hf_accum.recipe.testing import ROOT, SCRIPT, SMALL
 from hf_accum.run_lock import LOCK_NAME
 from hf_accum.testing import cases
-from hf_accum.testing.interruptions import assert_same_run, parse_args, read_records, run_dir, stitched
+from hf_accum.testing.interruptions import (
+    Terminal,
+    assert_same_run,
+    parse_args,
+    read_records,
+    run_dir,
+    stitched,
+    worker_exits,
+    worker_pids,
+)
 
-pytestmark = pytest.mark.slow  # every test reads the story: 5 runs of a subprocess per engine
+pytestmark = pytest.mark.slow  # the story: 5 runs of a subprocess per engine; Ctrl-C: a recipe run each
 WORKERS = {engine: cases.script(f"{engine}_resume_worker.py") for engine in ("loop", "trainer")}
 # Collator calls (prefetch included) that fall inside the short last window of epoch 1, after checkpoint-2.
 SHORT_WINDOW_CALLS = (10, 11)
@@ -144,3 +162,93 @@ def test_resume_with_another_batch_plan_is_refused(story, plan, message):
     assert "effective batch 8 = 2 per device x 4 accumulation x 1 process" in str(error.value)
     assert read_records(story["out"], "refused") == {}  # refused before any update
     assert is_complete_checkpoint(latest_complete_checkpoint(run_dir(story["out"])))
+
+
+# -- Ctrl-C typed into a terminal, under each launcher ------------------------------------------------------
+
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
+              "--dynamo_backend", "no"]
+CTRL_C_LAUNCHERS = {
+    # The README's `accelerate launch recipes/finetune_llama.py` on a machine without GPUs: accelerate's
+    # one-process launcher, in the terminal's foreground group with the script.
+    "accelerate_launch": [*ACCELERATE, "--num_processes", "1"],
+    # 2 CPU processes (gloo) through accelerate's torchrun-based launcher: workers in sessions of their own.
+    "accelerate_launch_2_processes": [*ACCELERATE, "--multi_gpu", "--num_processes", "2"],
+    "python": [sys.executable],
+}
+CTRL_C_WORKER = cases.script("ctrl_c_recipe_worker.py")
+
+
+def type_ctrl_c_into_a_recipe_run(tmp_path, launcher: str, ctrl_c: int) -> dict:
+    """The recipe (6 updates, a checkpoint every 2) under ``launcher`` in a terminal: Ctrl-C typed in update 3
+    and, when ``ctrl_c`` is 2, again in the middle of writing checkpoint-3."""
+    out, report = tmp_path / "run", tmp_path / "report"
+    report.mkdir()
+    command = [*CTRL_C_LAUNCHERS[launcher], CTRL_C_WORKER, str(report), *SMALL, "training.max_steps=6",
+               "training.save_steps=2", f"training.output_dir={out}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    terminal = Terminal(command, env, ROOT)
+    try:
+        in_update_3 = terminal.wait_for("ctrl-c test: rank 0 paused in update 3", timeout=300)
+        terminal.type_ctrl_c()
+        terminal.wait_for("ctrl-c test: rank 0 paused writing checkpoint-3", timeout=120, start=in_update_3)
+        # The worker is held there: a launcher that did not wait would be gone by now (accelerate's one-process
+        # launcher used to end 0.25 s after the Ctrl-C).
+        launcher_alive_in_the_checkpoint = still_running_after(terminal.process, seconds=3)
+        if ctrl_c == 2:
+            terminal.type_ctrl_c()
+        else:
+            (report / "go").touch()  # let the checkpoint complete
+        code, launcher_ended = terminal.wait(timeout=180)
+    finally:
+        terminal.close(stray_pids=worker_pids(terminal.output))
+    return {"code": code, "launcher_ended": launcher_ended, "alive": launcher_alive_in_the_checkpoint,
+            "output": terminal.output, "exits": worker_exits(str(report)), "out": str(out),
+            "checkpoints": sorted(name for name in os.listdir(out) if CHECKPOINT_PREFIX in name)}
+
+
+def still_running_after(process: subprocess.Popen, seconds: float) -> bool:
+    try:
+        process.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("launcher", ["accelerate_launch_2_processes", "accelerate_launch", "python"])
+def test_ctrl_c_twice_aborts_the_checkpoint_and_keeps_the_previous_one(tmp_path, launcher):
+    run = type_ctrl_c_into_a_recipe_run(tmp_path, launcher, ctrl_c=2)
+    tail = run["output"][-4000:]
+    processes = 2 if launcher.endswith("2_processes") else 1
+    # One note, from the main process, at the first Ctrl-C; every worker then exits 130.
+    assert run["output"].count(CTRL_C_NOTE) == 1, tail
+    assert sorted(run["exits"]) == list(range(processes)), tail
+    assert all(end["code"] == EXIT_INTERRUPTED == 130 for end in run["exits"].values()), (run["exits"], tail)
+    # The launcher waited: alive while the checkpoint was being written, and ended after every worker.
+    assert run["alive"], tail
+    assert all(end["monotonic"] <= run["launcher_ended"] for end in run["exits"].values()), (run, tail)
+    # accelerate's launchers report a failing script as 1 (README "Exit codes"); python passes 130 on.
+    assert run["code"] == (EXIT_INTERRUPTED if launcher == "python" else 1), tail
+    assert "interrupted (Ctrl-C): stopped; final outputs were not written" in run["output"]
+    # The aborted checkpoint-3 left nothing behind; checkpoint-2 is whole (every file as its manifest says).
+    assert run["checkpoints"] == ["checkpoint-2"], run["checkpoints"]
+    verdict = verify_checkpoint(os.path.join(run["out"], "checkpoint-2"), collective=False)
+    assert verdict.ok and verdict.has_manifest, verdict
+    if launcher == "accelerate_launch":  # and it resumes: the same command continues from it
+        resumed = subprocess.run([sys.executable, SCRIPT, *SMALL, "training.max_steps=6", "training.save_steps=2",
+                                  f"training.output_dir={run['out']}", "training.resume_from_checkpoint=true"],
+                                 cwd=ROOT, capture_output=True, text=True, timeout=300,
+                                 env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert f"resuming from {os.path.join(run['out'], 'checkpoint-2')}" in resumed.stdout + resumed.stderr
+
+
+def test_ctrl_c_once_under_accelerate_launch_saves_and_the_launcher_waits(tmp_path):
+    run = type_ctrl_c_into_a_recipe_run(tmp_path, "accelerate_launch", ctrl_c=1)
+    tail = run["output"][-4000:]
+    assert run["output"].count(CTRL_C_NOTE) == 1, tail
+    assert "training stopped after update 3 (SIGINT); checkpoint" in run["output"], tail
+    assert run["exits"][0]["code"] == EXIT_INTERRUPTED, (run["exits"], tail)
+    assert run["alive"] and run["exits"][0]["monotonic"] <= run["launcher_ended"], (run, tail)
+    assert run["checkpoints"] == ["checkpoint-2", "checkpoint-3"], run["checkpoints"]
+    assert verify_checkpoint(os.path.join(run["out"], "checkpoint-3"), collective=False).ok
