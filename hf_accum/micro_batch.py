@@ -43,6 +43,8 @@ logger = logging.getLogger("hf_accum.fused_loss")
 # ``term_names`` and ``count_units(labels, inputs)`` (the same counts from the labels alone, for the front-ends
 # that count a window before backward) and may name ``non_model_keys`` (batch keys kept out of the forward) and
 # ``run_forward(model, inputs, labels)`` (runs the model itself, e.g. with fused log-probs; its outputs go to the loss).
+# A loss that is not the model's own ``forward(labels=...)`` loss (a reward model's pairwise loss) sets
+# ``compares_model_loss = False``: the first-micro-batch probe then has nothing to compare and is not run.
 LossSumFn = Callable[[Any, torch.Tensor, dict], "tuple[torch.Tensor, torch.Tensor]"]
 
 
@@ -107,7 +109,7 @@ class MicroBatchLoss:
             loss_sum_fn = SequenceMeanLoss(label_smoothing)
         self.loss_sum_fn = loss_sum_fn or self._token_loss_sum
         self.fused = FusedCausalLMLoss(label_smoothing, chunk_bytes) if fused else None
-        self.terms_checked = False
+        self.terms_checked = not getattr(loss_sum_fn, "compares_model_loss", True)  # see LossSumFn
         self.aux_sum: torch.Tensor | None = None
         self.token_stats = token_stats
         self.last_token_stats: TokenStats | None = None
