@@ -69,6 +69,9 @@ class RewardPairLoss:
 
     non_model_keys = ("margin",)
     term_names = ("pair",)
+    # The first-micro-batch probe compares the model's own ``forward(labels=...)`` loss with ours; a reward model's
+    # own loss is a regression on the labels, not this pairwise loss: nothing to compare (hf_accum.micro_batch).
+    compares_model_loss = False
 
     def __init__(self, center_rewards_coefficient: float | None = None) -> None:
         self.center_rewards_coefficient = center_rewards_coefficient
@@ -166,11 +169,7 @@ class AccumRewardTrainer(AccumTrainer, RewardTrainer):  # type: ignore[misc]  # 
             raise InputError(f"AccumRewardTrainer(loss_kind={loss_kind!r}): a reward model scores sequences "
                              "(allowed: 'sequence')")
         self.reward_loss = RewardPairLoss(getattr(self.args, "center_rewards_coefficient", None))  # a RewardConfig
-        micro_batch_loss = MicroBatchLoss("sequence", loss_sum_fn=self.reward_loss, fused=False)
-        # The first-micro-batch probe compares the model's own ``forward(labels=...)`` loss with ours; a reward
-        # model's own loss is a regression on the labels, not this pairwise loss: nothing to compare.
-        micro_batch_loss.terms_checked = True
-        return micro_batch_loss
+        return MicroBatchLoss("sequence", loss_sum_fn=self.reward_loss, fused=False)
 
     def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:

@@ -190,3 +190,54 @@ def run_reward_trainer(trainer_cls: Any, rows: Any, tokenizer: Any, out_dir: str
     trained = [sum(batch["input_ids"].shape[0] // 2 for batch in window) for window in audit.windows]
     return {"errors": errors, "logs": logs, "metrics": metrics, "pairs": trained, "losses": losses,
             "distinct_pairs": [len(pairs) for pairs in updates], "trainer": trainer}
+
+
+def reward_features(n: int, seed: int = 0, vocab: int = 46, eos: int = 5, margins: bool = False) -> list[dict]:
+    """``n`` pre-tokenized pairs (TRL's ``chosen_ids`` / ``rejected_ids``, each ending in ``eos``; ids from 6 up,
+    never the pad id 0), of uneven lengths; ``margins``: a ``margin`` per pair."""
+    rng = random.Random(seed)
+    features = []
+    for _ in range(n):
+        prompt = [rng.randrange(6, vocab) for _ in range(rng.randint(1, 6))]
+        row: dict[str, Any] = {f"{side}_ids": prompt + [rng.randrange(6, vocab) for _ in range(rng.randint(1, 5))]
+                               + [eos] for side in ("chosen", "rejected")}
+        if margins:
+            row["margin"] = rng.uniform(-1.0, 1.0)
+        features.append(row)
+    return features
+
+
+def run_reward_loop(features: list[dict], tokenizer: Any, *, center_rewards_coefficient: float | None = None,
+                    micro_batch: int = 2, accumulation: int = 3, even_batches: bool = True) -> dict:
+    """``hf_accum.train(loss_sum_fn=RewardPairLoss(...))`` on TRL's reward collator (wrapped by
+    :class:`hf_accum.reward.RewardPairLabels`) under a :class:`PairAudit`: every update's error against the
+    reference (rank 0 audits every rank's windows), the pairs per update, the result."""
+    from accelerate.utils import DataLoaderConfiguration
+    from torch.utils.data import DataLoader
+    from trl.trainer.reward_trainer import DataCollatorForPreference
+
+    from hf_accum import LoopConfig, train
+    from hf_accum.reward import RewardPairLabels, RewardPairLoss
+    from hf_accum.testing.data import map_style
+    from hf_accum.testing.scenarios import fresh_accelerator
+
+    accelerator = fresh_accelerator(accumulation, dataloader_config=DataLoaderConfiguration(even_batches=even_batches))
+    model = reward_model(tokenizer)
+    holder = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    audit = PairAudit()
+    audit.attach(model, optimizer)
+    collator = RewardPairLabels(DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id))
+    loader = DataLoader(map_style(features), batch_size=micro_batch, shuffle=False, collate_fn=audit.wrap(collator))
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    config = LoopConfig(lr_scheduler_type="constant", disable_tqdm=True, max_grad_norm=0.0)
+    result = train(model, optimizer, loader, accelerator, config,
+                   loss_sum_fn=RewardPairLoss(center_rewards_coefficient))
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return {"errors": [], "pairs": [], "result": result}
+    errors = []
+    for pairs, gradients, weights in zip(update_pairs(audit.windows), audit.gradients, audit.weights):
+        _load(holder, weights)
+        errors.append(relative_error(gradients, reference_gradient(holder, pairs, center_rewards_coefficient)[0]))
+    trained = [sum(batch["input_ids"].shape[0] // 2 for batch in window) for window in audit.windows]
+    return {"errors": errors, "pairs": trained, "result": result}

@@ -1,7 +1,8 @@
 """Reward models exact over every update: ``AccumRewardTrainer`` (on TRL's own dataset preparation and collator)
 against an independent big-batch reference (hf_accum/testing/reward_reference.py: each sequence scored alone, the
 mean over ALL pairs of the update of ``-log sigmoid(c - r - margin) + a * (c + r)^2``, its gradient by autograd);
-stock ``trl.RewardTrainer`` as the negative control. The 2-process cases are in tests/distributed/test_reward_ddp.py.
+stock ``trl.RewardTrainer`` as the negative control; and ``hf_accum.train(loss_sum_fn=RewardPairLoss(...))``. The
+2-process cases are in tests/distributed/test_reward_ddp.py.
 
 float64 with dtype-keeping norms, so "exact" means < 1e-10. With 11 pairs, 2 per micro-batch and K = 3, the
 updates hold 6 and 5 pairs: the second one's micro-batches hold 2, 2 and 1 pairs (a short last micro-batch).
@@ -19,7 +20,14 @@ from trl import RewardTrainer  # noqa: E402
 from hf_accum import AccumRewardTrainer  # noqa: E402
 from hf_accum.errors import InputError  # noqa: E402
 from hf_accum.reward import RewardPairLabels  # noqa: E402
-from hf_accum.testing.reward_reference import reference_loss, reward_rows, run_reward_trainer, update_pairs  # noqa: E402
+from hf_accum.testing.reward_reference import (  # noqa: E402
+    reference_loss,
+    reward_features,
+    reward_rows,
+    run_reward_loop,
+    run_reward_trainer,
+    update_pairs,
+)
 from hf_accum.testing.sft import sft_tokenizer  # noqa: E402
 
 EXACT = 1e-10
@@ -140,3 +148,14 @@ def test_kto_is_refused_by_name():
         import hf_accum
 
         hf_accum.AccumKTOTrainer  # noqa: B018
+
+
+# -- the Accelerate loop with RewardPairLoss ------------------------------------------------------------------
+
+@pytest.mark.parametrize("center", [None, 0.05])
+def test_loop_with_reward_pair_loss_is_exact(center):
+    run = run_reward_loop(reward_features(11, seed=3, margins=center is not None), TOKENIZER,
+                          center_rewards_coefficient=center)
+    assert run["pairs"] == [6, 5]  # micro-batches 2, 2, 2 | 2, 2, 1
+    assert max(run["errors"]) < EXACT, run["errors"]
+    assert [update.targets for update in run["result"].updates] == run["pairs"]
