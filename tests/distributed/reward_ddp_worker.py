@@ -3,11 +3,12 @@
 second update's micro-batches are 2, 2 on one rank and 2, 1 on the other), audited against the big-batch reference
 on rank 0 (hf_accum/testing/reward_reference.py gathers every rank's micro-batches). Runs: AccumRewardTrainer
 (Bradley-Terry; with margins and centering), an evaluation with Accelerate's repeated pairs (``even_batches=True``),
-and stock ``RewardTrainer`` with ``even_batches=True`` (with ``even_batches=False`` its metric gathers fail): it
-trains a repeated pair, measured against the update's distinct pairs. Rank 0 writes a JSON report to ``argv[1]``.
+``hf_accum.train`` with ``RewardPairLoss`` (margins and centering), and stock ``RewardTrainer`` with
+``even_batches=True`` (with ``even_batches=False`` its metric gathers fail): it trains a repeated pair, measured
+against the update's distinct pairs. Rank 0 writes a JSON report to ``argv[1]``.
 
-Launched by tests/distributed/test_reward_ddp.py. A worker of its own (not a job of dpo_ddp_worker.py, whose
-DPO runs another engineer's work changes): one small launch, ~20 s.
+Launched by tests/distributed/test_reward_ddp.py. A worker of its own rather than jobs in dpo_ddp_worker.py, which
+the DPO work changes independently: one small launch (~35 s on 2 shared cores).
 """
 
 from __future__ import annotations
@@ -27,7 +28,14 @@ from trl import RewardTrainer
 
 from hf_accum import AccumRewardTrainer  # noqa: E402
 from hf_accum.distributed import leave_process_group  # noqa: E402
-from hf_accum.testing.reward_reference import reference_loss, reward_rows, run_reward_trainer, update_pairs  # noqa: E402
+from hf_accum.testing.reward_reference import (  # noqa: E402
+    reference_loss,
+    reward_features,
+    reward_rows,
+    run_reward_loop,
+    run_reward_trainer,
+    update_pairs,
+)
 from hf_accum.testing.sft import sft_tokenizer  # noqa: E402
 
 TOKENIZER = sft_tokenizer()
@@ -51,6 +59,10 @@ def main(report_path: str) -> None:
         report[name]["distinct_pairs"] = run.get("distinct_pairs", [])
         if name == "accum_margin_centering":
             report["evaluation"] = evaluate_repeated(run["trainer"])
+    loop = run_reward_loop(reward_features(15, seed=6, margins=True), TOKENIZER, center_rewards_coefficient=0.05,
+                           micro_batch=2, accumulation=2, even_batches=False)
+    report["loop_margin_centering"] = {"errors": loop["errors"], "pairs": loop["pairs"],
+                                       "targets": [update.targets for update in loop["result"].updates]}
     if dist.get_rank() == 0:
         with open(report_path, "w") as handle:
             json.dump(report, handle)

@@ -1,7 +1,7 @@
 """Reward models on 2 real CPU processes (torchrun, gloo) whose ranks hold different numbers of pairs
-(``even_batches=False``): AccumRewardTrainer exact over both ranks (its loss and metrics too), its evaluation
-counting every pair once when Accelerate repeats some to even out the ranks; stock ``RewardTrainer`` with
-``even_batches=True`` (a repeated pair) as the negative control. One torchrun launch
+(``even_batches=False``): AccumRewardTrainer and the loop with RewardPairLoss exact over both ranks (the trainer's
+loss and metrics too), the trainer's evaluation counting every pair once when Accelerate repeats some to even out
+the ranks; stock ``RewardTrainer`` with ``even_batches=True`` (a repeated pair) as the negative control. One torchrun launch
 (tests/distributed/reward_ddp_worker.py)."""
 
 from __future__ import annotations
@@ -57,3 +57,9 @@ def test_stock_reward_trainer_is_off(report):
           f"(distinct {run['distinct_pairs']}); AccumRewardTrainer: {max(report['accum_bradley_terry']['errors']):.1e}")
     assert run["pairs"] == [8, 8] and run["distinct_pairs"] == [8, 7]
     assert run["errors"][1] > 0.1
+
+
+def test_loop_with_reward_pair_loss_is_exact_over_uneven_ranks(report):
+    run = report["loop_margin_centering"]
+    assert run["pairs"] == run["targets"] == [8, 7]
+    assert max(run["errors"]) < EXACT, run["errors"]
