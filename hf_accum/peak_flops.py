@@ -17,7 +17,7 @@ Where the peak comes from, first match wins (:func:`device_peak_flops`); its ``s
    just woke, so a probe starts on a core of its own even beside a CPU-burning process; a probe that loses its
    core only lowers itself, and a multi-threaded GEMM would wait for its slowest thread: see
    :func:`core_gemm_rate`), and (b) it is measured once per machine and cached ("measured 2026-11-28, best of 5
-   probes on 1 thread", later "cached: measured ...") in ``$HF_ACCUM_CACHE/peak_flops.json`` (default
+   probes on 1 thread", later "cached in ...: measured ...") in ``$HF_ACCUM_CACHE/peak_flops.json`` (default
    ``$XDG_CACHE_HOME/hf_accum``, else ``~/.cache/hf_accum``), keyed by the CPU (model name, family / model /
    stepping, a hash of its feature flags), the dtype and torch's version (its kernels are what is measured). A
    different CPU is a different key: measured afresh. Each later start probes once more (0.05 s) and raises the
@@ -233,7 +233,7 @@ def cpu_gemm_rate(dtype: torch.dtype = torch.float32, threads: int | None = None
     (:func:`core_gemm_rate`) times the physical cores those threads can occupy (:func:`cores_for`)."""
     core = core_gemm_rate(dtype)
     cores = cores_for(threads or torch.get_num_threads())
-    return GemmRate(core.flops * cores, f"{core.source} x {cores} core(s)")
+    return GemmRate(core.flops * cores, f"{cores} core(s) x one core's GEMM, {core.source}")
 
 
 def cores_for(threads: int) -> int:
@@ -276,8 +276,8 @@ def _cached_rate(key: str, entry: dict[str, Any], dtype: torch.dtype) -> GemmRat
     if now > 1.05 * entry["flops"]:
         entry = {"flops": now, "measured": datetime.date.today().isoformat(), "probes": entry["probes"] + 1}
         _write_cache(key, entry)
-    return GemmRate(float(entry["flops"]), f"cached: measured {entry['measured']}, best of {entry['probes']} "
-                                           f"probes on 1 thread, {cache_path()}")
+    return GemmRate(float(entry["flops"]), f"cached in {cache_path()}: measured {entry['measured']}, best of "
+                                           f"{entry['probes']} probes on 1 thread")
 
 
 def _valid(entry: Any) -> TypeGuard[dict[str, Any]]:
@@ -347,7 +347,7 @@ def device_peak_flops(device: torch.device | str, dtype: torch.dtype, configured
         return PeakFlops(peak, f"{gpu} dense {'tf32' if tf32 else name} data-sheet peak (table)", name)
     if device.type == "cpu":
         rate = cpu_gemm_rate(dtype)
-        return PeakFlops(rate.flops, f"GEMM {rate.source}", name)
+        return PeakFlops(rate.flops, rate.source, name)
     return PeakFlops(None, f"no peak known for device type {device.type!r}; set {key}", name)
 
 

@@ -72,7 +72,7 @@ def test_measured_once_then_cached_per_machine(monkeypatch):
     _forget_process_rates(monkeypatch)
     probe.rates[torch.float32] = 90e9  # a later start on a busier machine: one quick probe, the cache stays
     cached = core_gemm_rate(torch.float32)
-    assert cached.flops == 100e9 and cached.source.startswith(f"cached: measured {TODAY}, best of 5 probes")
+    assert cached.flops == 100e9 and cached.source == f"cached in {cache_path()}: measured {TODAY}, best of 5 probes on 1 thread"
     assert probe.calls[-1] == (torch.float32, 1, 1)
 
 
@@ -136,8 +136,9 @@ def test_every_peak_names_its_source(monkeypatch):
     FakeProbe(monkeypatch, {torch.float32: 100e9})
     monkeypatch.setattr(peak_flops, "cores_for", lambda threads: 2)
     cpu = device_peak_flops("cpu", torch.float32)
-    assert cpu.flops == 200e9 and cpu.source == f"GEMM measured {TODAY}, best of 5 probes on 1 thread x 2 core(s)"
-    assert "GFLOP/s float32 (GEMM measured" in cpu.describe()
+    assert cpu.flops == 200e9
+    assert cpu.source == f"2 core(s) x one core's GEMM, measured {TODAY}, best of 5 probes on 1 thread"
+    assert "200 GFLOP/s float32 (2 core(s) x one core's GEMM, measured" in cpu.describe()
     assert device_peak_flops("cpu", torch.float32, 5e12, "accumulation.peak_flops").source == \
         "configured accumulation.peak_flops"
     monkeypatch.setenv(PEAK_FLOPS_ENV, "7e11")
