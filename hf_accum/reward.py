@@ -2,8 +2,10 @@
 over ALL its preference pairs.
 
 This module owns the pairwise reward-model loss of one micro-batch (:class:`RewardPairLoss`, a ``(sum, count)``
-over pairs) and its composition with TRL's ``RewardTrainer``. TRL keeps what it owns: dataset preparation
-(implicit or explicit prompt, chat templates, EOS, ``max_length`` filtering), its collator (chosen rows
+over pairs; also a ``loss_sum_fn`` for :func:`hf_accum.train` on micro-batches from TRL's
+``DataCollatorForPreference`` wrapped by :class:`RewardPairLabels`) and its composition with TRL's
+``RewardTrainer``. TRL keeps what it owns: dataset preparation (implicit or explicit prompt, chat templates, EOS,
+``max_length`` filtering), its collator (chosen rows
 ``[0, P)``, rejected rows ``[P, 2P)``, an optional ``margin`` per pair), the sequence-classification model
 (``num_labels=1``), PEFT, model cards. AccumTrainer owns the normalization: the window's pairs are counted on
 all ranks before any forward and each micro-batch backpropagates ``loss_sum * W / P_update``
