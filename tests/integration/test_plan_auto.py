@@ -1,5 +1,6 @@
 """``hf-accum plan --auto``: the chosen micro-batch fits the budget as measured, the next larger one does not."""
 
+import re
 import subprocess
 import sys
 
@@ -133,7 +134,8 @@ def test_the_planner_itself_stays_under_its_budget(roomy_run):
     assert code == 2 and "no micro-batch fits the budget" in err, out + err
     assert peak < budget, (peak, budget)
     assert "probe at micro-batch 1 stopped" in out and "larger micro-batches not probed" in err
-    assert "(stopped)" in err and "4294967296" not in err
+    assert "micro-batch 1: needs more than " in out and "planner peak: " in out and "4294967296" not in err
+    assert "use LoRA" not in err and "LoRA adapters" not in err  # the embedded default trains LoRA already
 
 
 def test_a_stopped_probe_never_fits_and_larger_ones_are_skipped():
@@ -150,3 +152,36 @@ def test_a_stopped_probe_never_fits_and_larger_ones_are_skipped():
     table = plan.table()
     assert "> 60.0" in table or "(stopped)" in table
     assert table.count("not probed") == 2
+
+
+def test_the_advice_when_nothing_fits_reads_the_config():
+    """No "use LoRA" when LoRA is on, no "quantize" when it already is, no "checkpointing" when it is on."""
+    from hf_accum.recipe.plan_auto import advice
+
+    lora = advice({"max_length": 160, "lora": True, "quantized": False, "checkpointing": False})
+    assert "LoRA adapters" not in lora and "use LoRA" not in lora and "quantize the frozen base" in lora and "activation_checkpointing" in lora
+    assert "160 tokens now" in lora
+    qlora = advice({"max_length": 64, "lora": True, "quantized": True, "checkpointing": True})
+    assert qlora == "shorten the rows (--max-length, 64 tokens now)"
+    full = advice({"max_length": 64, "lora": False, "quantized": False, "checkpointing": True})
+    assert "LoRA adapters" in full and "quantize" not in full and "activation" not in full
+
+
+def test_each_memory_measure_is_a_line_of_its_own_naming_what_it_measures(monkeypatch):
+    """A stopped probe's lower bound (this process + probe), a probe that ran out of its cap, a measured peak, and
+    the planner's own peak are different measures: one a line, each named, never two figures side by side."""
+    from hf_accum.recipe.plan_auto import ProbeWatch
+
+    watch = ProbeWatch(budget=3 * 2**30, announce=lambda line: None)
+    answers = iter([(0, '{"tensor_peak": 1000, "rss_peak": 734003200}', "", None),  # 700 MiB
+                    (-9, "", "", int(2.83 * 2**30))])  # stopped over the budget
+    monkeypatch.setattr(watch, "_run", lambda spec: next(answers))
+    watch.peak = int(2.56 * 2**30)
+    assert watch.measure({"micro_batch": 1, "device": "cpu"}) == 734003200
+    watch.measure({"micro_batch": 2, "device": "cpu"})
+    lines = watch.measures(3 * 2**30)
+    assert lines[0] == "micro-batch 1: measured peak 700.0 MiB (the probe's training step)"
+    assert lines[1].startswith("micro-batch 2: needs more than 2.83 GiB (this process and the probe")
+    assert lines[2].startswith("planner peak: 2.56 GiB (") and lines[3] == "budget: 3.00 GiB per process"
+    for line in lines:
+        assert len(re.findall(r"[0-9.]+ (GiB|MiB)", line)) == 1, line
