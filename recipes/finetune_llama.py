@@ -22,8 +22,10 @@ from dataclasses import asdict
 
 START = time.time()  # wall time counts the imports too
 
-from hf_accum.recipe.command_line import keys_request, lean_start  # noqa: E402
+from hf_accum.recipe.command_line import announce_start, keys_request, lean_start  # noqa: E402
 
+if __name__ == "__main__":
+    announce_start(sys.argv[1:])  # the imports below take seconds, tens of them on a busy machine
 lean_start(sys.argv[1:])  # before PEFT is imported: no bitsandbytes unless the run quantizes (hf_accum.startup)
 
 import torch  # noqa: E402

@@ -49,6 +49,13 @@ def parse_overrides(argv: Sequence[str]) -> tuple[str | None, dict[str, Any]]:
     return config_path, overrides
 
 
+def announce_start(argv: Sequence[str]) -> None:
+    """One line before the recipe's heavy imports (torch, transformers, accelerate, PEFT: tens of seconds on a busy
+    CPU, silent otherwise), on the main process: the launcher's ``RANK`` unset or 0."""
+    if os.environ.get("RANK", "0") == "0" and keys_request(argv) is None:
+        print("importing torch, transformers, accelerate and PEFT ...", flush=True)
+
+
 def keys_request(argv: Sequence[str]) -> str | None:
     """``--keys [SECTION]`` on the command line: the section whose valid keys to list (``""``: the top-level keys
     and sections); None when not asked. An unknown key's message points here rather than listing ~120 names."""

@@ -44,8 +44,10 @@ _NO_ACTION_WARNINGS = (
     r"Could not find a config file in .* - will assume that the vocabulary was not modified",
 )
 # Log lines (logger name, message start) with nothing to act on: DeepSpeed, imported by transformers or Accelerate
-# on a machine without a GPU, announcing that it falls back to the CPU.
-_NO_ACTION_LOG_LINES = (("DeepSpeed", "Setting accelerator to CPU"),)
+# on a machine without a GPU, announcing that it falls back to the CPU; transformers checking a model's tensor-
+# parallel plan (the recipe never shards by tensor parallelism).
+_NO_ACTION_LOG_LINES = (("DeepSpeed", "Setting accelerator to CPU"),
+                        ("transformers.distributed.tensor_parallel", "The following layers were not sharded"))
 
 
 class _DropMessages(logging.Filter):

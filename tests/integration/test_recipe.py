@@ -87,6 +87,7 @@ def test_loop_engine_one_process_end_to_end(tmp_path):
     for phase in ("held-out exact match before training: 100%", "held-out exact match after training: 100%"):
         assert re.search(re.escape(phase) + r".*\| 8/8 \[\d\d:\d\d<\d\d:\d\d, +[\d.]+row/s\]", proc.stderr), phase
     assert re.search(r"writing adapter/, plot and metrics\.json: 100%.*\| 4/4", proc.stderr)
+    assert stdout.startswith("importing torch, transformers, accelerate and PEFT ...\n")  # before the imports
     assert "reading hf_accum:synthetic-tasks with the tokenizer of hf_accum:tiny-llama ..." in stdout
     assert stdout.index("loading model hf_accum:tiny-llama ...") < stdout.index("trainable: ")
     tokens = sum(u["targets"] for u in updates)
@@ -160,6 +161,9 @@ def test_two_cpu_processes_end_to_end(engine, tmp_path):
     assert all(u["sequences"] == 32 for u in metrics["updates"])
     assert "x 2 processes" in proc.stderr  # the effective-batch line ([hf_accum] logger)
     assert proc.stdout.count("resolved config:") == 1  # printed by the main process only
+    assert proc.stdout.count("importing torch, transformers") == 1
+    assert proc.stdout.count("held-out exact match before training: ") == 1
+    assert "held-out exact match after training: 100%" in proc.stderr  # the main process scores all 8 rows
 
 
 @pytest.mark.slow
