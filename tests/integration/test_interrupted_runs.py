@@ -252,3 +252,27 @@ def test_ctrl_c_once_under_accelerate_launch_saves_and_the_launcher_waits(tmp_pa
     assert run["alive"] and run["exits"][0]["monotonic"] <= run["launcher_ended"], (run, tail)
     assert run["checkpoints"] == ["checkpoint-2", "checkpoint-3"], run["checkpoints"]
     assert verify_checkpoint(os.path.join(run["out"], "checkpoint-3"), collective=False).ok
+
+
+def test_under_accelerate_launch_the_run_holds_the_terminal_while_training_only(tmp_path):
+    """The terminal's foreground: the script's own process group while it trains (Ctrl-Z refused there, with a
+    line), the launcher's again once training ends; the run completes as usual."""
+    command = [*CTRL_C_LAUNCHERS["accelerate_launch"], SCRIPT, *SMALL, "training.max_steps=8",
+               f"training.output_dir={tmp_path / 'run'}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    terminal = Terminal(command, env, ROOT)
+    try:
+        in_training = terminal.wait_for("update 1 |", timeout=300)
+        foreground_in_training = os.tcgetpgrp(terminal.master)
+        os.write(terminal.master, b"\x1a")  # Ctrl-Z
+        terminal.wait_for("Ctrl-Z: a run under accelerate launch is not suspended", timeout=60, start=in_training)
+        terminal.wait_for("held-out exact match: before", timeout=300, start=in_training)
+        foreground_after_training = os.tcgetpgrp(terminal.master)
+        code, _ = terminal.wait(timeout=120)
+    finally:
+        terminal.close(stray_pids=[])
+    launcher_group = terminal.process.pid  # the session's leader, as a shell makes a foreground job's first process
+    assert foreground_in_training != launcher_group
+    assert foreground_after_training == launcher_group
+    assert code == 0, terminal.output[-3000:]
+    assert "update 8 |" in terminal.output
