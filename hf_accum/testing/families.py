@@ -203,10 +203,12 @@ def family(name: str) -> Family:
 
 
 def family_scenario(row: Family, rows: int = 6, seed: int = 7) -> Scenario:
-    """``row`` trained for one update of K=3 micro-batches of 2 rows (uneven target counts), AdamW, constant LR:
-    the audited :class:`~hf_accum.testing.scenarios.Scenario` both front-ends run."""
+    """``row`` trained for one update of K=3 micro-batches of 2 rows (uneven target counts), AdamW, constant LR,
+    label smoothing 0.1 (folded into the fused chunks too): the audited
+    :class:`~hf_accum.testing.scenarios.Scenario` both front-ends run. Encoder-decoders train labels-only batches
+    against the model's own loss (no smoothing there)."""
     if row.data == "seq2seq":  # labels only (no decoder_input_ids): the front-ends build them as the model does
         return seq2seq_scenario(row.name, seq2seq_rows(rows, seed), decoder_inputs=False)
     make_rows, collator, kind = DATA[row.data]
     return Scenario(row.name, row.build, make_rows(rows, seed), collator, micro_batch=2, accumulation=3,
-                    loss_kind=kind, router_loss=row.router_loss)
+                    loss_kind=kind, router_loss=row.router_loss, label_smoothing=0.1)
