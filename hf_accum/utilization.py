@@ -423,6 +423,8 @@ def _peak(model: torch.nn.Module, device: Any, mixed_precision: str | None, conf
         peak = PeakFlops(None, f"not found: {_reason(error)}; set {key}")
     if peak.flops is None:
         missing.say(MFU, peak.describe())
+    elif _main_process():
+        logger.info("MFU against %s", peak.describe())  # where the denominator comes from, before the first step
     return peak
 
 
