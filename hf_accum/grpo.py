@@ -32,9 +32,15 @@ per-micro-batch policy loss (with ``beta`` and the entropy bonus switched off fo
 into the update's count (:func:`hf_accum.compat.trl_grpo_divisor`), and adds the KL and entropy terms from the same
 forward's log-probs. Generation itself is never touched (a harness may replace ``_generate_and_score_completions``).
 
-**Precision.** TRL's fused log-prob head accumulates in float32. A float64 model gets its log-probs from the full
-logits in float64 (:meth:`AccumGRPOTrainer._get_per_token_logps_and_entropies`), so float64 tests measure the
-accumulation math, not float32 rounding; other dtypes keep TRL's fused head (float32 is at least their precision).
+**Log-probs.** The per-token log-probs and entropies of the policy, the old policy and the reference come from our
+fused log-probs (:mod:`hf_accum.fused_logprobs`: chunked over the completion tokens, no ``[tokens, vocab]`` logits,
+the entropy and its gradient from the same chunks), in :func:`hf_accum.loss.compute_dtype`: a float64 model is exact
+to rounding, so float64 tests measure the accumulation math, not float32 rounding (TRL's fused head accumulates in
+float32). ``fused_logprobs=False``, a head that cannot be fused, multimodal inputs or a MoE router loss take TRL's
+fused head, or for a float64 model the full logits in float64.
+
+**sapo.** TRL 1.16 stores ``sapo_temperature_pos`` / ``_neg`` as float32 constants (1.05 -> 1.0499999523); the loss
+here uses them as Python floats in the loss dtype (:meth:`AccumGRPOTrainer.get_sapo_token_loss`).
 
 Refused, with the reason: ``top_entropy_quantile < 1`` (a quantile of each micro-batch's entropies, not a sum),
 ``use_adaptive_entropy``, and a MoE router loss (TRL adds it per micro-batch; no rule here yet).
@@ -45,8 +51,9 @@ core of :mod:`hf_accum.accumulation` (stream ``dpo``) lands, the terms should be
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Sequence, cast
+from typing import Any, Iterator, Sequence, cast
 
 import torch
 
@@ -58,6 +65,8 @@ from hf_accum.compat import (
     trl_grpo_divisor,
     trl_metrics,
 )
+from hf_accum.fused_logprobs import FusedLogProbs
+from hf_accum.loss import IGNORE_INDEX, compute_dtype
 
 try:
     from trl import GRPOConfig, GRPOTrainer
@@ -141,7 +150,7 @@ class AccumGRPOTrainer(GRPOTrainer):
     ``gradient_accumulation_steps``, short last windows included. TRL's logged metrics are kept; ``kl`` is logged as
     the update's exact token mean."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, fused_logprobs: bool = True, **kwargs: Any) -> None:
         grpo_args = kwargs.get("args", args[2] if len(args) > 2 else None)
         if grpo_args is not None:
             refuse_inexact_settings(grpo_args)
@@ -156,6 +165,7 @@ class AccumGRPOTrainer(GRPOTrainer):
         self._window: WindowCounts | None = None
         self._captured: list[tuple] | None = None
         self._kl_stats = DeviceSums(("kl_sum", "tokens"), self.args.device)
+        self.fused_logprobs = FusedLogProbs() if fused_logprobs else None
 
     # -- the update's micro-batches, prepared and counted before its first backward -----------------------
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list[Any], Any]:
@@ -202,13 +212,14 @@ class AccumGRPOTrainer(GRPOTrainer):
         terms, each ``W * sum / N`` with its own ``N``. Evaluation: TRL's own loss."""
         assert self.model is not None  # set by Trainer.__init__
         if not (self.model.training and isinstance(inputs, PreparedMicroBatch) and self._window is not None):
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            with self._exact_sapo_temperatures(model):
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         window = self._window
         inputs.setdefault("num_items_in_batch", torch.tensor(window.tokens, device=self.accelerator.device))
         beta, self.beta = self.beta, 0.0  # TRL adds beta * kl inside its aggregation: ours is a term of its own
         self._captured = []
         try:
-            with grpo_entropy_bonus_switch(self, enabled=False):
+            with grpo_entropy_bonus_switch(self, enabled=False), self._exact_sapo_temperatures(model):
                 policy_loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         finally:
             self.beta = beta
@@ -228,6 +239,27 @@ class AccumGRPOTrainer(GRPOTrainer):
             entropy_sum = unit_sum(entropies, mask, TOKENS)
             loss = loss - self.entropy_coef * entropy_sum * window.factor(TOKENS)
         return loss
+
+    @contextlib.contextmanager
+    def _exact_sapo_temperatures(self, model: Any) -> Iterator[None]:
+        """For one TRL loss call: ``sapo``'s temperatures as 0-d tensors in the loss dtype. TRL 1.16 builds them with
+        ``torch.where(advantages > 0, pos, neg)`` over two Python floats, i.e. a float32 tensor (1.05 ->
+        1.0499999523: 3.4e-9 from the documented formula in float64); 0-d tensors make that ``where`` take their
+        dtype (the loss dtype: float64 stays float64, other dtypes compute in float32 as before)."""
+        args = self.args
+        names = ("sapo_temperature_pos", "sapo_temperature_neg")
+        if self.loss_type != "sapo" or not all(isinstance(getattr(args, name, None), float) for name in names):
+            yield
+            return
+        saved = {name: getattr(args, name) for name in names}
+        dtype = _loss_dtype(self.accelerator.unwrap_model(model))
+        try:
+            for name, value in saved.items():
+                setattr(args, name, torch.tensor(value, dtype=dtype))
+            yield
+        finally:
+            for name, value in saved.items():
+                setattr(args, name, value)
 
     def _kl_term(self, inputs: dict[str, Any], per_token_logps: torch.Tensor, mask: torch.Tensor,
                  window: WindowCounts) -> torch.Tensor:
@@ -253,10 +285,16 @@ class AccumGRPOTrainer(GRPOTrainer):
                                            logits_to_keep: int, batch_size: int | None = None,
                                            compute_entropy: bool = False, compute_aux_loss: bool = False,
                                            **model_kwargs: Any) -> Any:
-        if _full_precision_applies(self.accelerator.unwrap_model(model), compute_aux_loss, model_kwargs):
+        text_only = not compute_aux_loss and all(value is None for value in model_kwargs.values())
+        fused = getattr(self, "fused_logprobs", None)  # (TRL may score before our constructor's end)
+        result = None
+        if text_only and fused is not None:
+            result = self._fused_logps(fused, model, input_ids, attention_mask, logits_to_keep, batch_size,
+                                       compute_entropy)
+        if result is None and text_only and _full_precision_applies(self.accelerator.unwrap_model(model)):
             result = self._full_precision_logps(model, input_ids, attention_mask, logits_to_keep, batch_size,
                                                 compute_entropy)
-        else:
+        elif result is None:
             result = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **model_kwargs)
@@ -264,6 +302,29 @@ class AccumGRPOTrainer(GRPOTrainer):
         if captured is not None:
             captured.append(result)
         return result
+
+    def _fused_logps(self, fused: FusedLogProbs, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     logits_to_keep: int, batch_size: int | None,
+                     compute_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None, None] | None:
+        """TRL's per-token log-probs and entropies of the completion tokens, fused (:mod:`hf_accum.fused_logprobs`);
+        ``None`` when the model's head cannot be fused."""
+        batch_size = batch_size or input_ids.size(0)
+        all_logps, all_entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            ids, am = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
+            # Position p predicts token p + 1: the completion's tokens are targets of the positions before them.
+            targets = torch.full_like(ids, IGNORE_INDEX)
+            targets[:, -logits_to_keep - 1:-1] = ids[:, -logits_to_keep:].masked_fill(
+                am[:, -logits_to_keep:] == 0, IGNORE_INDEX)
+            with self.accelerator.autocast():
+                result = fused.token_logps(model, {"input_ids": ids, "attention_mask": am, "use_cache": False},
+                                           targets, temperature=self.temperature, entropy=compute_entropy)
+            if result is None:
+                return None
+            all_logps.append(result.logps[:, -logits_to_keep - 1:-1])
+            if result.entropies is not None:
+                all_entropies.append(result.entropies[:, -logits_to_keep - 1:-1])
+        return torch.cat(all_logps), (torch.cat(all_entropies) if compute_entropy else None), None
 
     def _full_precision_logps(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                               logits_to_keep: int, batch_size: int | None,
@@ -319,10 +380,16 @@ def refuse_inexact_settings(args: Any) -> None:
                          "(its bonus is exact: the update's mean per-token entropy)")
 
 
-def _full_precision_applies(model: torch.nn.Module, compute_aux_loss: bool, model_kwargs: dict) -> bool:
-    """Float64 text-only models: TRL's float32 fused head would be the precision floor."""
-    if compute_aux_loss or any(value is not None for value in model_kwargs.values()):
-        return False
+def _loss_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype the per-token loss is computed in: the log-probs' (at least float32, float64 for float64)."""
+    output_embeddings = getattr(model, "get_output_embeddings", None)
+    head = output_embeddings() if output_embeddings is not None else None
+    weight = getattr(head, "weight", None)
+    return compute_dtype(weight.dtype) if isinstance(weight, torch.Tensor) else torch.float32
+
+
+def _full_precision_applies(model: torch.nn.Module) -> bool:
+    """Float64 models (text only, unfused): TRL's float32 fused head would be the precision floor."""
     output_embeddings = getattr(model, "get_output_embeddings", None)  # PreTrainedModel's (Any through nn.Module)
     head = output_embeddings() if output_embeddings is not None else None
     return head is not None and head.weight.dtype == torch.float64

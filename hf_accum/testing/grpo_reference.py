@@ -144,8 +144,9 @@ class UpdateRecorder(TrainerCallback):
 
 
 def build_trainer(trainer_cls: Any, output_dir: str, rows: int = 12, beta: float = 0.0,
-                  **overrides: Any) -> tuple[Any, UpdateRecorder, FakeGeneration]:
-    """``trainer_cls`` built like ``trl.GRPOTrainer``, its generation replaced, its updates recorded."""
+                  trainer_kwargs: dict | None = None, **overrides: Any) -> tuple[Any, UpdateRecorder, FakeGeneration]:
+    """``trainer_cls`` built like ``trl.GRPOTrainer``, its generation replaced, its updates recorded;
+    ``trainer_kwargs``: more constructor arguments (AccumGRPOTrainer's ``fused_logprobs=False``)."""
     recorder = UpdateRecorder()
 
     class Recording(trainer_cls):
@@ -165,7 +166,7 @@ def build_trainer(trainer_cls: Any, output_dir: str, rows: int = 12, beta: float
             torch.distributed.barrier()
         model.config._name_or_path = path
     trainer = Recording(model=model, reward_funcs=reward_len, args=args, train_dataset=prompts_dataset(rows),
-                        processing_class=TOKENIZER, callbacks=[recorder])
+                        processing_class=TOKENIZER, callbacks=[recorder], **(trainer_kwargs or {}))
     fake = FakeGeneration(trainer, beta)
     trainer._generate_and_score_completions = fake
     if trainer_cls is GRPOTrainer:

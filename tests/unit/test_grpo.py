@@ -11,6 +11,8 @@ tests/distributed/test_grpo_ddp.py.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 pytest.importorskip("trl")
@@ -27,6 +29,8 @@ EXACT = 1e-10
 def train_and_audit(tmp_path, trainer_cls, **config):
     trainer, recorder, fake = build_trainer(trainer_cls, str(tmp_path / trainer_cls.__name__), **config)
     trainer.train()
+    if trainer_cls is AccumGRPOTrainer and config.get("trainer_kwargs") is None:  # the default: fused log-probs
+        assert trainer.fused_logprobs.forwards >= sum(len(u.micro_batches) for u in recorder.updates)
     if "max_steps" not in config:  # every generated completion trained exactly once: none dropped or repeated
         assert trained_rows(recorder) == fake.rows_generated
     return update_errors(trainer, recorder), [len(u.micro_batches) for u in recorder.updates], trainer
@@ -36,9 +40,9 @@ def mode_settings(loss_type: str) -> dict:
     if loss_type == "luspo":  # defined with GSPO's sequence-level ratio (TRL warns otherwise)
         return {"importance_sampling_level": "sequence"}
     if loss_type == "sapo":
-        # TRL builds sapo's temperatures with torch.where over Python floats: a float32 tensor. The default 1.05
-        # rounds there (a 1e-9 difference from the reference's float64 1.05); 1.25 is exact in float32.
-        return {"sapo_temperature_neg": 1.25}
+        # Non-round temperatures (1.05 and 1.1 round in float32): TRL builds them as a float32 tensor; ours are in
+        # the loss dtype, so the documented formula holds in float64 (test_sapo_temperatures_are_float64_exact).
+        return {"sapo_temperature_pos": 1.1, "sapo_temperature_neg": 1.05}
     return {}
 
 
@@ -47,6 +51,27 @@ def test_every_loss_type_is_exact_with_kl(tmp_path, loss_type):
     errors, windows, _ = train_and_audit(tmp_path, AccumGRPOTrainer, loss_type=loss_type, beta=0.1,
                                          **mode_settings(loss_type))
     assert windows == [2] * 6
+    assert max(errors) < EXACT, errors
+
+
+def test_sapo_temperatures_are_float64_exact(tmp_path, monkeypatch):
+    """Non-round temperatures (1.1, 1.05) against the documented formula in float64; the negative control runs
+    TRL's float32 temperatures (our switch off): 1e-9-ish off."""
+    settings = mode_settings("sapo")
+    errors, _, _ = train_and_audit(tmp_path / "ours", AccumGRPOTrainer, loss_type="sapo", **settings)
+    assert max(errors) < EXACT, errors
+    monkeypatch.setattr(AccumGRPOTrainer, "_exact_sapo_temperatures", lambda self, model: contextlib.nullcontext())
+    float32_errors, _, _ = train_and_audit(tmp_path / "float32", AccumGRPOTrainer, loss_type="sapo", **settings)
+    print(f"sapo: ours {max(errors):.1e}, TRL's float32 temperatures {max(float32_errors):.1e}")
+    assert max(float32_errors) > 1e-10, float32_errors
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_full_logits_path_is_exact_too(tmp_path, loss_type):
+    """``fused_logprobs=False``: the float64 model's log-probs from its full logits (the fused path's control)."""
+    errors, _, trainer = train_and_audit(tmp_path, AccumGRPOTrainer, loss_type=loss_type, beta=0.1, entropy_coef=0.05,
+                                         trainer_kwargs={"fused_logprobs": False})
+    assert trainer.fused_logprobs is None
     assert max(errors) < EXACT, errors
 
 
