@@ -52,7 +52,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, TypeGuard
 
 import torch
 
@@ -156,16 +156,38 @@ def _matmul_size(module: torch.nn.Module) -> int | None:
     return None
 
 
+# Layer types (a config's ``layer_types``) by what their attention costs; any other type is not counted (the
+# FLOPs are then not reported) rather than guessed: sparse / compressed attention (DeepSeek-V3.2's
+# ``indexed_attention``, V4's) does not compute the square, a type this code has never seen may not either.
+FULL_ATTENTION = {"full_attention", "attention", "noncausal_full_attention", "multihead_attention",
+                  "multiquery_attention"}
+WINDOWED_ATTENTION = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size"}
+NO_SQUARE = {"linear_attention", "conv", "mamba", "mamba2", "ssm", "recurrent"}
+"""Layers without a softmax over the sequence: their cost is their projections (linear layers, counted)."""
+HYBRID_MARKERS = ("mamba_d_state", "ssm_state_size", "mamba_n_heads", "hybrid_override_pattern", "attn_layer_period",
+                  "layers_block_type")
+"""Config keys of hybrid state-space models whose attention layers a config without ``layer_types`` does not
+place (Jamba, Bamba, Nemotron-H, Granite hybrid): counting every layer as attention would inflate MFU."""
+
+
+class CannotCountAttention(ValueError):
+    """The config does not say what some layer's attention costs."""
+
+
 def attention_layers(config: Any) -> tuple[AttentionLayer, ...]:
     """The softmax-attention layers of a transformers config (its text part for multimodal ones), each from its
-    own per-layer config where the model has them (see the module docstring)."""
+    own per-layer config where the model has them (see the module docstring). Raises
+    :class:`CannotCountAttention` where a layer's cost is unknown (the meter then reports no FLOPs)."""
     config = getattr(config, "text_config", None) or config
     count = getattr(config, "num_hidden_layers", None)
     if not isinstance(count, int) or count <= 0:
         return ()
     types = getattr(config, "layer_types", None)
+    if not types and any(getattr(config, key, None) is not None for key in HYBRID_MARKERS):
+        raise CannotCountAttention(f"{type(config).__name__} mixes attention with state-space layers and has no "
+                                   "layer_types to say which layer is which")
     per_layer = _per_layer_configs(config, count)
-    layers = (_attention_layer(per_layer[i], types[i] if types else None) for i in range(count))
+    layers = (_attention_layer(per_layer[i], types[i] if types else None, i) for i in range(count))
     return tuple(layer for layer in layers if layer is not None)
 
 
@@ -177,11 +199,14 @@ def _per_layer_configs(config: Any, count: int) -> list[Any]:
     return [config] * count
 
 
-def _attention_layer(config: Any, layer_type: str | None) -> AttentionLayer | None:
-    """One layer's attention products; None for a layer without softmax attention (by its ``layer_types`` entry)
-    or a config without attention heads."""
-    if layer_type is not None and ("attention" not in layer_type or "linear" in layer_type):
+def _attention_layer(config: Any, layer_type: str | None, index: int) -> AttentionLayer | None:
+    """Layer ``index``'s attention products; None for a layer without softmax attention (by its ``layer_types``
+    entry) or a config without attention heads."""
+    if layer_type in NO_SQUARE:
         return None
+    if layer_type is not None and layer_type not in FULL_ATTENTION and layer_type not in WINDOWED_ATTENTION:
+        raise CannotCountAttention(f"layer {index} is {layer_type!r}, a layer type whose attention cost is not "
+                                   "known here")
     heads = getattr(config, "num_attention_heads", None)
     if not heads:
         return None
@@ -189,18 +214,25 @@ def _attention_layer(config: Any, layer_type: str | None) -> AttentionLayer | No
     nope, rope = getattr(config, "qk_nope_head_dim", None), getattr(config, "qk_rope_head_dim", None)
     query_key = nope + rope if nope and rope else head_dim  # MLA (DeepSeek-V3): head_dim is the rope part only
     value = getattr(config, "v_head_dim", None) or head_dim
-    return AttentionLayer(int(heads) * int(query_key), int(heads) * int(value), _window(config, layer_type))
+    return AttentionLayer(int(heads) * int(query_key), int(heads) * int(value), _window(config, layer_type, index))
 
 
-def _window(config: Any, layer_type: str | None) -> int | None:
+def _window(config: Any, layer_type: str | None, index: int) -> int | None:
     """The keys a query of this layer sees at most: its sliding window or attention chunk (None: all)."""
-    if layer_type == "chunked_attention":
-        span = getattr(config, "attention_chunk_size", None)
-    elif layer_type == "sliding_attention" or (layer_type is None and getattr(config, "use_sliding_window", True)):
+    if layer_type in WINDOWED_ATTENTION:
+        key = WINDOWED_ATTENTION[layer_type]
+        span = getattr(config, key, None)
+        if not _positive_int(span):
+            raise CannotCountAttention(f"layer {index} is {layer_type!r} but the config's {key} is {span!r}")
+        return int(span)
+    if layer_type is None and getattr(config, "use_sliding_window", True):
         span = getattr(config, "sliding_window", None)  # no layer_types (Mistral): the window is every layer's
-    else:
-        span = None
-    return int(span) if isinstance(span, int) and not isinstance(span, bool) and span > 0 else None
+        return int(span) if _positive_int(span) else None
+    return None
+
+
+def _positive_int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def compute_dtype(model: torch.nn.Module, mixed_precision: str | None = None) -> torch.dtype:

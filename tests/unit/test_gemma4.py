@@ -22,7 +22,7 @@ from hf_accum.batching import PaddingCollator
 from hf_accum.testing import PAD, VOCAB, Scenario, random_rows, run_exact, run_naive, run_trainer
 from hf_accum.testing.float64 import float64_arithmetic
 from hf_accum.testing.models import TEST_SHAPE
-from hf_accum.utilization import AttentionLayer, ModelFlops, attention_layers
+from hf_accum.utilization import AttentionLayer, CannotCountAttention, ModelFlops, attention_layers
 
 EXACT = 1e-10
 NAIVE_IS_WRONG = 1e-3
@@ -98,6 +98,19 @@ def test_other_per_layer_layouts_read_from_the_config():
     assert attention_layers(mla) == (AttentionLayer(4 * 24, 4 * 12),) * 2
     windowed = MistralConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, sliding_window=64)
     assert attention_layers(windowed) == (AttentionLayer(32, 32, window=64),) * 2
+
+
+def test_attention_of_unknown_cost_is_not_guessed():
+    """Sparse attention (DeepSeek-V3.2's indexed_attention) does not compute the square: no count, not a wrong one."""
+    from transformers import AutoConfig
+
+    sparse = AutoConfig.for_model("deepseek_v32", num_hidden_layers=2)
+    with pytest.raises(CannotCountAttention, match="'indexed_attention'"):
+        attention_layers(sparse)
+    unplaced = AutoConfig.for_model("mistral", num_hidden_layers=2, layer_types=None)
+    unplaced.mamba_d_state = 16  # a hybrid state-space config without layer_types: which layer attends is unknown
+    with pytest.raises(CannotCountAttention, match="state-space"):
+        attention_layers(unplaced)
 
 
 def _scenario(factory) -> Scenario:
