@@ -19,7 +19,9 @@ one forward and one backward of the model need, counted analytically from its sh
   (Qwen3.5's and Qwen3-Next's ``linear_attention``, LFM2's ``conv``) have no ``L^2`` term (their projections are
   linear layers, counted above); a sliding-window or chunked layer of span ``w`` sees at most ``w`` keys per
   query, counted as ``min(sum L^2, w x tokens)`` over the window's sequences (exact when every sequence is
-  shorter than ``w`` or every one is longer; otherwise an upper bound);
+  shorter than ``w`` or every one is longer; otherwise an upper bound). A layer type of unknown cost (sparse or
+  compressed attention: DeepSeek-V3.2's ``indexed_attention``) or a hybrid state-space config without
+  ``layer_types`` is not counted (FLOPs reported missing, said once), never guessed;
 * no recompute: activation checkpointing's second forward is hardware work, not model work (that would be HFU);
   norms, activations, softmax and the optimizer are not matmuls and are not counted.
 
