@@ -14,13 +14,12 @@ Ctrl-C as a user types it: :class:`Terminal` runs a launcher in a pseudo-termina
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import os
 import re
 import signal
 import subprocess
-import termios
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -174,8 +173,8 @@ class Terminal:
 
     def __init__(self, command: list[str], env: dict[str, str], cwd: str) -> None:
         master, slave = os.openpty()
-        self.process = subprocess.Popen(command, stdin=slave, stdout=slave, stderr=slave, env=env, cwd=cwd,
-                                        start_new_session=True, preexec_fn=_make_controlling_terminal)
+        self.process = subprocess.Popen([sys.executable, "-c", _WITH_CONTROLLING_TERMINAL, *command], stdin=slave,
+                                        stdout=slave, stderr=slave, env=env, cwd=cwd, start_new_session=True)
         os.close(slave)
         self.master = master
         self.output = ""
@@ -232,9 +231,11 @@ class Terminal:
         os.close(self.master)
 
 
-def _make_controlling_terminal() -> None:
-    """In the child, after ``setsid``: its standard input (the pseudo-terminal) becomes its controlling terminal."""
-    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+# Run in the new session's leader (no preexec_fn: the test process may have threads): its standard input, the
+# pseudo-terminal, becomes its controlling terminal; then it becomes the command (the same process).
+_WITH_CONTROLLING_TERMINAL = (
+    "import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); os.execvp(sys.argv[1], sys.argv[1:])"
+)
 
 
 def worker_pids(output: str) -> list[int]:
