@@ -101,6 +101,11 @@ fixed ``1 / K`` of ``Accelerator.backward`` is undone at the boundary as always)
     ``$HF_ACCUM_PEAK_FLOPS``, else a GPU's data-sheet peak by name, else a GEMM measured on the CPU
     (:mod:`hf_accum.peak_flops`)."""
 
+    ddp_find_unused_parameters: bool | None = None
+    """DDP's ``find_unused_parameters`` (``TrainingArguments.ddp_find_unused_parameters``); None: as ``Trainer``
+    decides it, on unless the model uses activation checkpointing, so a parameter that gets no gradient (a vision
+    tower's unused norm) does not stop DDP (:mod:`hf_accum.loop.ddp`)."""
+
     compile: bool = False
     """``torch.compile`` the model's repeated blocks (decoder layers) in place before training
     (:mod:`hf_accum.compile`: embeddings, the head and the fused loss stay eager, evaluation runs eager; the
@@ -135,6 +140,9 @@ fixed ``1 / K`` of ``Accelerator.backward`` is undone at the boundary as always)
             raise LoopConfigError(f"LoopConfig.max_steps={self.max_steps!r} must be an integer (-1 or 0: no limit)")
         if not _is_int(self.warmup_steps, 0):
             raise LoopConfigError(f"LoopConfig.warmup_steps={self.warmup_steps!r} must be an integer >= 0")
+        if self.ddp_find_unused_parameters not in (None, True, False):
+            raise LoopConfigError(f"LoopConfig.ddp_find_unused_parameters={self.ddp_find_unused_parameters!r}; "
+                                  "allowed: None (as Trainer decides), True, False")
         _in_range(self, "warmup_ratio", 0.0, 1.0, "between 0 and 1")
         _in_range(self, "label_smoothing", 0.0, 1.0, "at least 0 and below 1", closed=False)
         if self.max_grad_norm is not None:

@@ -23,6 +23,7 @@ from hf_accum.compat import keep_4bit_training_layout
 from hf_accum.compile import CompileError, compile_blocks, whole_model_compiled
 from hf_accum.control import NonFiniteGuard, StopSignals, TrainingControl
 from hf_accum.loop.config import LoopConfig, LoopConfigError
+from hf_accum.loop.ddp import set_find_unused_parameters
 from hf_accum.loop.evaluation import evaluate_loss, evaluation_due
 from hf_accum.loop.plan import RunPlan, check_supported
 from hf_accum.loop.steppers import Step, Stepper, build_stepper, is_deepspeed
@@ -74,6 +75,7 @@ def train(
     config = (config or LoopConfig()).validate()
     check_supported(accelerator, train_dataloader)
     model = _compiled(model, config, accelerator)
+    set_find_unused_parameters(model, config.ddp_find_unused_parameters, accelerator.is_main_process)
     plan = RunPlan.of(train_dataloader, accelerator, config, model)
     scheduler = _scheduler(plan, config, optimizer, lr_scheduler, accelerator)
     control = control or TrainingControl()
