@@ -4,6 +4,8 @@ torchrun launcher. Nothing here is used by training itself.
 
 * :mod:`~hf_accum.testing.models` -- tiny Llamas (float64, dtype-keeping RMSNorm; optionally with a LoRA
   adapter), a causal LM whose ``forward`` takes no ``**kwargs``;
+* :mod:`~hf_accum.testing.families` -- every model family the docs list, one row each (a tiny builder, its data,
+  its expected loss path), for tests/unit/test_model_families.py;
 * :mod:`~hf_accum.testing.data` -- random rows of uneven length (prompt masking, classification
   labels, long/short rows per rank);
 * :mod:`~hf_accum.testing.scenarios` -- a scenario (model, data, batch arithmetic) run through the
