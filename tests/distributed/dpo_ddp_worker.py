@@ -2,7 +2,7 @@
 (``even_batches=False``: 11 pairs in micro-batches of 2 give one rank 6 pairs and the other 5), audited against
 the big-batch reference on rank 0 (hf_accum/testing/dpo_reference.py gathers every rank's micro-batches). Runs:
 AccumDPOTrainer (sigmoid; sigmoid + sft, live and precomputed reference), the loop with DPOPairLoss (one and two
-terms), and stock ``DPOTrainer`` (sigmoid + sft) with Accelerate's default ``even_batches=True`` (it trains a
+terms) -- all on the fused log-probs (hf_accum/fused_logprobs.py, their default) --, and stock ``DPOTrainer`` (sigmoid + sft) with Accelerate's default ``even_batches=True`` (it trains a
 repeated pair; with ``even_batches=False`` its metric gathers fail). Rank 0 writes a JSON report to ``argv[1]``.
 
 Launched by tests/distributed/test_dpo_ddp.py.
@@ -60,11 +60,12 @@ def main(report_path: str) -> None:
     for name, (trainer_cls, loss, even) in TRAINER_RUNS.items():
         run = run_dpo_trainer(trainer_cls, rows, TOKENIZER, os.path.join(out_dir, name), micro_batch=2,
                               accumulation=2, even_batches=even, **loss)
+        fused = getattr(getattr(run["trainer"], "dpo_loss", None), "fused", None)
         report[name] = {"errors": run["errors"], "pairs": run["pairs"], "logs": run["logs"],
-                        "metrics": run["metrics"]}
+                        "metrics": run["metrics"], "fused_forwards": fused.forwards if fused is not None else 0}
     for name, loss in LOOP_RUNS.items():
         run = run_dpo_loop(pair_features(11, seed=6), loss, micro_batch=2, accumulation=2, even_batches=False)
-        report[name] = {"errors": run["errors"], "pairs": run["pairs"],
+        report[name] = {"errors": run["errors"], "pairs": run["pairs"], "fused_forwards": loss.fused.forwards,
                         "targets": [update.targets for update in run["result"].updates]}
     report["world_size"] = dist.get_world_size()
     _write(report, report_path)

@@ -1,6 +1,7 @@
 """torchrun worker (2 CPU processes, gloo): AccumGRPOTrainer and stock ``trl.GRPOTrainer`` with generation replaced
 (hf_accum/testing/grpo_reference.py), rank 0's completions up to 7 tokens and rank 1's 1-2 tokens, so the ranks' token counts
-differ several-fold. Every update's applied gradient is compared on rank 0 with the reference over both ranks'
+differ several-fold; AccumGRPOTrainer's log-probs are the fused ones (hf_accum/fused_logprobs.py, its default).
+Every update's applied gradient is compared on rank 0 with the reference over both ranks'
 micro-batches (gathered). Rank 0 writes a JSON report to ``argv[1]``.
 
 Launched by tests/distributed/test_grpo_ddp.py; all runs share one launch (process start-up dominates).
@@ -32,6 +33,8 @@ RUNS = {
     "accum_dr_grpo": (AccumGRPOTrainer, {"loss_type": "dr_grpo"}),
     "accum_luspo": (AccumGRPOTrainer, {"loss_type": "luspo", "importance_sampling_level": "sequence"}),
     "accum_dapo_short_window": (AccumGRPOTrainer, {"loss_type": "dapo", "gradient_accumulation_steps": 4}),
+    # The entropy bonus's gradient through the fused log-probs' entropy, with the KL term.
+    "accum_grpo_entropy": (AccumGRPOTrainer, {"loss_type": "grpo", "beta": 0.1, "entropy_coef": 0.05}),
     "stock_dapo": (GRPOTrainer, {"loss_type": "dapo"}),
     "stock_bnpo": (GRPOTrainer, {"loss_type": "bnpo"}),
 }
@@ -50,7 +53,8 @@ def run(name: str, out_dir: str) -> dict | None:
     per_update = [[mb for rank in gathered for mb in rank[index]] for index in range(len(local))]
     tokens = [[int(mb["completion_mask"].sum()) for mb in rank_updates[0]] for rank_updates in gathered]
     return {"errors": update_errors(trainer, recorder, per_update), "windows": [len(u) for u in local],
-            "first_update_tokens_by_rank": tokens, "world_size": trainer.args.world_size}
+            "first_update_tokens_by_rank": tokens, "world_size": trainer.args.world_size,
+            "fused_forwards": trainer.fused_logprobs.forwards if hasattr(trainer, "fused_logprobs") else 0}
 
 
 def main(report_path: str) -> None:

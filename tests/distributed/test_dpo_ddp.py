@@ -31,6 +31,7 @@ def test_accum_dpo_trainer_is_exact_over_uneven_ranks(report, name):
     assert sum(run["pairs"]) == 11  # every pair once: no pair repeated to even out the ranks
     assert max(run["errors"]) < EXACT, run["errors"]
     assert [log["pairs_per_update"] for log in run["logs"]] == run["pairs"]
+    assert run["fused_forwards"] >= 3  # this rank's micro-batches ran the fused log-probs
 
 
 def test_pair_metrics_sum_both_ranks(report):
@@ -46,6 +47,7 @@ def test_loop_with_dpo_pair_loss_is_exact_over_uneven_ranks(report, name):
     assert sum(run["pairs"]) == 11
     assert max(run["errors"]) < EXACT, run["errors"]
     assert run["targets"] == run["pairs"]
+    assert run["fused_forwards"] >= 3  # fused log-probs
 
 
 def test_stock_dpo_trainer_is_off(report):

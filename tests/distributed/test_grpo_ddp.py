@@ -30,11 +30,13 @@ def test_two_processes_with_uneven_counts(report):
     assert rank0 > 2 * rank1
 
 
-@pytest.mark.parametrize("name", ["accum_dapo", "accum_grpo", "accum_bnpo", "accum_dr_grpo", "accum_luspo"])
+@pytest.mark.parametrize("name", ["accum_dapo", "accum_grpo", "accum_bnpo", "accum_dr_grpo", "accum_luspo",
+                                  "accum_grpo_entropy"])
 def test_accum_grpo_trainer_is_exact_over_ranks(report, name):
     run = report[name]
     assert run["windows"] == [2, 2, 2]
     assert max(run["errors"]) < EXACT, run["errors"]
+    assert run["fused_forwards"] >= 6  # rank 0's micro-batches scored by the fused log-probs
 
 
 def test_short_last_window_over_ranks(report):
