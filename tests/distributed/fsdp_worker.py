@@ -193,6 +193,37 @@ def bf16_run(engine: str) -> dict:
             "master_weights_fp32": grads_fp32}
 
 
+def dpo_fused_run() -> dict:
+    """DPOPairLoss (sigmoid + sft) with fused log-probs under FSDP2 -- read inside the gathered head's forward,
+    recomputed in backward -- against the logits path of an unsharded copy, one micro-batch of 5 pairs (every rank
+    the same pairs: FSDP2's rank-averaged gradient is that micro-batch's gradient)."""
+    import copy
+
+    from hf_accum.preference import DPOPairLoss, collate_pairs
+    from hf_accum.testing.dpo_reference import pair_features, with_reference_logps
+
+    accelerator = accelerator_for("fsdp")
+    model = tiny_causal_lm(seed=0, dtype=torch.float64)
+    unsharded = copy.deepcopy(model)
+    batch = collate_pairs(with_reference_logps(pair_features(5, seed=4), unsharded), pad_token_id=PAD)
+    inputs = {key: batch[key] for key in ("input_ids", "attention_mask")}
+    gradients, fused_forwards = [], 0
+    sharded, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0))  # FSDP2: both together
+    for network, fused in ((sharded, True), (unsharded, False)):
+        network.train()
+        loss = DPOPairLoss(beta=0.5, loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.5], fused=fused)
+        outputs = loss.run_forward(network, dict(inputs), batch["labels"])
+        sums, counts = loss(outputs, batch["labels"], batch)
+        (sums / counts).sum().backward()
+        fused_forwards += loss.fused.forwards if loss.fused is not None else 0
+        gradients.append({name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach()
+                          for name, p in network.named_parameters()})
+    sharded_grads, reference = gradients
+    errors = [float((sharded_grads[name] - grad).norm() / grad.norm()) for name, grad in reference.items()]
+    return {"max_error": max(errors), "parameters": len(errors), "fused_forwards": fused_forwards,
+            "all_dtensor": all(type(p).__name__ == "DTensor" for p in sharded.parameters())}
+
+
 def weight_difference(a: dict, b: dict) -> float:
     """max |a - b| / max |b| over every tensor both hold."""
     return max(float((a[k].double() - b[k].double()).abs().max()) / max(float(b[k].double().abs().max()), 1e-30)
@@ -216,6 +247,7 @@ def main(report_path: str) -> None:
     report["lora"] = exact_run("lora")
     report["lora_head"] = exact_run("lora_head")
     report["logits_path"] = exact_run("full", fused_loss=False)
+    report["dpo_fused_logprobs"] = dpo_fused_run()
     report["checkpointing"] = exact_run("full", checkpointing=True)
     report["naive"] = exact_run("full", naive=True)
     clip_ddp, clip_fsdp = clipped_run("ddp"), clipped_run("fsdp")

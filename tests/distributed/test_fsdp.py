@@ -42,6 +42,14 @@ def test_the_fused_loss_runs_under_fsdp2(report, name):
     assert report[name]["head_trainable"] == (name != "lora")
 
 
+def test_dpo_fused_logprobs_are_exact_under_fsdp2(report):
+    """The fused log-probs' backward recomputes the head's logits: under FSDP2 the head's weight it saved is the
+    gathered one, and the gradient equals the unsharded logits path's (float64)."""
+    run = report["dpo_fused_logprobs"]
+    assert run["all_dtensor"] and run["fused_forwards"] == 1 and run["parameters"] > 10
+    assert run["max_error"] < 1e-10, run
+
+
 def test_the_logits_path_stays_available_and_exact(report):
     assert not fused_on(report["logits_path"]["fused_log"])
 
