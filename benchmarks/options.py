@@ -22,7 +22,7 @@ from transformers import HfArgumentParser
 from transformers.hf_argparser import HfArg
 
 from benchmarks import (
-    fsdp_fused, loss, loss_limit, memory, noise_scale, overhead, padding, rampup_auto, real_model, sft, softcap, sweep, token_budget,
+    dpo, fsdp_fused, grpo, loss, loss_limit, memory, noise_scale, overhead, padding, rampup_auto, real_model, sft, softcap, sweep, token_budget,
     vocab,
 )
 from benchmarks import compile as torch_compile
@@ -38,6 +38,8 @@ SECTIONS = {
     "vocab": vocab,
     "softcap": softcap,
     "sft": sft,
+    "dpo": dpo,
+    "grpo": grpo,
     "token_budget": token_budget,
     "fsdp_fused": fsdp_fused,
     "rampup-auto": rampup_auto,
