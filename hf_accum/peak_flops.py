@@ -237,13 +237,20 @@ def cpu_gemm_rate(dtype: torch.dtype = torch.float32, threads: int | None = None
 
 
 def cores_for(threads: int) -> int:
-    """The physical cores ``threads`` threads can run on: at most the cores of this process's CPUs (hyperthread
-    siblings share one core's vector units, so they add no peak)."""
+    """The physical cores ``threads`` threads of this process can run on: at most the cores of the CPUs it may use
+    (hyperthread siblings share one core's vector units, so they add no peak), and, when the processes of a
+    multi-process run on this machine (``LOCAL_WORLD_SIZE``) are not pinned to CPUs of their own, its share of them
+    (the peak is multiplied by the processes: each may claim only its share)."""
     info = _cpuinfo()
     siblings, cores = info.get("siblings", ""), info.get("cpu cores", "")
     per_core = int(siblings) // int(cores) if siblings.isdigit() and cores.isdigit() and int(cores) else 1
-    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(threads, available // max(1, per_core)))
+    every = os.cpu_count() or 1
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else every
+    physical = max(1, usable // max(1, per_core))
+    local = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    if usable >= every and local.isdigit() and int(local) > 1:
+        physical = max(1, physical // int(local))
+    return max(1, min(threads, physical))
 
 
 def core_gemm_rate(dtype: torch.dtype = torch.float32) -> GemmRate:
