@@ -228,7 +228,7 @@ class LauncherTerminal:
         """Rejoin the launcher's group and hand it the terminal (if :meth:`take` took it)."""
         if self.launcher_group is None or self._terminal is None:
             return
-        signal.signal(signal.SIGTSTP, self._previous_tstp)
+        signal.signal(signal.SIGTSTP, _restorable(self._previous_tstp))
         _rejoin(self.launcher_group, self._terminal)
         os.close(self._terminal)
         self.launcher_group = self._terminal = None
@@ -267,7 +267,12 @@ class _terminal_writes_allowed:
         self._previous = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
 
     def __exit__(self, *exc_info: object) -> None:
-        signal.signal(signal.SIGTTOU, self._previous)
+        signal.signal(signal.SIGTTOU, _restorable(self._previous))
+
+
+def _restorable(handler: Any) -> Any:
+    """A handler ``signal.signal`` returned, fit to hand back to it (None: one installed outside Python)."""
+    return signal.SIG_DFL if handler is None else handler
 
 
 def _rejoin(launcher_group: int, terminal: int) -> None:
