@@ -16,10 +16,10 @@ identical final weights. The same on 2 DDP processes: SIGKILL of both ranks acro
 epoch boundary, then SIGTERM of one rank only (both must stop after the same update), then completion.
 
 Ctrl-C as a user types it into a terminal (a pseudo-terminal; :class:`hf_accum.testing.interruptions.Terminal`),
-the recipe under ``accelerate launch`` (one process, and 2 through its torchrun-based launcher) and ``python``:
-one note at the first Ctrl-C, typed in update 3; a second Ctrl-C in the middle of writing checkpoint-3 aborts
-it, leaving checkpoint-2 whole (it verifies against its manifest, and resumes); every worker exits 130, and the
-launcher stays until they have ended.
+the recipe under ``accelerate launch`` (one process, and 2 through its torchrun-based launcher), ``torchrun`` (2
+processes) and ``python``: one note at the first Ctrl-C, typed in update 3; a second Ctrl-C in the middle of
+writing checkpoint-3 aborts it, leaving checkpoint-2 whole (it verifies against its manifest, and resumes); every
+worker exits 130, and the launcher stays until they have ended.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from hf_accum.checkpoint import (
 )
 from hf_accum.control import CTRL_C_NOTE, EXIT_INTERRUPTED, EXIT_PREEMPTED
 from hf_accum.manifest import verify_checkpoint
-from hf_accum.recipe.testing import ROOT, SCRIPT, SMALL
+from hf_accum.recipe.testing import ROOT, SCRIPT, SMALL, TORCHRUN_2
 from hf_accum.run_lock import LOCK_NAME
 from hf_accum.testing import cases
 from hf_accum.testing.interruptions import (
@@ -175,6 +175,7 @@ CTRL_C_LAUNCHERS = {
     # 2 CPU processes (gloo) through accelerate's torchrun-based launcher: workers in sessions of their own.
     "accelerate_launch_2_processes": [*ACCELERATE, "--multi_gpu", "--num_processes", "2"],
     "python": [sys.executable],
+    "torchrun_2_processes": TORCHRUN_2,
 }
 CTRL_C_WORKER = cases.script("ctrl_c_recipe_worker.py")
 
@@ -215,7 +216,8 @@ def still_running_after(process: subprocess.Popen, seconds: float) -> bool:
     return False
 
 
-@pytest.mark.parametrize("launcher", ["accelerate_launch_2_processes", "accelerate_launch", "python"])
+@pytest.mark.parametrize("launcher", ["accelerate_launch_2_processes", "accelerate_launch", "python",
+                                      "torchrun_2_processes"])
 def test_ctrl_c_twice_aborts_the_checkpoint_and_keeps_the_previous_one(tmp_path, launcher):
     run = type_ctrl_c_into_a_recipe_run(tmp_path, launcher, ctrl_c=2)
     tail = run["output"][-4000:]
@@ -227,7 +229,7 @@ def test_ctrl_c_twice_aborts_the_checkpoint_and_keeps_the_previous_one(tmp_path,
     # The launcher waited: alive while the checkpoint was being written, and ended after every worker.
     assert run["alive"], tail
     assert all(end["monotonic"] <= run["launcher_ended"] for end in run["exits"].values()), (run, tail)
-    # accelerate's launchers report a failing script as 1 (README "Exit codes"); python passes 130 on.
+    # accelerate's launchers and torchrun (its agent re-raises the signal) exit 1 (docs/runs.md); python: 130.
     assert run["code"] == (EXIT_INTERRUPTED if launcher == "python" else 1), tail
     assert "interrupted (Ctrl-C): stopped; final outputs were not written" in run["output"]
     # The aborted checkpoint-3 left nothing behind; checkpoint-2 is whole (every file as its manifest says).
