@@ -47,6 +47,7 @@ from hf_accum.recipe.launch import (  # noqa: E402
     check_engine, check_launch, check_offload_optimizer, fsdp_training_arguments, launch_line, loop_accelerator,
     loop_fsdp_options, start_process_group,
 )
+from hf_accum.recipe.adapter_source import provenance as adapter_provenance  # noqa: E402
 from hf_accum.recipe.modeling import build_model, trainable_summary  # noqa: E402
 from hf_accum.recipe.preference import Objective, dpo_objective  # noqa: E402
 from hf_accum.recipe.outputs import (  # noqa: E402
@@ -243,9 +244,12 @@ def run(config):
     collator = objective.collator(config, tokenizer)  # DPO: chosen rows, then rejected rows
 
     # 3. Model: LoRA targets checked on a weightless skeleton, then weights, LoRA/QLoRA, checkpointing.
-    say(f"loading model {config.model.name_or_path} ...")
+    started_from = adapter_provenance(config)  # model.adapter: the run this one continues (None: a fresh adapter)
+    say(f"loading model {config.model.name_or_path}"
+        + (f", adapter from {started_from['adapter']}" if started_from else "") + " ...")
     model = build_model(config, tokenizer, seed=args.seed, model_checkpointing=launch.backend != "fsdp")
     record.facts["trainable"] = trainable_summary(model)
+    record.facts["started_from"] = started_from
     say(describe_trainable(record.facts["trainable"]))
 
     # 4. Held-out metric (before training: once per output directory), training with exact accumulation, again.

@@ -26,6 +26,7 @@ import torch
 from hf_accum import gguf
 from hf_accum.compat import keep_4bit_training_layout
 from hf_accum.errors import InputError
+from hf_accum.recipe.adapter_source import check_adapter, find_adapter
 from hf_accum.recipe.embedded import TINY_MODEL, build_tiny_llama, recipe_tiny_config, tiny_tokenizer
 from hf_accum.startup import bitsandbytes_kept_out
 
@@ -251,9 +252,11 @@ def enable_gradient_checkpointing(model: Any) -> None:
         model.enable_input_require_grads()
 
 
-def apply_lora(model: Any, lora_config: LoraConfig, quantized: bool, gradient_checkpointing: bool) -> Any:
-    """Wrap ``model`` with LoRA adapters (k-bit preparation first when quantized)."""
-    from peft import get_peft_model, prepare_model_for_kbit_training
+def apply_lora(model: Any, lora_config: LoraConfig, quantized: bool, gradient_checkpointing: bool,
+               adapter_dir: str | None = None) -> Any:
+    """Wrap ``model`` with LoRA adapters (k-bit preparation first when quantized): fresh ones, or the trainable
+    adapter saved in ``adapter_dir`` (``model.adapter``; its own saved settings, which the lora section holds)."""
+    from peft import PeftModel, get_peft_model, prepare_model_for_kbit_training
 
     if quantized:
         model = prepare_model_for_kbit_training(
@@ -263,6 +266,8 @@ def apply_lora(model: Any, lora_config: LoraConfig, quantized: bool, gradient_ch
         )
     elif gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    if adapter_dir is not None:
+        return PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
     return get_peft_model(model, lora_config)
 
 
@@ -297,7 +302,7 @@ def build_model(config: RecipeConfig, tokenizer: Any, seed: int, model_checkpoin
     """The recipe's model: LoRA targets checked on a weightless skeleton first (a typo fails before
     gigabytes load), then the weights, then LoRA/QLoRA and activation checkpointing."""
     m, lora_config, quantization = config.model, config.lora_config(), config.bnb_config()
-    if lora_config is not None:
+    if lora_config is not None and m.adapter is None:  # a loaded adapter's targets are its own
         skeleton = model_skeleton(m.name_or_path, tokenizer, m.config_overrides, m.trust_remote_code, m.gguf_file)
         check_lora_targets(skeleton, lora_config)
     model = load_model(
@@ -307,7 +312,8 @@ def build_model(config: RecipeConfig, tokenizer: Any, seed: int, model_checkpoin
     # model_checkpointing=False: FSDP wraps the layers for checkpointing itself (twice would recompute twice).
     checkpointing = model_checkpointing and checkpointing_requested(config.training)
     if lora_config is not None:
-        return apply_lora(model, lora_config, quantization is not None, checkpointing)
+        adapter_dir = None if m.adapter is None else find_adapter(m.adapter).adapter_dir
+        return apply_lora(model, lora_config, quantization is not None, checkpointing, adapter_dir)
     if checkpointing:
         enable_gradient_checkpointing(model)
     return model
@@ -331,6 +337,7 @@ def check_model_section(model: ModelSection, config: RecipeConfig | None = None)
     weights, and a tokenizer comes from it or from ``model.tokenizer``. A GGUF file holds both."""
     if config is not None:
         check_precision(config)
+        check_adapter(config)  # model.adapter: found, of this base model; the lora section takes its settings
     if gguf.names_gguf(model.name_or_path, model.gguf_file):
         if model.gguf_file is not None:
             gguf.gguf_source(model.name_or_path, model.gguf_file)  # the file is there

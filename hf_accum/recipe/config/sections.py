@@ -28,8 +28,12 @@ class ModelSection:
     gguf_file: str | None = None
     """The ``.gguf`` file inside the ``name_or_path`` directory (dequantized on load; a ``.gguf`` path or a packaged
     ``pypi:`` model as ``name_or_path`` needs none)."""
+    adapter: str | None = None
+    """Start from a previous run's LoRA adapter (trained further) instead of a fresh one: that run's output directory
+    or an adapter directory. It must be of this ``name_or_path`` (the embedded model: the same training.seed and
+    config_overrides); the lora section takes its settings from the adapter (docs/recipe.md "From SFT to RL")."""
     IDENTITY: ClassVar[str] = "name_or_path"
-    TIED: ClassVar[tuple[str, ...]] = ("tokenizer", "config_overrides", "gguf_file")
+    TIED: ClassVar[tuple[str, ...]] = ("tokenizer", "config_overrides", "gguf_file", "adapter")
     """Keys of one model: a higher layer's new ``IDENTITY`` value drops the lower layers' (named in a note)."""
 
 
