@@ -9,6 +9,9 @@
   naive ``loss / K`` loop side by side; by default on the model cut to 2 layers (``--layers N``, ``--full``),
   with the estimated cost printed first. Exit codes: PASS 0, FAIL 1, a ``--model`` that is not a readable
   model directory 2, a model the check cannot run 4 (the message says which and why).
+* ``hf-accum cache [list|clear]`` -- the plain copies of GGUF models converted once for tools that take a
+  directory (``check``, QLoRA), under ``$HF_ACCUM_CACHE`` (default ``~/.cache/hf_accum``): listed with their
+  sizes, or deleted.
 * ``hf-accum generate --run <output_dir> "prompt"`` -- the completion of a trained recipe run (its base
   model loaded or rebuilt as it was trained, its adapter on top, the chat template applied).
 * ``hf-accum bench`` -- run the repository's benchmarks (``benchmarks/``, not part of the installed
@@ -112,6 +115,10 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--quantization", choices=["4bit", "8bit"], help="with --lora-r: the base weights as "
                        "bitsandbytes quantizes them (4bit: nf4 with double quantization, QLoRA's usual)")
     check.set_defaults(run=_run_check)
+
+    cache = commands.add_parser("cache", help="list (default) or clear the converted copies of GGUF models")
+    cache.add_argument("action", nargs="?", choices=["list", "clear"], default="list")
+    cache.set_defaults(run=_run_cache)
 
     generate = commands.add_parser("generate", help="complete a prompt with a trained recipe run's model")
     generate.add_argument("--run", dest="run_dir", required=True,
@@ -229,11 +236,17 @@ def _run_check(args: argparse.Namespace) -> int:
         raise ValueError(f"--layers {args.layers} and --full: give one (--full checks every layer)")
     model, settings = _check_settings(args)
     layers = None if args.full else (DEFAULT_LAYERS if args.layers is None else args.layers)
-    started = time.perf_counter()
+    # Measured from the estimate on: what it estimates (a GGUF conversion before it is announced apart).
+    started = [time.perf_counter(), time.process_time()]
+
+    def announce(line: str) -> None:
+        print(line, flush=True)
+        started[:] = [time.perf_counter(), time.process_time()]
+
     try:
         report = check_model(
             model, args.micro_batch_size, args.accumulation_steps, args.examples, tolerance=args.tolerance,
-            layers=layers, announce=lambda line: print(line, flush=True), settings=settings,
+            layers=layers, announce=announce, settings=settings,
         )
     except ModelCannotRun as error:
         print(f"hf-accum check: cannot run {error}", file=sys.stderr)
@@ -242,8 +255,8 @@ def _run_check(args: argparse.Namespace) -> int:
     print(report.verdict())
     from hf_accum.peak_memory import peak_rss_bytes
 
-    print(f"took {time.perf_counter() - started:.0f} s ({time.process_time():.0f} s of CPU), peak memory "
-          f"{peak_rss_bytes() / 2**30:.2f} GiB RSS")
+    print(f"took {time.perf_counter() - started[0]:.0f} s ({time.process_time() - started[1]:.0f} s of CPU) since "
+          f"the estimate, peak memory {peak_rss_bytes() / 2**30:.2f} GiB RSS")
     return EXIT_OK if report.passed else EXIT_FAILED
 
 
@@ -296,6 +309,21 @@ def _recipe_check_settings(args: argparse.Namespace) -> tuple[str, Any]:
         assert source is not None  # a gguf_file always names a GGUF source (or raises)
         model = gguf.converted_dir(source)
     return model, FineTuneSettings(config.lora_config(), config.bnb_config())
+
+
+def _run_cache(args: argparse.Namespace) -> int:
+    """``hf-accum cache``: each converted GGUF model with its size and source; ``clear`` deletes them."""
+    from hf_accum import gguf
+
+    root = gguf.gguf_cache_dir()
+    entries = gguf.clear_cache() if args.action == "clear" else gguf.cached_conversions()
+    for entry in entries:
+        print(("deleted " if args.action == "clear" else "") + entry.describe())
+    total = sum(entry.size for entry in entries)
+    verb = "deleted" if args.action == "clear" else "held"
+    print(f"{len(entries)} converted GGUF model(s), {total / 2**30:.2f} GiB {verb} in {root} "
+          f"(${gguf.CACHE_ENV} moves the cache)")
+    return 0
 
 
 def _run_generate(args: argparse.Namespace) -> int:

@@ -11,7 +11,9 @@ This module owns:
   treat it as the ordinary model it now is;
 * :func:`converted_dir` -- the same model written once as a normal model directory (``config.json``,
   safetensors, tokenizer), cached by the GGUF file's sha256: what tools that take a directory
-  (``hf-accum check --model DIR``, the tests) load.
+  (``hf-accum check --model DIR``, the tests) load. No silent cost: before writing it says where, how large
+  and how to move or clear the cache (``$HF_ACCUM_CACHE``, ``hf-accum cache clear``);
+* :func:`cached_conversions` / :func:`clear_cache` -- what ``hf-accum cache`` lists and clears.
 
 Nothing here downloads anything.
 """
@@ -20,7 +22,10 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
+import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -147,9 +152,25 @@ def file_sha256(path: str) -> str:
     return digest.hexdigest()
 
 
+CACHE_ENV = "HF_ACCUM_CACHE"
+_SOURCE_RECORD = "hf_accum_gguf_source.json"
+"""Written beside each converted model: the GGUF file it came from (what ``hf-accum cache`` lists)."""
+
+
 def default_cache_root() -> str:
     """``$HF_ACCUM_CACHE`` or ``~/.cache/hf_accum``: where converted GGUF models are kept."""
-    return os.environ.get("HF_ACCUM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hf_accum")
+    return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "hf_accum")
+
+
+def gguf_cache_dir(cache_root: str | None = None) -> str:
+    """The directory holding the converted GGUF models: ``<cache root>/gguf``."""
+    return os.path.join(cache_root or default_cache_root(), "gguf")
+
+
+def _say_on_main_process(line: str) -> None:
+    """One line on stderr, from the first process of each machine only (each converts into its own cache)."""
+    if os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) == "0":
+        print(line, file=sys.stderr, flush=True)
 
 
 def converted_dir(
@@ -157,28 +178,94 @@ def converted_dir(
     cache_root: str | None = None,
     dtype: torch.dtype = torch.float32,
     loaded: tuple[Any, Any] | None = None,
+    announce: Callable[[str], None] | None = None,
 ) -> str:
     """A normal model directory (``config.json``, ``model.safetensors``, tokenizer files) holding the GGUF
     model dequantized to ``dtype``; written once per file content (keyed by its sha256) and reused.
     ``loaded``: ``(model, tokenizer)`` already loaded from ``source`` in ``dtype`` (saves loading it again).
+    ``announce`` (default: a line on stderr, main process) is told before anything is written: where, how many
+    bytes, and how to move (``$HF_ACCUM_CACHE``) or clear (``hf-accum cache clear``) the cache.
 
     Written into a temporary sibling and renamed when complete, so a concurrent or interrupted
     conversion never leaves a half-written directory under the final name."""
-    root = os.path.join(cache_root or default_cache_root(), "gguf")
+    root = gguf_cache_dir(cache_root)
     dtype_name = str(dtype).removeprefix("torch.")
     target = os.path.join(root, f"{file_sha256(source.path)[:16]}-{dtype_name}")
     if os.path.isfile(os.path.join(target, "config.json")):
         return target
+    model, tokenizer = loaded if loaded is not None else (load_gguf_model(source, dtype), None)
+    (announce or _say_on_main_process)(conversion_notice(source, target, _weight_bytes(model)))
     os.makedirs(root, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".converting-", dir=root)
-    model, tokenizer = loaded if loaded is not None else (load_gguf_model(source, dtype), None)
+    with open(os.path.join(staging, _SOURCE_RECORD), "w") as record:
+        json.dump({"gguf": source.path, "dtype": dtype_name}, record)
     model.save_pretrained(staging)
     del model
     (tokenizer or load_gguf_tokenizer(source)).save_pretrained(staging)
     try:
         os.rename(staging, target)
     except OSError:  # another process finished first: keep its copy
-        import shutil
-
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def conversion_notice(source: GgufSource, target: str, size: int) -> str:
+    """What a conversion is about to write, and how to move or clear it."""
+    return (f"converting {source.filename} once to a plain {_gib(size)} copy in {target} (reused by later runs; "
+            f"set {CACHE_ENV}=DIR to keep it elsewhere, 'hf-accum cache' lists and 'hf-accum cache clear' deletes "
+            "these copies)")
+
+
+def _weight_bytes(model: Any) -> int:
+    """Bytes of the model's parameters and buffers as ``save_pretrained`` writes them (tied weights once)."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _gib(size: float) -> str:
+    return f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.0f} MiB"
+
+
+@dataclass(frozen=True)
+class CachedConversion:
+    """One converted model in the cache: its directory, its size on disk and the GGUF file it came from."""
+
+    path: str
+    size: int
+    source: str
+
+    def describe(self) -> str:
+        return f"{_gib(self.size):>10}  {self.path}  (from {self.source})"
+
+
+def cached_conversions(cache_root: str | None = None) -> list[CachedConversion]:
+    """Every converted model (and every conversion left half-written by an interrupted run) under the cache."""
+    root = gguf_cache_dir(cache_root)
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if not os.path.isdir(path):
+            continue
+        source = "an interrupted conversion" if name.startswith(".converting-") else "unrecorded GGUF file"
+        try:
+            with open(os.path.join(path, _SOURCE_RECORD)) as record:
+                source = json.load(record)["gguf"]
+        except (OSError, ValueError, KeyError):
+            pass
+        found.append(CachedConversion(path, _tree_size(path), source))
+    return found
+
+
+def clear_cache(cache_root: str | None = None) -> list[CachedConversion]:
+    """Delete every converted model under the cache (what ``hf-accum cache clear`` does); returns what it deleted.
+    Only the cache's ``gguf/`` directory is touched."""
+    removed = cached_conversions(cache_root)
+    for entry in removed:
+        shutil.rmtree(entry.path, ignore_errors=True)
+    return removed
+
+
+def _tree_size(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(folder, name)) for folder, _, names in os.walk(path) for name in names)
