@@ -8,7 +8,7 @@ optimizer applied, the LR, the logged loss) and, when training completes, ``OUT/
 weights) and ``OUT/result-TAG.json``.
 
 Ctrl-C as a user types it: :class:`Terminal` runs a launcher in a pseudo-terminal, and the recipe under it
-(``hf_accum/testing/cases/ctrl_c_recipe_worker.py``) pauses where the test types each Ctrl-C.
+(``hf_accum/testing/cases/ctrl_c_recipe.py``) pauses where the test types each Ctrl-C.
 """
 
 from __future__ import annotations
@@ -239,7 +239,7 @@ _WITH_CONTROLLING_TERMINAL = (
 
 
 def worker_pids(output: str) -> list[int]:
-    """The pids the Ctrl-C workers (hf_accum/testing/cases/ctrl_c_recipe_worker.py) announced."""
+    """The pids the Ctrl-C workers (hf_accum/testing/cases/ctrl_c_recipe.py) announced."""
     return [int(pid) for pid in re.findall(r"ctrl-c test: rank \d+ pid (\d+)", output)]
 
 

@@ -177,7 +177,7 @@ CTRL_C_LAUNCHERS = {
     "python": [sys.executable],
     "torchrun_2_processes": TORCHRUN_2,
 }
-CTRL_C_WORKER = cases.script("ctrl_c_recipe_worker.py")
+CTRL_C_WORKER = cases.script("ctrl_c_recipe.py")
 
 
 def type_ctrl_c_into_a_recipe_run(tmp_path, launcher: str, ctrl_c: int) -> dict:

@@ -1,7 +1,8 @@
-"""The recipe (``recipes/finetune_llama.py`` of this checkout) run unchanged under whatever launcher starts this
-script, with two pauses at which a test types Ctrl-C (tests/integration/test_interrupted_runs.py):
+"""A wrapper, not a torchrun worker (the recipe it runs leaves its own process group): the recipe
+(``recipes/finetune_llama.py`` of this checkout) run unchanged under whatever launcher starts this script,
+with two pauses at which a test types Ctrl-C (tests/integration/test_interrupted_runs.py):
 
-    accelerate launch ctrl_c_recipe_worker.py REPORT_DIR <the recipe's arguments>
+    accelerate launch ctrl_c_recipe.py REPORT_DIR <the recipe's arguments>
 
 1. at the first micro-batch built once ``checkpoint-2`` is complete (in update 3), until this process has
    received a stop signal (SIGINT or SIGTERM);
