@@ -98,8 +98,10 @@ def _class_name_ends(*suffixes: str, encoder_decoder: bool | None = None) -> Cal
 
 
 def _token_claims(name: str, config: Any) -> bool:
-    # Seq2seq LMs feed right-shifted decoder inputs: their labels already align with the logits.
-    return bool(getattr(config, "is_encoder_decoder", False)) or name.endswith("ForTokenClassification")
+    # Seq2seq LMs feed right-shifted decoder inputs: their labels already align with the logits. An
+    # encoder-decoder's sequence-classification head (BART's, T5's) is the "sequence" layout's.
+    seq2seq_lm = bool(getattr(config, "is_encoder_decoder", False)) and not name.endswith("ForSequenceClassification")
+    return seq2seq_lm or name.endswith("ForTokenClassification")
 
 
 def _sequence_loss_sum(

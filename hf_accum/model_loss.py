@@ -127,17 +127,34 @@ def is_encoder_decoder(model: torch.nn.Module) -> bool:
     return bool(getattr(getattr(unwrap_model(model), "config", None), "is_encoder_decoder", False))
 
 
-def training_inputs(model: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor | None) -> dict[str, Any]:
+def training_inputs(model: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor | None,
+                    kind: LossKind | None = None) -> dict[str, Any]:
     """The inputs of the forward that trains, which runs without ``labels`` (no model-side loss): ``inputs``,
-    plus, for an encoder-decoder whose batch carries labels but no decoder inputs (what
+    plus, for an encoder-decoder LM whose batch carries labels but no decoder inputs (what
     ``DataCollatorForSeq2Seq`` without ``model=`` gives), the ``decoder_input_ids`` the model itself builds from
     the labels when called with ``labels=``. Without them a BART would build its decoder inputs from the
-    *encoder's* ``input_ids`` (another objective) and a T5 would refuse to run."""
-    if labels is None or not torch.is_tensor(labels) or labels.dim() != 2 or not is_encoder_decoder(model):
+    *encoder's* ``input_ids`` (another objective) and a T5 would refuse to run.
+
+    Only per-token integer labels ``[B, T]`` are target tokens: an encoder-decoder's sequence-classification head
+    (``[B]`` labels, or ``[B, C]`` float multi-label ones; ``kind`` ``"sequence"``) builds its decoder inputs
+    from ``input_ids``, and a head whose forward takes no ``decoder_input_ids`` has no decoder."""
+    if labels is None or not torch.is_tensor(labels) or labels.dim() != 2 or labels.is_floating_point():
+        return inputs
+    if kind is not None and not loss_kind_spec(kind).per_token:
+        return inputs
+    if not is_encoder_decoder(model) or not _takes_decoder_inputs(model):
         return inputs
     if any(inputs.get(key) is not None for key in DECODER_INPUT_KEYS):
         return inputs
     return {**inputs, "decoder_input_ids": decoder_inputs_from_labels(model, labels)}
+
+
+def _takes_decoder_inputs(model: torch.nn.Module) -> bool:
+    forward = getattr(unwrap_model(model), "forward", None)
+    try:
+        return callable(forward) and "decoder_input_ids" in inspect.signature(forward).parameters
+    except (TypeError, ValueError):  # a forward without a signature to read: not known to take them
+        return False
 
 
 def decoder_inputs_from_labels(model: torch.nn.Module, labels: torch.Tensor) -> torch.Tensor:
@@ -246,7 +263,7 @@ def _check_training_forward(model: torch.nn.Module, name: str, inputs: dict[str,
     cause = f"{name} builds different inputs when called with labels= than in the forward that trains (without labels)"
     try:
         with probing(model):
-            outputs = model(**training_inputs(model, inputs, labels))
+            outputs = model(**training_inputs(model, inputs, labels, kind))
         logits = outputs["logits"]
     except (TypeError, KeyError, ValueError) as error:
         if expected is None:

@@ -108,7 +108,7 @@ def test_negative_control_without_decoder_inputs_another_objective_is_trained(fa
 @pytest.fixture
 def old_forward(monkeypatch):
     """Both front-ends' forward as it was: no decoder inputs built from the labels."""
-    def unchanged(model, inputs, labels):
+    def unchanged(model, inputs, labels, kind=None):
         return inputs
 
     monkeypatch.setattr(micro_batch_module, "training_inputs", unchanged)
@@ -209,6 +209,30 @@ def test_training_inputs_leaves_other_batches_alone():
     assert training_inputs(tiny_causal_lm(), inputs, labels) is inputs  # not an encoder-decoder
     given = {**inputs, "decoder_input_ids": torch.tensor([[2, 5, 6]])}
     assert training_inputs(tiny_seq2seq("bart"), given, labels) is given  # the batch's own decoder inputs win
+
+
+@pytest.mark.parametrize("family", ["t5", "bart"])
+@pytest.mark.parametrize("problem", ["single_label_classification", "multi_label_classification"])
+def test_encoder_decoder_classifiers_keep_their_own_decoder_inputs(family, problem):
+    """A sequence-classification head of an encoder-decoder builds its decoder inputs from ``input_ids``, not
+    from its labels (``[B]``, or ``[B, C]`` floats): nothing is added, and the loss is the model's own."""
+    from transformers import AutoModelForSequenceClassification
+
+    config = tiny_seq2seq(family).config
+    config.num_labels, config.problem_type = 3, problem
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(config).to(torch.float64)
+    batch = Seq2SeqCollator(seq2seq_pad_token_id(family))(ROWS["unequal_lengths"][:4])
+    batch.pop("labels")
+    eos = int(config.eos_token_id)  # BART's head reads the last end-of-sequence token of each row
+    batch["input_ids"] = torch.cat([batch["input_ids"], torch.full((4, 1), eos)], 1)
+    batch["attention_mask"] = torch.cat([batch["attention_mask"], torch.ones(4, 1, dtype=torch.long)], 1)
+    labels = torch.tensor([0, 2, 1, 2]) if problem == "single_label_classification" else torch.rand(4, 3, dtype=torch.float64).round()
+    assert training_inputs(model, batch, labels) is batch
+    with float64_arithmetic():
+        loss_sum, n_targets = MicroBatchLoss()(model.eval(), batch, labels)[1:]
+        own = float(model(**batch, labels=labels).loss)
+    assert float(loss_sum) / int(n_targets) == pytest.approx(own, rel=1e-12)
 
 
 def test_training_inputs_sees_through_peft():
