@@ -128,8 +128,10 @@ def train_dpo_with_loop(train_with_loop: Callable[..., Any], model: Any, tokeniz
     from hf_accum.recipe.reference import pair_features, reference_logps
 
     splits = {"train": data.train.examples, **({"held_out": data.held_out.examples} if data.held_out else {})}
+    # model.adapter (a previous run's adapter): the reference is that starting policy, not the base model
     scored = reference_logps(model, splits, tokenizer.pad_token_id, args.output_dir,
-                             batch_size=args.per_device_eval_batch_size, is_main=is_main_process(), report=say)
+                             batch_size=args.per_device_eval_batch_size, is_main=is_main_process(), report=say,
+                             keep_adapter=record.config.model.adapter is not None)
     features = {name: [pair_features(pair) for pair in pairs] for name, pairs in scored.items()}
     data = dataclasses.replace(
         data, train=dataclasses.replace(data.train, examples=features["train"]),

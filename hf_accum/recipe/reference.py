@@ -39,12 +39,14 @@ def pair_features(pair: dict[str, Any]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def reference_mode(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+def reference_mode(model: torch.nn.Module, keep_adapter: bool = False) -> Iterator[torch.nn.Module]:
     """The reference policy: a PEFT model with its adapters (and ``modules_to_save`` copies) disabled; any other
-    model as it is (called before its first update, it is its own reference). Eval mode (no dropout)."""
+    model as it is (called before its first update, it is its own reference). Eval mode (no dropout).
+    ``keep_adapter``: the adapter was loaded from a previous run (``model.adapter``): the reference is the model as
+    loaded, adapter on (TRL's choice for a pretrained adapter: its frozen copy)."""
     was_training = model.training
     model.eval()
-    disable = getattr(model, "disable_adapter", None)
+    disable = None if keep_adapter else getattr(model, "disable_adapter", None)
     try:
         with disable() if callable(disable) else contextlib.nullcontext():
             yield model
@@ -74,13 +76,14 @@ def completion_logps_of(model: torch.nn.Module, pairs: Sequence[dict[str, Any]],
     return (torch.cat(chosen) if chosen else empty), (torch.cat(rejected) if rejected else empty)
 
 
-def weights_digest(model: torch.nn.Module) -> str:
-    """A digest of the reference's weights (the base model's parameters and buffers; adapter weights left out):
+def weights_digest(model: torch.nn.Module, with_adapter: bool = False) -> str:
+    """A digest of the reference's weights (the base model's parameters and buffers; adapter weights left out unless
+    ``with_adapter``, where they are part of the reference):
     names, shapes, dtypes and float64 sums. Cheap next to a forward pass over the data, and any change of the
     model (another checkpoint, dtype, seed of a random init) changes it."""
     digest = hashlib.sha256()
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if "lora_" in name or "modules_to_save" in name:
+        if not with_adapter and ("lora_" in name or "modules_to_save" in name):
             continue
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
         with contextlib.suppress(RuntimeError, TypeError):  # packed 4-bit or empty partitioned storage
@@ -103,20 +106,24 @@ def pairs_digest(splits: dict[str, Sequence[dict[str, Any]]]) -> str:
 
 def reference_logps(model: torch.nn.Module, splits: dict[str, Sequence[dict[str, Any]]], pad_token_id: int,
                     cache_dir: str | None, batch_size: int = 16, is_main: bool = True,
-                    report: Callable[[str], Any] = print) -> dict[str, list[dict[str, Any]]]:
+                    report: Callable[[str], Any] = print,
+                    keep_adapter: bool = False) -> dict[str, list[dict[str, Any]]]:
     """Each split's pairs with ``ref_chosen_logps`` / ``ref_rejected_logps`` added: from the cache in
     ``cache_dir`` when its key matches, else computed once with :func:`reference_mode` (and cached by the main
-    process). Every process computes the same values (one forward pass each), so no collective is needed."""
-    with reference_mode(model):
-        key = {"weights": weights_digest(model), "pairs": pairs_digest(splits)}
+    process). Every process computes the same values (one forward pass each), so no collective is needed.
+    ``keep_adapter``: the reference is the model as loaded, its adapter on (:func:`reference_mode`)."""
+    which = "the starting model (the loaded adapter on)" if keep_adapter else "the base model (adapter disabled)"
+    with reference_mode(model, keep_adapter):
+        key = {"weights": weights_digest(model, keep_adapter), "pairs": pairs_digest(splits)}
         path = os.path.join(cache_dir, CACHE_NAME) if cache_dir else None
         cached = _read_cache(path, key, report)
         if cached is None:
             total = sum(len(pairs) for pairs in splits.values())
-            with phase_bar(total, "reference log-probs (base model)", unit="pair") as advance:
+            label = "starting model" if keep_adapter else "base model"
+            with phase_bar(total, f"reference log-probs ({label})", unit="pair") as advance:
                 cached = {name: completion_logps_of(model, pairs, pad_token_id, batch_size, advance)
                           for name, pairs in splits.items()}
-            report(f"reference log-probs: {total} pairs scored by the base model (adapter disabled)"
+            report(f"reference log-probs: {total} pairs scored by {which}"
                    + (f", cached in {path}" if path else ""))
             if path and is_main:
                 _write_cache(path, key, cached)

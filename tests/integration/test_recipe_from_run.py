@@ -11,6 +11,7 @@ nothing written).
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -22,7 +23,8 @@ from hf_accum.recipe.testing import PYTHON, fails_cleanly, load_adapter, max_abs
 ENGINES = ("loop", "trainer")
 SFT = ("training.max_steps=4",)
 DPO = ("objective=dpo", "data.num_train_examples=64", "data.num_eval_examples=16", "training.max_steps=2",
-       "training.per_device_train_batch_size=4", "global_batch_size=8", "training.logging_steps=1")
+       "training.per_device_train_batch_size=4", "global_batch_size=8", "training.logging_steps=1",
+       "dpo.sft_weight=0")  # the DPO term alone: at the start, policy = reference, so the loss is log 2
 
 
 @pytest.fixture(scope="module")
@@ -44,17 +46,23 @@ def held_out_margin(model, config) -> float:
 
 
 @pytest.mark.slow
-def test_a_dpo_run_from_the_sft_run_starts_from_its_final_state(sft_run, tmp_path):
+@pytest.mark.parametrize("engine", ["loop", "trainer"])
+def test_a_dpo_run_from_the_sft_run_starts_from_its_final_state(sft_run, tmp_path, engine):
     from hf_accum.recipe.generate import load_trained
 
     out = tmp_path / "dpo"
-    proc = run_script(PYTHON, out, *DPO, f"model.adapter={sft_run}")
+    proc = run_script(PYTHON, out, *DPO, f"model.adapter={sft_run}", f"engine={engine}")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"adapter from {sft_run / 'adapter'}" in proc.stdout
     metrics = read_metrics(out)
     assert metrics["started_from"] == {"adapter": str(sft_run / "adapter"), "run": str(sft_run),
                                        "base_model": "hf_accum:tiny-llama", "base_seed": 0}
     assert len(metrics["updates"]) == 2
+    # The reference is the starting policy (the SFT adapter on), so the first update's DPO loss is log 2; a base-model
+    # reference would give another value (the SFT and base margins below differ by ~0.1 nats).
+    assert abs(metrics["updates"][0]["loss"] - math.log(2)) < 1e-6, metrics["updates"][0]["loss"]
+    if engine == "loop":
+        assert "pairs scored by the starting model (the loaded adapter on)" in proc.stdout
     config = recipe_config.build_config(recipe_config.load_yaml(str(out / recipe_config.RESOLVED_CONFIG_NAME)))
     assert config.model.adapter == str(sft_run)
 

@@ -11,7 +11,7 @@ import yaml
 
 from hf_accum.errors import InputError
 from hf_accum.recipe import config as recipe_config
-from hf_accum.recipe.adapter_source import find_adapter, provenance
+from hf_accum.recipe.adapter_source import check_adapter, find_adapter, provenance
 from hf_accum.recipe.command_line import parse_overrides
 
 ENGINES = ("loop", "trainer")
@@ -115,3 +115,15 @@ def test_the_embedded_models_adapter_needs_the_same_seed_and_overrides(tmp_path)
 def test_an_adapter_with_lora_off_is_refused(tmp_path):
     run = fake_run(tmp_path / "sft")
     assert "lora is null" in refusal(tmp_path, f"model.adapter={run}", "training.seed=0", "lora=null")
+
+
+def test_dpo_from_an_adapter_in_the_trainer_engine_on_several_processes_is_refused(tmp_path, monkeypatch):
+    """Its reference (the starting adapter) comes from TRL's precompute, which the recipe runs on one process. The
+    check itself runs here under WORLD_SIZE=2 (resolving all of the config would start a process group)."""
+    run = fake_run(tmp_path / "sft")
+    argv = (f"model.adapter={run}", "training.seed=0", "objective=dpo")
+    trainer, loop = resolved(tmp_path, *argv, "engine=trainer"), resolved(tmp_path, *argv, "engine=loop")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(InputError, match="engine=trainer on 2 processes"):
+        check_adapter(trainer)
+    check_adapter(loop)  # the loop engine computes the reference on every process
