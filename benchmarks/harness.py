@@ -157,7 +157,7 @@ def batch_flops(model: torch.nn.Module, batches: Iterable[dict]) -> float:
 
 def device_peak(device: torch.device | str, model: torch.nn.Module) -> Any:
     """One device's peak FLOP/s for ``model``'s compute dtype (:func:`hf_accum.peak_flops.device_peak_flops`:
-    ``$HF_ACCUM_PEAK_FLOPS``, a GPU's data-sheet peak, or a GEMM measured on this CPU with the current threads)."""
+    ``$HF_ACCUM_PEAK_FLOPS``, a GPU's data-sheet peak, or a GEMM rate measured and cached for this CPU)."""
     from hf_accum.peak_flops import device_peak_flops
     from hf_accum.utilization import compute_dtype
 

@@ -43,7 +43,7 @@ def _fraction(value) -> bool:
 
 
 # The MFU line under a table: its peak is tests/conftest.py's $HF_ACCUM_PEAK_FLOPS (1e11 FLOP/s).
-MFU_MEANING = "MFU: model FLOPs (hf_accum.utilization) / wall time / peak 100 GFLOP/s float32 ($HF_ACCUM_PEAK_FLOPS)"
+MFU_MEANING = "MFU: model FLOPs (hf_accum.utilization) / wall time / peak 100 GFLOP/s float32 (configured by $HF_ACCUM_PEAK_FLOPS)"
 MFU_PRINTED = r"MFU\s+(\d+\.\d)%"
 
 
