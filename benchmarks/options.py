@@ -13,6 +13,8 @@ Adding a section: write ``benchmarks/<name>.py`` with ``Options`` (a dataclass, 
 
 from __future__ import annotations
 
+import sys
+
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, Sequence
@@ -88,11 +90,28 @@ def parse(argv: Sequence[str] | None, prog: str) -> tuple[BenchOptions, dict[str
                     "(benchmarks/README.md explains every number).",
     )
     common, *per_section, unknown = parser.parse_args_into_dataclasses(
-        args=argv, look_for_args_file=False, return_remaining_strings=True)
+        args=_split_section_lists(argv), look_for_args_file=False, return_remaining_strings=True)
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     common.sections = list(dict.fromkeys(common.sections))  # --only loss loss runs it once
     return common, dict(zip(SECTIONS, per_section))
+
+
+def _split_section_lists(argv: Sequence[str] | None) -> list[str]:
+    """``--only dpo,grpo`` as ``--only dpo grpo``: the values after ``--only`` / ``--sections`` split at commas
+    (each name is still checked against the sections by argparse)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    split: list[str] = []
+    in_sections = False
+    for arg in args:
+        if arg.startswith("-"):
+            in_sections = arg in ("--only", "--sections")
+            split.append(arg)
+        elif in_sections:
+            split += [name for name in arg.split(",") if name]
+        else:
+            split.append(arg)
+    return split
 
 
 def validate(common: BenchOptions, per_section: dict[str, Any]) -> None:
