@@ -14,6 +14,7 @@ from hf_accum.distributed import is_partitioned
 from hf_accum.loop.config import LoopConfig
 from hf_accum.loop.steppers import split_labels
 from hf_accum.micro_batch import MicroBatchLoss
+from hf_accum.model_loss import is_encoder_decoder, training_inputs
 
 
 def evaluation_due(config: LoopConfig, step: int, total_updates: int, epoch_ended: bool) -> bool:
@@ -45,7 +46,7 @@ def evaluate_loss(model: nn.Module, dataloader: Any, accelerator: Accelerator,
     bare = accelerator.unwrap_model(model)
     was_training = bare.training
     bare.eval()
-    inputs = None
+    inputs = labels = None
     batches = dataloader if hasattr(dataloader, "__len__") else list(dataloader)
     shortfall = _forward_shortfall(bare, batches, accelerator)  # agreed before any forward
     for batch in batches:
@@ -55,7 +56,7 @@ def evaluate_loss(model: nn.Module, dataloader: Any, accelerator: Accelerator,
             _, loss_sum, n_targets = micro_batch_loss(bare, inputs, labels)
         tally.add(loss_sum, n_targets, batch)
     if shortfall:
-        _extra_forwards(bare, shortfall, inputs, accelerator)
+        _extra_forwards(bare, shortfall, inputs, labels, accelerator)
     bare.train(was_training)
     return tally.reduce(accelerator).mean_loss
 
@@ -71,10 +72,15 @@ def _forward_shortfall(model: nn.Module, batches: Sized, accelerator: Accelerato
     return int(most) - len(batches)
 
 
-def _extra_forwards(model: nn.Module, count: int, inputs: dict[str, Any] | None, accelerator: Accelerator) -> None:
-    """Forwards that count nothing: the last batch again, or one token where this rank had no batch."""
+def _extra_forwards(model: nn.Module, count: int, inputs: dict[str, Any] | None, labels: torch.Tensor | None,
+                    accelerator: Accelerator) -> None:
+    """Forwards that count nothing: the last batch again (as it trained: an encoder-decoder's decoder inputs built
+    from its labels, :func:`~hf_accum.model_loss.training_inputs`), or one token where this rank had no batch."""
     if inputs is None:
-        inputs = {"input_ids": torch.zeros((1, 1), dtype=torch.long, device=accelerator.device)}
+        one_token = torch.zeros((1, 1), dtype=torch.long, device=accelerator.device)
+        inputs = {"input_ids": one_token, **({"decoder_input_ids": one_token} if is_encoder_decoder(model) else {})}
+    else:
+        inputs = training_inputs(model, inputs, labels)
     with torch.no_grad(), accelerator.autocast():
         for _ in range(count):
             model(**inputs)
