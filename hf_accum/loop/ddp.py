@@ -57,7 +57,9 @@ def set_find_unused_parameters(model: nn.Module, setting: bool | None, is_main_p
         why = "LoopConfig.ddp_find_unused_parameters" if setting is not None else (
             "as transformers' Trainer sets it for this model: parameters that get no gradient (a vision tower's "
             "unused norm, an idle expert) are skipped instead of stopping DDP's reducer")
-        logger.info("DDP find_unused_parameters=%s (%s); gradients are still all-reduced once per update", wanted, why)
+        logger.info("DDP find_unused_parameters=%s (%s); gradients are still all-reduced once per update%s", wanted,
+                    why, "" if setting is not None else "; LoopConfig.ddp_find_unused_parameters=False keeps DDP as "
+                    "accelerator.prepare built it")
 
 
 def _cannot_rebuild(model: DistributedDataParallel) -> str | None:
