@@ -62,8 +62,16 @@ def set_find_unused_parameters(model: nn.Module, setting: bool | None, is_main_p
                     "accelerator.prepare built it")
 
 
+# DDP's private steps of __setstate__ that _rebuild_reducer repeats (torch 2.13).
+_DDP_INTERNALS = ("_remove_autograd_hooks", "_build_params_for_reducer", "_build_debug_param_to_name_mapping",
+                  "_ddp_init_helper", "register_comm_hook")
+
+
 def _cannot_rebuild(model: DistributedDataParallel) -> str | None:
     """Why the reducer cannot be rebuilt in place, or None."""
+    missing = [name for name in _DDP_INTERNALS if not callable(getattr(model, name, None))]
+    if missing:  # checked before anything is torn down: a torch without them keeps DDP as prepared
+        return f"this torch's DDP lacks {', '.join(missing)} (rebuilt as in torch 2.13)"
     if getattr(model, "_use_python_reducer", False):
         return "DDP compiled with its Python reducer"
     if getattr(model, "mixed_precision", None) is not None:
