@@ -236,12 +236,14 @@ def _run_check(args: argparse.Namespace) -> int:
         raise ValueError(f"--layers {args.layers} and --full: give one (--full checks every layer)")
     model, settings = _check_settings(args)
     layers = None if args.full else (DEFAULT_LAYERS if args.layers is None else args.layers)
-    # Measured from the estimate on: what it estimates (a GGUF conversion before it is announced apart).
-    started = [time.perf_counter(), time.process_time()]
+    # Measured from the estimate (the first line) on: what it estimates (a GGUF conversion before it is announced
+    # apart); later lines (the pace after the first update) do not restart the clock.
+    started: list[float] = []
 
     def announce(line: str) -> None:
         print(line, flush=True)
-        started[:] = [time.perf_counter(), time.process_time()]
+        if not started:
+            started[:] = [time.perf_counter(), time.process_time()]
 
     try:
         report = check_model(
@@ -255,6 +257,7 @@ def _run_check(args: argparse.Namespace) -> int:
     print(report.verdict())
     from hf_accum.peak_memory import peak_rss_bytes
 
+    started = started or [0.0, 0.0]
     print(f"took {time.perf_counter() - started[0]:.0f} s ({time.process_time() - started[1]:.0f} s of CPU) since "
           f"the estimate, peak memory {peak_rss_bytes() / 2**30:.2f} GiB RSS")
     return EXIT_OK if report.passed else EXIT_FAILED

@@ -157,7 +157,8 @@ def check_model(
     )
     try:
         with float64_arithmetic():
-            result, exact = run_exact(scenario)
+            pace = _FirstUpdatePace(accumulation, micro_batch, n_examples, announce)
+            result, exact = run_exact(scenario, on_model=pace.watch)
             exact_errors, targets = [r.relative_error for r in exact.records], [u.targets for u in result.updates]
             del result, exact  # the first run's model and reference: freed before the second is built
             gc.collect()
@@ -171,6 +172,43 @@ def check_model(
         exact_errors=exact_errors, naive_errors=naive_errors, targets=targets, tolerance=tolerance,
         router_loss=checked.router_loss,
     )
+
+
+class _FirstUpdatePace:
+    """The estimate refined by measuring: when the first update of the exact run is done (its audit included),
+    extrapolate the pace of its micro-batches after the first (the first carries one-time costs: the loop's probes,
+    first calls) to both runs' rows -- the machine's load, which the upfront estimate cannot know, included.
+
+    In micro-batch units ``c``: a micro-batch's forward and backward is ``c``, an update's audit (the big batch over
+    the same rows) about ``K c``; the exact and the naive run each cost about ``2 c`` per micro-batch, ``4 c n / b``
+    in all; between the second forward and the (K+1)-th lie ``(2K - 1) c``. Counts training forwards on the model,
+    as the auditor does."""
+
+    def __init__(self, accumulation: int, micro_batch: int, n_examples: int,
+                 announce: Callable[[str], None] | None) -> None:
+        self.accumulation, self.announce = accumulation, announce
+        self.micro_batches = -(-n_examples // micro_batch)
+        self.forwards, self.second = 0, 0.0
+
+    def watch(self, model: torch.nn.Module) -> None:
+        if self.announce is not None and self.accumulation >= 2:
+            self._handle = model.register_forward_pre_hook(self._on_forward)
+
+    def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
+        import time
+
+        if not module.training:
+            return
+        self.forwards += 1
+        if self.forwards == 2:
+            self.second = time.perf_counter()
+        elif self.forwards == self.accumulation + 1:  # the first update and its audit are done
+            self._handle.remove()
+            unit = (time.perf_counter() - self.second) / (2 * self.accumulation - 1)
+            remaining = unit * max(0, 4 * self.micro_batches - 2 * self.accumulation)
+            assert self.announce is not None  # watch() hooks only with one
+            self.announce(f"first update done: {unit:.1f} s per micro-batch; at this pace the check ends in about "
+                          f"{remaining:.0f} s more")
 
 
 def _check_data(checked: _CheckedModel, n_examples: int, seed: int, row_length: int) -> CheckData:
@@ -341,11 +379,14 @@ class CheckCost:
                 f"{'' if checked.layers == 'all layers' else ' (every layer and parameter: --full)'}")
 
 
-# Calibrated on SmolLM2-135M (measured 1.19 GiB, 15 s of CPU) and Gemma 3 270M (2.76 GiB, 33 s) cut to 2 layers, one
-# CPU thread (docs/real-models.md): estimates within ~20%, an order of magnitude and no more elsewhere.
+# Memory calibrated on SmolLM2-135M (measured 1.19 GiB) and Gemma 3 270M (2.76 GiB) cut to 2 layers. Time calibrated
+# (2026-11-28, CPU time from the estimate line to the end, the GGUF conversion before it not counted) on SmolLM2-135M
+# cut to 2 layers (25 s measured) and a 2-layer model of Qwen2.5-0.5B's shape (vocabulary 151936, 67 s measured):
+# the effective rate is a fixed share of this machine's measured one-core float64 GEMM rate (45.8 GFLOP/s there).
 _BASELINE_BYTES = 600 * 2**20  # Python, torch, transformers, accelerate, peft
-_FLOPS_PER_SECOND = 1.5e10  # effective: a frozen head needs no weight gradient, a tied embedding's lookup is free
-_FIXED_SECONDS = 10.0  # imports, reading the checkpoint, building the model twice
+_GEMM_SHARE = 0.28  # effective / peak GEMM rate: small float64 GEMMs, softmax, the frozen head's cheaper backward
+_FLOPS_PER_SECOND = 1.3e10  # the same share of the calibration machine's rate: where no rate can be measured
+_FIXED_SECONDS = 10.0  # reading the checkpoint, building the model twice, the first-micro-batch probes
 
 
 def estimate_cost(checked: _CheckedModel, micro_batch: int, accumulation: int, n_examples: int,
@@ -363,8 +404,23 @@ def estimate_cost(checked: _CheckedModel, micro_batch: int, accumulation: int, n
     peak = (8 * parameters + 3 * 8 * trainable + 4 * largest + 2 * update_tokens * checked.vocab_size * 8
             + _BASELINE_BYTES)
     tokens = n_examples * per_row
-    seconds = _FIXED_SECONDS + 4 * 6 * parameters * tokens / _FLOPS_PER_SECOND
+    seconds = _FIXED_SECONDS + 4 * 6 * parameters * tokens / _effective_flops()
     return CheckCost(parameters, trainable, int(peak), seconds)
+
+
+def _effective_flops() -> float:
+    """The check's effective float64 FLOP/s on this machine: :data:`_GEMM_SHARE` of one core's measured float64
+    GEMM rate (:func:`hf_accum.peak_flops.core_gemm_rate`, cached per machine), so the estimate follows the CPU it
+    runs on; :data:`_FLOPS_PER_SECOND` where the suite pins the peak (``HF_ACCUM_PEAK_FLOPS``: no probe) or the
+    rate cannot be had (an estimate never stops a check)."""
+    if os.environ.get("HF_ACCUM_PEAK_FLOPS"):
+        return _FLOPS_PER_SECOND
+    try:
+        from hf_accum.peak_flops import core_gemm_rate
+
+        return _GEMM_SHARE * core_gemm_rate(torch.float64).flops
+    except Exception:  # noqa: BLE001 -- a side number: the constant instead
+        return _FLOPS_PER_SECOND
 
 
 def _parameter_counts(checked: _CheckedModel) -> tuple[int, int, int]:
