@@ -41,26 +41,42 @@ ATTENTION_OPS = ("scaled_dot_product", "_flash_attention")
 CAST_OPS = ("aten::copy_", "aten::_to_copy", "aten::to")
 
 
-def build(dtype: torch.dtype, layers: int, rank: int, seed: int) -> Any:
+# The variants a run can time: the weight dtype, whether PEFT upcasts the LoRA adapters to float32 (its
+# default, ``autocast_adapter_dtype=True``) or leaves them in the weights' dtype, and accelerate's mixed
+# precision (``training.bf16: true`` with float32 weights: torch's CPU autocast).
+VARIANTS = {"float32": (torch.float32, True, "no"), "bfloat16": (torch.bfloat16, True, "no"),
+            "bfloat16-bf16-adapters": (torch.bfloat16, False, "no"),
+            "autocast-bf16": (torch.float32, True, "bf16")}
+
+
+def build(dtype: torch.dtype, layers: int, rank: int, seed: int, autocast_adapter_dtype: bool = True,
+          checkpointing: bool = False) -> Any:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_accum.recipe.modeling import enable_gradient_checkpointing
 
     torch.manual_seed(seed)
     config = LlamaConfig(**SMOLLM2_135M, num_hidden_layers=layers)
     model = LlamaForCausalLM(config).to(dtype)
+    if checkpointing:  # as the recipe does it (non-reentrant, input grads for the frozen embedding)
+        enable_gradient_checkpointing(model)
     lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", lora_dropout=0.0)
-    return get_peft_model(model, lora)
+    return get_peft_model(model, lora, autocast_adapter_dtype=autocast_adapter_dtype)
 
 
 class Run:
     """One model and its optimizer; :meth:`train` runs ``hf_accum.train`` over some updates and returns the
     seconds of each update after the first (the first includes the fused loss's probe and one-off costs)."""
 
-    def __init__(self, dtype: torch.dtype, args: argparse.Namespace):
+    def __init__(self, variant: str, args: argparse.Namespace):
         from accelerate import Accelerator
 
-        self.model = build(dtype, args.layers, args.rank, args.seed)
+        dtype, autocast_adapter_dtype, mixed_precision = VARIANTS[variant]
+        self.model = build(dtype, args.layers, args.rank, args.seed, autocast_adapter_dtype, args.checkpointing)
         self.accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.accumulation)
+        # accelerate's state is one per process: its bf16 mixed precision is torch's CPU autocast, entered here
+        self.autocast = mixed_precision == "bf16"
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=1e-4)
         self.model, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
@@ -80,9 +96,10 @@ class Run:
         loader = self.accelerator.prepare(DataLoader([{"input_ids": row.tolist()} for row in ids],
                                                      batch_size=args.micro_batch, collate_fn=PaddingCollator(0)))
         marks = [time.perf_counter()]
-        train(self.model, self.optimizer, loader, self.accelerator,
-              LoopConfig(max_grad_norm=1.0, disable_tqdm=True, lr_scheduler_type="constant"),
-              on_update=lambda update: marks.append(time.perf_counter()))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+            train(self.model, self.optimizer, loader, self.accelerator,
+                  LoopConfig(max_grad_norm=1.0, disable_tqdm=True, lr_scheduler_type="constant"),
+                  on_update=lambda update: marks.append(time.perf_counter()))
         return [b - a for a, b in zip(marks[1:], marks[2:])]
 
 
@@ -166,7 +183,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing, as the recipe's")
+    parser.add_argument("--variants", default="float32,bfloat16",
+                        help=f"comma-separated, the first is the baseline of the ratios; from {', '.join(VARIANTS)}")
+    parser.add_argument("--no-profile", action="store_true", help="tokens/s only")
     args = parser.parse_args()
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or len(variants) < 2:
+        parser.error(f"--variants {args.variants!r}: give two or more of {', '.join(VARIANTS)}")
     torch.set_num_threads(args.threads)
     import logging
 
@@ -174,20 +199,25 @@ def main() -> None:
     import os
 
     load = os.getloadavg()[0]
-    runs = {"float32": Run(torch.float32, args), "bfloat16": Run(torch.bfloat16, args)}
-    for block in range(args.blocks):  # blocks of updates, the dtypes alternating (and which goes first)
+    runs = {name: Run(name, args) for name in variants}
+    for block in range(args.blocks):  # blocks of updates, the variants alternating (and which goes first)
         for name in (runs if block % 2 == 0 else reversed(list(runs))):
             runs[name].seconds.extend(runs[name].train(args.updates + 1, args.seed + block))
     tokens = args.micro_batch * args.accumulation * args.length
     speed = {name: tokens / statistics.median(run.seconds) for name, run in runs.items()}
-    ratios = [f / b for f, b in zip(runs["float32"].seconds, runs["bfloat16"].seconds)]  # same block, same index
     print(f"SmolLM2-135M dimensions ({args.layers} layers), LoRA r={args.rank} all-linear, micro-batch "
-          f"{args.micro_batch} x {args.length}, K={args.accumulation}; {args.threads} threads, torch "
-          f"{torch.__version__}, load average {load:.1f} -> {os.getloadavg()[0]:.1f}")
+          f"{args.micro_batch} x {args.length}, K={args.accumulation}, activation checkpointing "
+          f"{'on' if args.checkpointing else 'off'}; {args.threads} threads, torch {torch.__version__}, "
+          f"load average {load:.1f} -> {os.getloadavg()[0]:.1f}")
     for name, run in runs.items():
-        print(f"  {name:<9} {speed[name]:8.0f} tokens/s  (s/update {', '.join(f'{s:.2f}' for s in run.seconds)})")
-    print(f"  bf16 / fp32 tokens/s: {statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}] "
-          f"(per interleaved pair)")
+        print(f"  {name:<24} {speed[name]:8.0f} tokens/s  (s/update {', '.join(f'{s:.2f}' for s in run.seconds)})")
+    baseline = runs[variants[0]]
+    for name in variants[1:]:  # same block, same index: updates timed side by side
+        ratios = [f / b for f, b in zip(baseline.seconds, runs[name].seconds)]
+        print(f"  {name} / {variants[0]} tokens/s: {statistics.median(ratios):.2f}x "
+              f"[{min(ratios):.2f}-{max(ratios):.2f}] (per interleaved pair)")
+    if args.no_profile:
+        return
     for name, run in runs.items():
         print_profile(f"profile of one {name} update (with the loop's first-micro-batch probe)",
                       *profile_update(run, args.seed + args.blocks), args.top)

@@ -252,10 +252,26 @@ def enable_gradient_checkpointing(model: Any) -> None:
         model.enable_input_require_grads()
 
 
+ADAPTER_DTYPES = ("auto", "float32", "weights")
+
+
+def adapters_in_weight_dtype(adapter_dtype: str, weight_dtype: str, on_cpu: bool) -> bool:
+    """Whether the LoRA adapters keep the base weights' dtype (PEFT's ``autocast_adapter_dtype=False``) instead
+    of PEFT's float32 upcast. ``auto``: yes for bfloat16 weights on CPU, where float32 adapters cast every
+    adapted layer's bf16 input to float32 and the result back, forward and backward (the bf16 step's largest
+    cost after its GEMMs on an EPYC with bf16 GEMMs: docs/measurements.md, "bf16 on a CPU with bf16 GEMMs");
+    PEFT's float32 adapters elsewhere. The adapters' optimizer then steps bf16 weights: at small learning rates
+    (below ~1e-4) updates can round away, which ``model.adapter_dtype: float32`` avoids."""
+    if adapter_dtype == "auto":
+        return weight_dtype == "bfloat16" and on_cpu
+    return adapter_dtype == "weights"
+
+
 def apply_lora(model: Any, lora_config: LoraConfig, quantized: bool, gradient_checkpointing: bool,
-               adapter_dir: str | None = None) -> Any:
+               adapter_dir: str | None = None, adapter_in_weight_dtype: bool = False) -> Any:
     """Wrap ``model`` with LoRA adapters (k-bit preparation first when quantized): fresh ones, or the trainable
-    adapter saved in ``adapter_dir`` (``model.adapter``; its own saved settings, which the lora section holds)."""
+    adapter saved in ``adapter_dir`` (``model.adapter``; its own saved settings, which the lora section holds);
+    float32 adapters on low-precision weights unless ``adapter_in_weight_dtype``."""
     from peft import PeftModel, get_peft_model, prepare_model_for_kbit_training
 
     if quantized:
@@ -266,9 +282,10 @@ def apply_lora(model: Any, lora_config: LoraConfig, quantized: bool, gradient_ch
         )
     elif gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    upcast = quantized or not adapter_in_weight_dtype
     if adapter_dir is not None:
-        return PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
-    return get_peft_model(model, lora_config)
+        return PeftModel.from_pretrained(model, adapter_dir, is_trainable=True, autocast_adapter_dtype=upcast)
+    return get_peft_model(model, lora_config, autocast_adapter_dtype=upcast)
 
 
 def _parameter_count(parameter: torch.nn.Parameter) -> int:
@@ -313,7 +330,9 @@ def build_model(config: RecipeConfig, tokenizer: Any, seed: int, model_checkpoin
     checkpointing = model_checkpointing and checkpointing_requested(config.training)
     if lora_config is not None:
         adapter_dir = None if m.adapter is None else find_adapter(m.adapter).adapter_dir
-        return apply_lora(model, lora_config, quantization is not None, checkpointing, adapter_dir)
+        on_cpu = bool(config.training.get("use_cpu")) or not torch.cuda.is_available()
+        in_weight_dtype = adapters_in_weight_dtype(m.adapter_dtype, m.dtype, on_cpu)
+        return apply_lora(model, lora_config, quantization is not None, checkpointing, adapter_dir, in_weight_dtype)
     if checkpointing:
         enable_gradient_checkpointing(model)
     return model
@@ -373,6 +392,8 @@ def check_precision(config: RecipeConfig) -> None:
         raise InputError("training.bf16 and training.fp16 are both true; pick one")
     if config.model.dtype not in ("float32", "bfloat16", "float16", "auto"):
         raise InputError(f"model.dtype={config.model.dtype!r}; allowed: float32, bfloat16, float16, auto")
+    if config.model.adapter_dtype not in ADAPTER_DTYPES:
+        raise InputError(f"model.adapter_dtype={config.model.adapter_dtype!r}; allowed: {', '.join(ADAPTER_DTYPES)}")
 
 
 def _check_tokenizer_source(tokenizer: str) -> None:

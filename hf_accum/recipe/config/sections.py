@@ -16,6 +16,10 @@ class ModelSection:
     """Hub id or local path of a causal LM; ``hf_accum:tiny-llama`` is the embedded default."""
     dtype: str = "float32"
     """Weights dtype: float32 | bfloat16 | float16 | auto."""
+    adapter_dtype: str = "auto"
+    """LoRA adapters' dtype: auto (the weights' dtype for bfloat16 weights on CPU, saving a cast each way around
+    every adapter; float32 elsewhere) | float32 (PEFT's upcast: for learning rates below ~1e-4 with bf16 weights)
+    | weights."""
     attn_implementation: str | None = None
     """e.g. sdpa, eager, flash_attention_2 (None: transformers' default)."""
     tokenizer: str | None = None
