@@ -310,3 +310,20 @@ def forget_gguf_quantization(model: torch.nn.Module) -> None:
         config = getattr(module, "config", None)
         if config is not None and hasattr(config, "_is_quantized"):
             del config._is_quantized
+
+
+def cache_gguf_tensor_name_maps() -> None:
+    """Build gguf's tensor-name map of an architecture once per process instead of once per module (gguf 0.17,
+    transformers 5.23: ``get_gguf_hf_weights_map`` recurses over every module of the model and calls
+    ``gguf.get_tensor_name_map(arch, n_blocks)`` in each, 397 times for SmolLM2-135M: ~13-18 s of a ~60 s load on
+    a busy 2-core CPU). The map depends only on its two arguments and is read, never changed, so one cached map
+    serves every call. transformers imports the name inside the function (``from gguf import ...``), so replacing
+    the module attribute is enough; a gguf without it is left as it is."""
+    import functools
+
+    import gguf
+
+    current = getattr(gguf, "get_tensor_name_map", None)
+    if current is None or hasattr(current, "cache_info"):
+        return
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(current)

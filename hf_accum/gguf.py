@@ -132,8 +132,9 @@ def load_gguf_model(
     with ``save_pretrained`` and trains like any other (see :func:`hf_accum.compat.forget_gguf_quantization`)."""
     from transformers import AutoModelForCausalLM, GgufConfig
 
-    from hf_accum.compat import forget_gguf_quantization
+    from hf_accum.compat import cache_gguf_tensor_name_maps, forget_gguf_quantization
 
+    cache_gguf_tensor_name_maps()
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     model = AutoModelForCausalLM.from_pretrained(
         source.directory, gguf_file=source.filename, dtype=dtype,

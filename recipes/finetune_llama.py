@@ -55,7 +55,7 @@ from hf_accum.recipe.outputs import (  # noqa: E402
     disk_full_is_one_line, percent, probe_writable, quiet_third_party_warnings, run_cli, save_eval_before,
     save_outputs, saved_eval_before, say,
 )
-from hf_accum.recipe.progress import launcher_defaults_note, phase_bar  # noqa: E402
+from hf_accum.recipe.progress import launcher_defaults_note, phase_bar, ticking  # noqa: E402
 from hf_accum.recipe.resume import check_resume_fits, resume_checkpoint  # noqa: E402
 from hf_accum.peak_memory import describe as describe_peak_memory, largest_over_ranks, peak_memory  # noqa: E402
 from hf_accum.run_lock import run_lock  # noqa: E402
@@ -238,7 +238,8 @@ def run(config):
     #    outside the answers, a held-out split (given, or carved off), every bad row refused.
     set_seed(args.seed)
     say(f"reading {config.data.dataset} with the tokenizer of {config.model.name_or_path} ...")
-    tokenizer, data = objective.load_data(config.model, config.data)  # DPO: prompt/chosen/rejected pairs
+    with ticking("reading data"):  # a GGUF tokenizer alone parses the whole file's metadata (seconds to a minute)
+        tokenizer, data = objective.load_data(config.model, config.data)  # DPO: prompt/chosen/rejected pairs
     for line in data.report:
         say(line)
     collator = objective.collator(config, tokenizer)  # DPO: chosen rows, then rejected rows
@@ -247,7 +248,8 @@ def run(config):
     started_from = adapter_provenance(config)  # model.adapter: the run this one continues (None: a fresh adapter)
     say(f"loading model {config.model.name_or_path}"
         + (f", adapter from {started_from['adapter']}" if started_from else "") + " ...")
-    model = build_model(config, tokenizer, seed=args.seed, model_checkpointing=launch.backend != "fsdp")
+    with ticking("loading model"):
+        model = build_model(config, tokenizer, seed=args.seed, model_checkpointing=launch.backend != "fsdp")
     record.facts["trainable"] = trainable_summary(model)
     record.facts["started_from"] = started_from
     say(describe_trainable(record.facts["trainable"]))

@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
+import threading
 import warnings
 from typing import Any, Callable, Iterator, Mapping
 
@@ -31,6 +33,38 @@ def phase_bar(total: int, desc: str, unit: str = "row") -> Iterator[Callable[[in
     try:
         yield bar.update
     finally:
+        bar.close()
+
+
+@contextlib.contextmanager
+def ticking(desc: str, every: float | None = None) -> Iterator[None]:
+    """An elapsed-time bar for a phase whose length nothing reports (reading a GGUF's metadata, building and loading
+    a model: a minute on a busy CPU), redrawn every ``every`` seconds (default: 1 on a terminal, 15 into a log) by a
+    daemon thread, so a working run never looks hung. Main process only; a side feature: a failing redraw ends
+    the ticking, never the phase."""
+    if not is_main_process():
+        yield
+        return
+    from tqdm.auto import tqdm
+
+    interval = every if every is not None else (1.0 if sys.stderr.isatty() else 15.0)
+    bar = tqdm(total=None, desc=desc, bar_format="{desc}: {elapsed} elapsed", dynamic_ncols=True)
+    done = threading.Event()
+
+    def redraw() -> None:
+        while not done.wait(interval):
+            try:
+                bar.refresh()
+            except Exception:  # a closed stream, an odd terminal: stop ticking, let the phase go on
+                return
+
+    thread = threading.Thread(target=redraw, name="hf_accum-ticking", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(timeout=5)
         bar.close()
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 import warnings
 
+import pytest
+
 from hf_accum.recipe import config as recipe_config
 from hf_accum.recipe.outputs import RunRecord
 from hf_accum.recipe.progress import launcher_defaults_note, phase_bar, quiet_third_party_warnings
@@ -64,3 +66,21 @@ def test_a_phase_bar_counts_rows(capsys):
     with phase_bar(0, "nothing to do") as advance:  # an empty phase draws no bar
         advance(0)
     assert "nothing to do" not in capsys.readouterr().err
+
+
+def test_a_phase_of_unknown_length_shows_its_elapsed_time_until_it_ends(capsys):
+    """A long opaque phase (a GGUF's metadata parse, a model load) redraws an elapsed-time bar while it runs, so
+    the run never looks hung; the bar is gone from the redraws once the phase ends, and an error in the phase
+    passes through unchanged."""
+    import time
+
+    from hf_accum.recipe.progress import ticking
+
+    with ticking("loading model", every=0.05):
+        time.sleep(0.4)
+    err = capsys.readouterr().err
+    assert err.count("loading model: ") >= 4, err  # the first draw and redraws while it ran
+    time.sleep(0.2)
+    assert "loading model" not in capsys.readouterr().err  # no redraw after the phase
+    with pytest.raises(KeyError), ticking("reading data", every=0.05):
+        raise KeyError("the phase's own error")
