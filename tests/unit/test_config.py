@@ -314,6 +314,24 @@ def test_output_dir_with_a_different_run_is_refused(tmp_path):
     run_outputs.check_output_dir(forced, resume=False)
 
 
+def test_a_run_saved_before_a_key_existed_is_the_same_run_at_that_keys_default(tmp_path):
+    """A run saved by an older version lacks the keys added since (data.eval_before, model.adapter): it trained
+    with their defaults, so it resumes; set away from the default, the key makes it a different run."""
+    import yaml
+
+    config = resolved([], tmp_path=tmp_path)
+    out = config.training["output_dir"]
+    os.makedirs(out, exist_ok=True)
+    older = config.to_dict()
+    del older["data"]["eval_before"], older["model"]["adapter"]
+    with open(os.path.join(out, recipe_config.RESOLVED_CONFIG_NAME), "w") as handle:
+        yaml.safe_dump(older, handle)
+    assert run_outputs.check_output_dir(config, resume=False) == "fresh"
+    other = resolved(["data.eval_before=false"], tmp_path=tmp_path)
+    with pytest.raises(recipe_config.ConfigError, match="holds a different run .*eval_before: True -> False"):
+        run_outputs.check_output_dir(other, resume=False)
+
+
 def test_a_rank_that_finds_the_output_dir_removed_under_it_starts_fresh(tmp_path, monkeypatch):
     """Under torchrun only the main rank probes writability, creating and removing the directory; another rank
     reading it at that moment saw ``isdir`` true and then ``listdir`` fail (FileNotFoundError, seen in CI)."""

@@ -156,8 +156,12 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """``key: old -> new`` for every setting that differs between two saved configs (a different run)."""
+    """``key: old -> new`` for every setting that differs between two saved configs (a different run). A key the
+    saved config lacks (a run saved before the key existed) counts as its built-in default: that run trained
+    with it, so a run resumed with the default is the same run."""
     old, new = _flat(saved), _flat(current)
+    defaults = _flat(build_config({}).to_dict())
+    old.update({key: defaults[key] for key in new.keys() - old.keys() if key in defaults})
     return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(old.keys() | new.keys())
             if old.get(key) != new.get(key) and not key.startswith(NOT_PART_OF_THE_RUN)]
 
