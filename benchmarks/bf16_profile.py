@@ -19,6 +19,12 @@ operator and by owner:
 
     OMP_NUM_THREADS=1 python -m benchmarks.bf16_profile                 # 2 threads, 2 x 2 timed updates each
     OMP_NUM_THREADS=1 python -m benchmarks.bf16_profile --layers 4 --updates 1   # a quick look
+    OMP_NUM_THREADS=1 python -m benchmarks.bf16_profile --variants float32,bfloat16,bfloat16-bf16-adapters,autocast-bf16 \
+        --checkpointing --no-profile   # PEFT's fp32 adapters vs adapters in bf16 vs CPU autocast, checkpointed
+
+``--variants``: ``bfloat16`` keeps PEFT's default fp32 adapters; ``bfloat16-bf16-adapters`` is the recipe's
+``model.dtype: bfloat16`` on CPU (``autocast_adapter_dtype=False``); ``autocast-bf16`` is ``training.bf16: true``
+on fp32 weights (torch's CPU autocast). docs/measurements.md, "bf16 on a CPU with bf16 GEMMs", has the numbers.
 """
 
 from __future__ import annotations
