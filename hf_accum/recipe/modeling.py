@@ -257,11 +257,11 @@ ADAPTER_DTYPES = ("auto", "float32", "weights")
 
 def adapters_in_weight_dtype(adapter_dtype: str, weight_dtype: str, on_cpu: bool) -> bool:
     """Whether the LoRA adapters keep the base weights' dtype (PEFT's ``autocast_adapter_dtype=False``) instead
-    of PEFT's float32 upcast. ``auto``: yes for bfloat16 weights on CPU, where float32 adapters cast every
-    adapted layer's bf16 input to float32 and the result back, forward and backward (the bf16 step's largest
-    cost after its GEMMs on an EPYC with bf16 GEMMs: docs/measurements.md, "bf16 on a CPU with bf16 GEMMs");
-    PEFT's float32 adapters elsewhere. The adapters' optimizer then steps bf16 weights: at small learning rates
-    (below ~1e-4) updates can round away, which ``model.adapter_dtype: float32`` avoids."""
+    of PEFT's float32 upcast (``float32``, the default). ``weights``: always; ``auto``: for bfloat16 weights on CPU,
+    where float32 adapters cast every adapted layer's bf16 input to float32 and the result back, forward and
+    backward (the bf16 step's largest cost after its GEMMs on an EPYC with bf16 GEMMs: docs/measurements.md,
+    "bf16 on a CPU with bf16 GEMMs"). The adapters' optimizer then steps bf16 weights: at small learning rates
+    (below ~1e-4) updates can round away, which is why float32 is the default."""
     if adapter_dtype == "auto":
         return weight_dtype == "bfloat16" and on_cpu
     return adapter_dtype == "weights"

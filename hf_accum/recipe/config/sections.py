@@ -16,10 +16,11 @@ class ModelSection:
     """Hub id or local path of a causal LM; ``hf_accum:tiny-llama`` is the embedded default."""
     dtype: str = "float32"
     """Weights dtype: float32 | bfloat16 | float16 | auto."""
-    adapter_dtype: str = "auto"
-    """LoRA adapters' dtype: auto (the weights' dtype for bfloat16 weights on CPU, saving a cast each way around
-    every adapter; float32 elsewhere) | float32 (PEFT's upcast: for learning rates below ~1e-4 with bf16 weights)
-    | weights."""
+    adapter_dtype: str = "float32"
+    """LoRA adapters' dtype: float32 (PEFT's upcast, the default: AdamW steps fp32 adapters, so small updates do
+    not round away) | weights (the weights' dtype: with bfloat16 weights on a CPU, saves a cast each way around
+    every adapter, ~1.09x tokens/s; updates below ~1e-4 of a weight round away) | auto (weights for bfloat16
+    weights on CPU, float32 elsewhere)."""
     attn_implementation: str | None = None
     """e.g. sdpa, eager, flash_attention_2 (None: transformers' default)."""
     tokenizer: str | None = None
