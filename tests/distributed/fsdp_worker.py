@@ -224,6 +224,56 @@ def dpo_fused_run() -> dict:
             "all_dtensor": all(type(p).__name__ == "DTensor" for p in sharded.parameters())}
 
 
+def grpo_fused_run() -> dict:
+    """A GRPO-style loss on fused per-token log-probs and entropies under FSDP2 (what AccumGRPOTrainer computes:
+    FusedLogProbs.token_logps with a temperature, read inside the gathered head's forward), against the same loss
+    from an unsharded copy's full logits: per completion token ``-exp(logp - logp.detach()) * A + beta * KL(ref)
+    - c * entropy``, summed over the completion tokens and divided by their count (dapo's unit), float64."""
+    import copy
+
+    from hf_accum.fused_logprobs import FusedLogProbs
+
+    accelerator = accelerator_for("fsdp")
+    model = tiny_causal_lm(seed=0, dtype=torch.float64)
+    unsharded = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(7)
+    vocab = unsharded.config.vocab_size
+    ids = torch.randint(3, vocab, (4, 12), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # a left-padded prompt
+    targets = torch.full_like(ids, -100)
+    targets[:, 5:-1] = ids[:, 6:]  # the completion: tokens 6.. are the targets of positions 5..
+    targets[2, 9:] = -100  # a shorter completion
+    advantages = torch.randn(4, 1, generator=generator, dtype=torch.float64)
+    reference = torch.randn(4, 12, generator=generator, dtype=torch.float64) * 0.1 - 3.0
+    temperature, beta, entropy_coef = 0.7, 0.04, 0.01
+    is_target = targets.ne(-100)
+
+    def loss_of(logps: torch.Tensor, entropies: torch.Tensor) -> torch.Tensor:
+        ratio = torch.exp(logps - logps.detach())
+        kl = torch.exp(reference - logps) - (reference - logps) - 1
+        per_token = -ratio * advantages + beta * kl - entropy_coef * entropies
+        return per_token.masked_fill(~is_target, 0).sum() / is_target.sum()
+
+    inputs = {"input_ids": ids, "attention_mask": mask, "use_cache": False}
+    sharded, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0))  # FSDP2: both together
+    fused = FusedLogProbs()
+    sharded.train()
+    result = fused.token_logps(sharded, dict(inputs), targets, temperature=temperature, entropy=True)
+    assert result is not None and result.entropies is not None
+    loss_of(result.logps, result.entropies).backward()
+    unsharded.train()
+    log_p = (unsharded(**inputs).logits / temperature).log_softmax(-1)
+    logps = log_p.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    loss_of(logps, -(log_p.exp() * log_p).sum(-1)).backward()
+    errors = []
+    for p, q in zip(sharded.parameters(), unsharded.parameters()):
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        errors.append(float((grad.detach() - q.grad).norm() / q.grad.norm()))
+    return {"max_error": max(errors), "parameters": len(errors), "fused_forwards": fused.forwards,
+            "all_dtensor": all(type(p).__name__ == "DTensor" for p in sharded.parameters())}
+
+
 def weight_difference(a: dict, b: dict) -> float:
     """max |a - b| / max |b| over every tensor both hold."""
     return max(float((a[k].double() - b[k].double()).abs().max()) / max(float(b[k].double().abs().max()), 1e-30)
@@ -248,6 +298,7 @@ def main(report_path: str) -> None:
     report["lora_head"] = exact_run("lora_head")
     report["logits_path"] = exact_run("full", fused_loss=False)
     report["dpo_fused_logprobs"] = dpo_fused_run()
+    report["grpo_fused_logprobs"] = grpo_fused_run()
     report["checkpointing"] = exact_run("full", checkpointing=True)
     report["naive"] = exact_run("full", naive=True)
     clip_ddp, clip_fsdp = clipped_run("ddp"), clipped_run("fsdp")

@@ -50,6 +50,14 @@ def test_dpo_fused_logprobs_are_exact_under_fsdp2(report):
     assert run["max_error"] < 1e-10, run
 
 
+def test_grpo_fused_logprobs_and_entropies_are_exact_under_fsdp2(report):
+    """AccumGRPOTrainer's fused per-token log-probs and entropies (temperature, KL to a reference, entropy bonus)
+    under FSDP2 give the unsharded full-logits path's gradient (float64)."""
+    run = report["grpo_fused_logprobs"]
+    assert run["all_dtensor"] and run["fused_forwards"] == 1 and run["parameters"] > 10
+    assert run["max_error"] < 1e-10, run
+
+
 def test_the_logits_path_stays_available_and_exact(report):
     assert not fused_on(report["logits_path"]["fused_log"])
 
