@@ -1,7 +1,7 @@
 """Section ``fsdp_fused``: the fused loss under FSDP2 against the logits path, 2 CPU processes (gloo).
 
 Under FSDP2 the fused loss runs inside the output layer's own forward, where FSDP2 has gathered it
-(:mod:`hf_accum.fused_head`); before, it turned itself off under FSDP2 and the run took the logits path. Both
+(:mod:`hf_accum.fused.head`); before, it turned itself off under FSDP2 and the run took the logits path. Both
 variants train the same Llama (``--fsdp-fused-vocab``, default 128256), the same rows and order through
 :func:`hf_accum.train` under ``fully_shard`` (decoder layers and the head as units); each variant's peak is the
 larger rank's c10 allocator peak during training (:mod:`benchmarks.fsdp_fused_worker`). Rounds alternate the

@@ -6,7 +6,7 @@ For each number of positions, the same bf16 hidden states ``[positions, hidden]`
 
 * ``plain`` -- ``F.cross_entropy(F.linear(h, W).float(), targets, reduction="sum")``: what a stock
   causal-LM loss computes (bf16 logits, upcast, cross-entropy);
-* ``fused`` -- :func:`hf_accum.fused_loss.linear_cross_entropy_sum` (chunked, no full logits);
+* ``fused`` -- :func:`hf_accum.fused.loss.linear_cross_entropy_sum` (chunked, no full logits);
 * with ``--stats``, also ``fused+stats`` -- the same with TRL's metrics (entropy, arg-max hits) summed
   in the chunked pass, as ``AccumSFTTrainer`` runs it.
 
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.harness import measure_memory
-from hf_accum.fused_loss import LinearHead, TokenStats, linear_cross_entropy_sum
+from hf_accum.fused.loss import LinearHead, TokenStats, linear_cross_entropy_sum
 
 
 def _variants(h, weight, targets, with_stats: bool):

@@ -5,7 +5,7 @@ A loss step (forward + backward) of a causal LM's output layer over ``N`` positi
 weight's gradient ``[V, N] x [N, H]``. The floor is exactly those three ``torch.mm`` calls, into preallocated
 outputs, on the same shapes and dtype, in the same process. Measured against it, side by side:
 
-* ``ours`` -- :func:`hf_accum.fused_loss.linear_cross_entropy_sum` (chunked, no full logits);
+* ``ours`` -- :func:`hf_accum.fused.loss.linear_cross_entropy_sum` (chunked, no full logits);
 * ``torch`` -- torch's native ``F.linear_cross_entropy(..., options=nn.LinearCrossEntropyOptions())`` (its chunked
   path, "auto" policy), where the installed torch has it;
 * ``trl`` -- TRL's fused LM head kernel (``trl.kernels.ChunkedLogProbFunction``, what ``SFTTrainer`` runs; torch ops
@@ -135,7 +135,7 @@ def floor_step(inputs: Inputs) -> Callable[[], float]:
 
 
 def ours_step(inputs: Inputs) -> Callable[[], float]:
-    from hf_accum.fused_loss import LinearHead, linear_cross_entropy_sum
+    from hf_accum.fused.loss import LinearHead, linear_cross_entropy_sum
 
     return lambda: inputs.backward(linear_cross_entropy_sum(inputs.hidden, LinearHead(inputs.weight), inputs.targets))
 

@@ -37,7 +37,7 @@ _LAZY = {
     "latest_complete_checkpoint": "checkpoint",
     "EXIT_INTERRUPTED": "control", "EXIT_PREEMPTED": "control", "NonFiniteLossError": "control",
     "TrainingControl": "control", "TrainingStopped": "control",
-    "linear_cross_entropy_sum": "fused_loss",
+    "linear_cross_entropy_sum": "fused.loss",
     "count_targets": "loss", "infer_loss_kind": "loss", "token_loss_sum": "loss",
     "LoopConfig": "loop", "TrainResult": "loop", "UpdateLog": "loop", "train": "loop",
     "BatchPlan": "schedule", "create_update_scheduler": "schedule", "plan_global_batch": "schedule",

@@ -180,7 +180,7 @@ class WindowTotals:
     checkpoint_requests: int = 0
     """Ranks asked for a checkpoint by the boundary."""
     aux_loss_sum: float = 0.0
-    """Summed ``coef * aux_k * n_k`` of the micro-batches (MoE router losses; hf_accum.fused_loss.MicroBatchLoss)."""
+    """Summed ``coef * aux_k * n_k`` of the micro-batches (MoE router losses; hf_accum.micro_batch.MicroBatchLoss)."""
     small_batches: tuple = field(default=(), compare=False)
     """Noise scale: each rank's measured small batch, ``(targets, |g_small|^2)`` pairs (empty when not measured)."""
     pooled_small_batches: tuple = field(default=(), compare=False)

@@ -6,7 +6,7 @@ in :class:`~hf_accum.trainer.AccumTrainer`; ``training.torch_compile=true`` in t
 Why the blocks and not the whole model (measured, ``docs/measurements.md``, "torch.compile"):
 
 * **The fused loss stays outside every graph.** It makes the output layer return the loss by replacing the
-  layer's ``forward`` for one call (:func:`hf_accum.fused_head._head_returns_loss`), a new function every
+  layer's ``forward`` for one call (:func:`hf_accum.fused.head._head_returns_loss`), a new function every
   micro-batch. A whole-model graph breaks there and recompiles on every micro-batch until Dynamo's
   ``recompile_limit`` (8), then runs eager (measured on the tiny Llama: 26 graphs and 16 graph breaks for 8
   micro-batches). Compiled blocks never see the head: embeddings, the final norm, the head and the loss run

@@ -21,7 +21,7 @@ What the composition has to repair:
 * the batches: TRL's collator marks completions with ``completion_mask``; :class:`PairLabels` turns it into
   ``labels`` (-100 outside the completions), the convention every front-end counts from;
 * the log-probs: TRL's fused LM head accumulates in float32 whatever the model's dtype; here they come from our
-  fused log-probs (:mod:`hf_accum.fused_logprobs`: chunked, no ``[tokens, vocab]`` logits, sums in at least
+  fused log-probs (:mod:`hf_accum.fused.logprobs`: chunked, no ``[tokens, vocab]`` logits, sums in at least
   float32 and float64 for a float64 model), for the policy, the live reference and the precomputed reference
   alike; ``fused_loss=False`` (or a head that cannot be fused) takes the logits in the model's own dtype
   (:func:`hf_accum.preference.completion_logps`). Both are exact to rounding on float64 models;
@@ -51,7 +51,7 @@ from hf_accum.compat import (
     trl_without_gradient_checkpointing,
 )
 from hf_accum.errors import InputError
-from hf_accum.fused_logprobs import FusedLogProbs
+from hf_accum.fused.logprobs import FusedLogProbs
 from hf_accum.micro_batch import MicroBatchLoss
 from hf_accum.preference import (
     IGNORE_INDEX,

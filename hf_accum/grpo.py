@@ -33,7 +33,7 @@ into the update's count (:func:`hf_accum.compat.trl_grpo_divisor`), and adds the
 forward's log-probs. Generation itself is never touched (a harness may replace ``_generate_and_score_completions``).
 
 **Log-probs.** The per-token log-probs and entropies of the policy, the old policy and the reference come from our
-fused log-probs (:mod:`hf_accum.fused_logprobs`: chunked over the completion tokens, no ``[tokens, vocab]`` logits,
+fused log-probs (:mod:`hf_accum.fused.logprobs`: chunked over the completion tokens, no ``[tokens, vocab]`` logits,
 the entropy and its gradient from the same chunks), in :func:`hf_accum.loss.compute_dtype`: a float64 model is exact
 to rounding, so float64 tests measure the accumulation math, not float32 rounding (TRL's fused head accumulates in
 float32). ``fused_logprobs=False``, a head that cannot be fused, multimodal inputs or a MoE router loss take TRL's
@@ -65,7 +65,7 @@ from hf_accum.compat import (
     trl_grpo_divisor,
     trl_metrics,
 )
-from hf_accum.fused_logprobs import FusedLogProbs
+from hf_accum.fused.logprobs import FusedLogProbs
 from hf_accum.loss import IGNORE_INDEX, compute_dtype
 
 try:
@@ -306,7 +306,7 @@ class AccumGRPOTrainer(GRPOTrainer):
     def _fused_logps(self, fused: FusedLogProbs, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                      logits_to_keep: int, batch_size: int | None,
                      compute_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None, None] | None:
-        """TRL's per-token log-probs and entropies of the completion tokens, fused (:mod:`hf_accum.fused_logprobs`);
+        """TRL's per-token log-probs and entropies of the completion tokens, fused (:mod:`hf_accum.fused.logprobs`);
         ``None`` when the model's head cannot be fused."""
         batch_size = batch_size or input_ids.size(0)
         all_logps, all_entropies = [], []

@@ -9,7 +9,7 @@ Why we recompute the loss instead of using ``outputs.loss``: a model's own loss 
 *its* count (a per-micro-batch mean), and whether it honours ``num_items_in_batch`` depends
 on the head (sequence-classification heads accept the keyword and ignore it). Summing
 ourselves makes every head exact the same way. (For causal LMs the front-ends sum it without
-logits at all, from the hidden states: :mod:`hf_accum.fused_loss`, same targets, same sum.)
+logits at all, from the hidden states: :mod:`hf_accum.fused.loss`, same targets, same sum.)
 
 Loss kinds are one table, :data:`LOSS_KIND_SPECS` (alignment, which model classes use it,
 how it is summed and counted):
@@ -50,11 +50,11 @@ PROBLEM_TYPES: tuple[str, ...] = ("single_label_classification", "multi_label_cl
 # log-softmax that cross_entropy saves for backward (each V x 4 bytes per position: 0.5 MB per
 # token at a 128k vocabulary) ever exists for the whole micro-batch, only for one chunk. Sized
 # in bytes, not rows, so one chunk stays the same size whatever the vocabulary. The fused linear
-# cross-entropy (hf_accum.fused_loss) uses the same bound for its chunks of logits: 384 positions
+# cross-entropy (hf_accum.fused.loss) uses the same bound for its chunks of logits: 384 positions
 # at a 128k vocabulary (a multiple of 128 rows: its GEMMs run as fast per FLOP as at 512, where 341
 # or 410 rows run 3-6% slower), small enough that an fp32 loss step at vocab 128256 and hidden 2048
 # peaks at 0.25x the logits path's memory, its weight gradient (1 GiB) included. (On a CPU its fp32 chunks hold
-# at least 384 rows at any vocabulary: hf_accum.fused_loss.MIN_CPU_CHUNK_ROWS.)
+# at least 384 rows at any vocabulary: hf_accum.fused.loss.MIN_CPU_CHUNK_ROWS.)
 DEFAULT_CHUNK_BYTES = 192 * 2**20
 
 
@@ -71,7 +71,7 @@ class LossKindSpec:
     per_token: bool = True
     """A per-position cross-entropy over logits ``[B, T, V]``: a model's own loss can be probed against it."""
     fused: bool = False
-    """The loss can be computed from hidden states and the output layer (hf_accum.fused_loss)."""
+    """The loss can be computed from hidden states and the output layer (hf_accum.fused.loss)."""
     loss_sum: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     """(logits, labels, label_smoothing, chunk_bytes, problem_type) -> (sum, count); default: cross-entropy."""
     count: Callable[[torch.Tensor], torch.Tensor] | None = None

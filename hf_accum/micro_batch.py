@@ -1,6 +1,6 @@
 """What both front-ends call per micro-batch: the forward and the summed loss, ``(outputs, loss_sum, n_targets)``.
 
-:class:`MicroBatchLoss` takes the fused path (:mod:`hf_accum.fused_head`, :mod:`hf_accum.fused_loss`) for
+:class:`MicroBatchLoss` takes the fused path (:mod:`hf_accum.fused.head`, :mod:`hf_accum.fused.loss`) for
 causal LMs while training, the logits path otherwise; it adds the terms a model adds to its own loss (a MoE
 router loss) by the rule in its docstring, and optionally sums TRL's metrics (:class:`TokenStats`) in the
 same pass. :func:`logits_token_stats` gives those metrics from logits.
@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from hf_accum.boundary import default_unit_counter
-from hf_accum.fused_head import FusedCausalLMLoss
-from hf_accum.fused_loss import (
+from hf_accum.fused.head import FusedCausalLMLoss
+from hf_accum.fused.loss import (
     TokenStats,
 )
 from hf_accum.loss import (
@@ -34,7 +34,7 @@ from hf_accum.loss import (
 from hf_accum.model_loss import model_loss_terms, probe_model_loss, resolve_loss_kind, training_inputs
 from hf_accum.sequence_norm import SequenceMeanLoss, check_normalization, refuse_custom_loss, sequence_weights
 
-logger = logging.getLogger("hf_accum.fused_loss")
+logger = logging.getLogger("hf_accum.fused.loss")
 
 
 # (outputs, labels, inputs) -> (summed loss, number of units). Must sum, never average. A loss of several terms

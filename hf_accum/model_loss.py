@@ -14,7 +14,7 @@
   loss, so a model that builds different inputs without ``labels`` stops the run
   (:class:`DifferentTrainingForward`) instead of training another objective silently;
 * :func:`leading_slice` / :func:`probing` -- the side forward: a leading slice of one row (padding-free rows
-  included), no gradient, eval mode (also used by :mod:`hf_accum.fused_head`'s probe).
+  included), no gradient, eval mode (also used by :mod:`hf_accum.fused.head`'s probe).
 """
 
 from __future__ import annotations

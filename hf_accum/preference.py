@@ -5,7 +5,7 @@ This module owns the math of one micro-batch of preference pairs, free of any tr
 * :func:`completion_logps` -- each row's summed log-probability of its completion (labels != -100 after the
   causal shift), in the logits' own dtype (float64 stays float64: the exactness tests need it; TRL's fused head
   accumulates in float32); :func:`fused_completion_logps` the same without the logits
-  (:mod:`hf_accum.fused_logprobs`, in :func:`hf_accum.loss.compute_dtype`: float64 stays float64);
+  (:mod:`hf_accum.fused.logprobs`, in :func:`hf_accum.loss.compute_dtype`: float64 stays float64);
 * :func:`pair_losses` -- TRL 1.16's per-pair formulas (``trl/trainer/dpo_trainer.py``, ``_compute_loss``) for
   the loss types whose value depends on one pair only: ``sigmoid``, ``hinge``, ``ipo``, ``robust``;
 * :class:`DPOPairLoss` -- a ``loss_sum_fn`` for :func:`hf_accum.train` and the loss of
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_accum.fused_logprobs import FusedLogProbs
+from hf_accum.fused.logprobs import FusedLogProbs
 
 IGNORE_INDEX = -100
 
@@ -148,7 +148,7 @@ class DPOPairLoss:
     micro-batch's detached sums for TRL's metrics (rewards, margins, accuracies, log-probs).
 
     ``fused`` (default): while training, :meth:`run_forward` runs the model with its head returning the log-probs
-    (:mod:`hf_accum.fused_logprobs`: no ``[tokens, vocab]`` logits, exact to rounding in the loss dtype); a model
+    (:mod:`hf_accum.fused.logprobs`: no ``[tokens, vocab]`` logits, exact to rounding in the loss dtype); a model
     whose head cannot be fused, evaluation, and ``fused=False`` take the logits path.
     """
 

@@ -13,7 +13,7 @@ sequence; a padding-free packed row (``position_ids`` restarting, :class:`hf_acc
 holds one sequence per restart of its positions (wherever they do not increase). Causal LMs only (a target at
 position ``i + 1`` is predicted from ``i``).
 
-The fused loss takes the weights per target row (:func:`hf_accum.fused_loss.linear_cross_entropy_sum`), so sequence
+The fused loss takes the weights per target row (:func:`hf_accum.fused.loss.linear_cross_entropy_sum`), so sequence
 mode keeps the fused path where token mode has it (:class:`hf_accum.micro_batch.MicroBatchLoss` computes the weights
 and the count); :class:`SequenceMeanLoss` is the logits path's loss (evaluation, DeepSpeed, heads not fused).
 """

@@ -11,7 +11,7 @@ choice in ``labels`` (-100), so AccumTrainer's target count is TRL's.
 What the composition has to repair: ``AccumTrainer.compute_loss`` replaces
 ``SFTTrainer.compute_loss``, where TRL records its training metrics (``entropy``,
 ``mean_token_accuracy``, ``num_tokens``). The micro-batch loss computes them as sums with a count
-(:class:`hf_accum.fused_loss.TokenStats`: entropy of ``softmax(logits)`` and first-arg-max hits over
+(:class:`hf_accum.fused.loss.TokenStats`: entropy of ``softmax(logits)`` and first-arg-max hits over
 the prediction targets, TRL's definitions) in the same pass as the loss: inside the fused linear
 cross-entropy's chunks while training (no ``(tokens x vocab)`` logits, so the fused path stays on),
 from the logits on the logits path (evaluation, DeepSpeed, heads that are not fused).
@@ -58,7 +58,7 @@ class AccumSFTTrainer(AccumTrainer, SFTTrainer):  # type: ignore[misc]  # TRL ty
     ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` (and their ``eval_`` versions) are kept.
 
     A MoE router auxiliary loss (``output_router_logits=True``) is added as in every front-end
-    (:class:`hf_accum.fused_loss.MicroBatchLoss`) and logged as ``aux_loss``. Refused, because
+    (:class:`hf_accum.micro_batch.MicroBatchLoss`) and logged as ``aux_loss``. Refused, because
     AccumTrainer's loss would silently drop it: ``loss_type="dft"``, as well as ``compute_loss_func``.
     """
 

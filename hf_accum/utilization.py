@@ -7,7 +7,7 @@ one forward and one backward of the model need, counted analytically from its sh
   input gradient, and ``2 n`` for its weight gradient only when the weight trains (``n = in x out``). Full
   fine-tuning gives the familiar ``6 N`` per token, a frozen base ``4 N`` plus ``6 N_lora`` for LoRA's adapters;
 * the output head (``get_output_embeddings``, tied or not) the same way, but per *target* when the loss counts
-  target tokens: the fused loss computes logits only where a target is (:mod:`hf_accum.fused_loss`), and the
+  target tokens: the fused loss computes logits only where a target is (:mod:`hf_accum.fused.loss`), and the
   logits anywhere else do not serve training (a logits-path run does that extra work without it counting).
   With another unit (sequences, preference pairs) the head counts per real token;
 * attention's two products (scores ``Q K^T`` and ``P V``) per softmax-attention layer and per sequence of

@@ -44,7 +44,7 @@ class LoopConfig:
     from the model class, else from the model's own loss on the first micro-batch."""
     fused_loss: bool = True
     """Causal LMs: sum the loss from the last hidden states and the output layer, chunk by chunk,
-    never holding the (tokens x vocab) logits (:mod:`hf_accum.fused_loss`). Heads that are not a plain
+    never holding the (tokens x vocab) logits (:mod:`hf_accum.fused.loss`). Heads that are not a plain
     linear map (soft-capping, logit scale, ...) and a custom ``loss_sum_fn`` keep the logits path."""
     disable_tqdm: bool = False
     fp32_grad_accumulation: bool = True

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-FUSED_LOSS_LOGGER = "hf_accum.fused_loss"
+FUSED_LOSS_LOGGER = "hf_accum.fused.loss"
 
 
 class CapturedLog(logging.Handler):

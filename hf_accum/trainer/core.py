@@ -7,7 +7,7 @@ are not overridden. For every update Trainer fetches the window's K micro-batche
 * ``get_batch_samples`` -- :class:`~hf_accum.trainer.window.TrainerWindow` counts the window's targets on all
   ranks; the count ``N`` goes to ``training_step`` as ``num_items_in_batch``;
 * ``compute_loss`` -- the forward runs *without* labels (the model's own loss, with its own normalization, is
-  never computed); the loss is summed (fused for causal LMs, :mod:`hf_accum.fused_loss`, else
+  never computed); the loss is summed (fused for causal LMs, :mod:`hf_accum.fused.loss`, else
   :meth:`AccumTrainer.loss_sum_and_count`, the one override point) and returned as ``loss_sum * W / N``;
 * ``training_step`` on the window's last micro-batch -- the one :class:`~hf_accum.boundary.UpdateBoundary`
   (all-reduce, count check, skip / save / halt); :class:`~hf_accum.trainer.callbacks.BoundaryActions` carries

@@ -2,7 +2,7 @@
 (``even_batches=False``: 11 pairs in micro-batches of 2 give one rank 6 pairs and the other 5), audited against
 the big-batch reference on rank 0 (hf_accum/testing/dpo_reference.py gathers every rank's micro-batches). Runs:
 AccumDPOTrainer (sigmoid; sigmoid + sft, live and precomputed reference), the loop with DPOPairLoss (one and two
-terms) -- all on the fused log-probs (hf_accum/fused_logprobs.py, their default) --, and stock ``DPOTrainer`` (sigmoid + sft) with Accelerate's default ``even_batches=True`` (it trains a
+terms) -- all on the fused log-probs (hf_accum/fused/logprobs.py, their default) --, and stock ``DPOTrainer`` (sigmoid + sft) with Accelerate's default ``even_batches=True`` (it trains a
 repeated pair; with ``even_batches=False`` its metric gathers fail). Rank 0 writes a JSON report to ``argv[1]``.
 
 Launched by tests/distributed/test_dpo_ddp.py.

@@ -231,7 +231,7 @@ def grpo_fused_run() -> dict:
     - c * entropy``, summed over the completion tokens and divided by their count (dapo's unit), float64."""
     import copy
 
-    from hf_accum.fused_logprobs import FusedLogProbs
+    from hf_accum.fused.logprobs import FusedLogProbs
 
     accelerator = accelerator_for("fsdp")
     model = tiny_causal_lm(seed=0, dtype=torch.float64)

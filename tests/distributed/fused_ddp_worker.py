@@ -73,8 +73,8 @@ def _trainer(decisions: FusedDecisions, factory, out_dir: str) -> dict:
 
 def main(report_path: str) -> None:
     decisions = FusedDecisions()
-    logging.getLogger("hf_accum.fused_loss").addHandler(decisions)
-    logging.getLogger("hf_accum.fused_loss").setLevel(logging.INFO)
+    logging.getLogger("hf_accum.fused.loss").addHandler(decisions)
+    logging.getLogger("hf_accum.fused.loss").setLevel(logging.INFO)
     out_dir = os.path.dirname(report_path)
     report = {
         "loop_fused": _loop(decisions),

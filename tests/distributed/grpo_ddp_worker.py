@@ -1,6 +1,6 @@
 """torchrun worker (2 CPU processes, gloo): AccumGRPOTrainer and stock ``trl.GRPOTrainer`` with generation replaced
 (hf_accum/testing/grpo_reference.py), rank 0's completions up to 7 tokens and rank 1's 1-2 tokens, so the ranks' token counts
-differ several-fold; AccumGRPOTrainer's log-probs are the fused ones (hf_accum/fused_logprobs.py, its default).
+differ several-fold; AccumGRPOTrainer's log-probs are the fused ones (hf_accum/fused/logprobs.py, its default).
 Every update's applied gradient is compared on rank 0 with the reference over both ranks'
 micro-batches (gathered). Rank 0 writes a JSON report to ``argv[1]``.
 

@@ -31,7 +31,7 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_sequence_mode_equals_the_mean_of_sequence_means(engine, case, tmp_path, caplog):
     collator, examples, micro = CASES[case]
-    with caplog.at_level(logging.INFO, logger="hf_accum.fused_loss"):
+    with caplog.at_level(logging.INFO, logger="hf_accum.fused.loss"):
         errors, updates = run(engine, collator(), examples, "sequence", str(tmp_path), micro_batch=micro)
     assert len(errors) == len(updates) >= 2
     assert max(errors) < EXACT, errors

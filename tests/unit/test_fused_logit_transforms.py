@@ -1,7 +1,7 @@
 """Soft-capped and scaled heads on the fused path (Gemma 2/3 ``final_logit_softcapping``, Cohere
 ``logit_scale``, Granite ``logits_scaling``).
 
-* The chunked loss with a :class:`~hf_accum.fused_loss.LogitTransform` equals torch's cross-entropy on
+* The chunked loss with a :class:`~hf_accum.fused.loss.LogitTransform` equals torch's cross-entropy on
   the transformed materialized logits, in value and gradient (float64, 1e-12), with and without label
   smoothing, over several chunks.
 * The probe fuses a transform only after seeing the model return exactly it: each family is fused (the
@@ -22,14 +22,14 @@ from torch.overrides import TorchFunctionMode
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from hf_accum.batching import PaddingCollator
-from hf_accum.fused_loss import (
+from hf_accum.fused.loss import (
     IDENTITY,
     LinearHead,
     LogitTransform,
-    MicroBatchLoss,
     linear_cross_entropy_sum,
 )
 from hf_accum.loss import token_loss_sum
+from hf_accum.micro_batch import MicroBatchLoss
 from hf_accum.testing import (
     PAD,
     VOCAB,
@@ -196,7 +196,7 @@ def test_each_family_is_probed_and_fused_with_the_same_loss(family, caplog):
     model = FAMILIES[family]().train()
     inputs, labels = _batch()
     step = MicroBatchLoss(label_smoothing=0.1)
-    with caplog.at_level(logging.INFO, logger="hf_accum.fused_loss"):
+    with caplog.at_level(logging.INFO, logger="hf_accum.fused.loss"):
         for _ in range(2):
             _, fused, n_targets = step(model, inputs, labels)
     assert step.fused.active and step.fused.transform == EXPECTED[family]
@@ -235,7 +235,7 @@ def test_logits_not_proven_keep_the_logits_path_with_the_warning(factory, caplog
     model = factory().train()
     inputs, labels = _batch()
     step = MicroBatchLoss(kind="causal_lm")
-    with caplog.at_level(logging.INFO, logger="hf_accum.fused_loss"):
+    with caplog.at_level(logging.INFO, logger="hf_accum.fused.loss"):
         for _ in range(2):
             _, loss, _ = step(model, inputs, labels)
     assert not step.fused.active and "changes the logits after its output layer" in step.fused.reason

@@ -1,4 +1,4 @@
-"""Fused log-probs (hf_accum/fused_logprobs.py) against the full-logits path in float64: the chunked Function's values
+"""Fused log-probs (hf_accum/fused/logprobs.py) against the full-logits path in float64: the chunked Function's values
 and gradients under a loss that is nonlinear in the log-probs (entropy included, with its gradient), and DPO's pair
 loss (DPOPairLoss) fused against its logits path on a tiny float64 Llama. The negative control is TRL 1.16's own
 chunked log-prob Function on the same float64 tensors: its float32 sums stay ~1e-7 away from the logits path.
@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_accum.fused_logprobs import target_logps
-from hf_accum.fused_loss import LinearHead, LogitTransform
+from hf_accum.fused.logprobs import target_logps
+from hf_accum.fused.loss import LinearHead, LogitTransform
 from hf_accum.preference import DPOPairLoss, collate_pairs
 from hf_accum.testing.dpo_reference import pair_features, with_reference_logps
 from hf_accum.testing.models import tiny_causal_lm

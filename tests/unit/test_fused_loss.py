@@ -1,4 +1,4 @@
-"""The fused linear cross-entropy (hf_accum.fused_loss).
+"""The fused linear cross-entropy (hf_accum.fused.loss).
 
 * The function equals torch's cross-entropy on the materialized logits, in value and gradient (float64
   to 1e-12; fp32, bf16 and bf16 autocast as close to a float64 reference as the logits path is).
@@ -25,9 +25,11 @@ from torch.utils.data import DataLoader
 
 from hf_accum import AccumTrainer
 from hf_accum.batching import PackingCollator, PaddingCollator
-from hf_accum.fused_loss import LinearHead, MicroBatchLoss, NotFusable, linear_cross_entropy_sum, resolve_head
+from hf_accum.fused.head import NotFusable, resolve_head
+from hf_accum.fused.loss import LinearHead, linear_cross_entropy_sum
 from hf_accum.loop import LoopConfig, train
 from hf_accum.loss import rows_per_chunk, token_loss_sum
+from hf_accum.micro_batch import MicroBatchLoss
 from hf_accum.testing import (
     PAD,
     VOCAB,
@@ -104,7 +106,7 @@ def test_equals_torch_cross_entropy_in_float64(head_kind, smoothing):
 @pytest.mark.parametrize("head_kind", ["plain", "lora"])
 def test_per_row_weights_equal_the_weighted_logits_loss_in_float64(head_kind, smoothing, softcap):
     """``weights`` (per-sequence normalization's 1 / n_s) scale each target row's loss and gradient."""
-    from hf_accum.fused_loss import LogitTransform
+    from hf_accum.fused.loss import LogitTransform
 
     h, head, targets = _head_and_inputs(head_kind)
     head = dataclasses.replace(head, transform=LogitTransform(softcap=softcap))
@@ -133,7 +135,7 @@ def test_cpu_chunks_are_vocab_major_and_their_softmax_is_exact(dtype):
     """On a CPU a head in the loss dtype computes each chunk as ``W h^T`` ([vocab, rows], the GEMM orientation MKL
     runs at full speed) and hands on its transpose; the softmax then runs down the columns. Checked: the layout
     is taken (a short last chunk too), and that softmax is within a few rounding errors of a float64 one."""
-    from hf_accum.fused_gradients import ChunkBuffers, softmax_, vocab_major
+    from hf_accum.fused.gradients import ChunkBuffers, softmax_, vocab_major
 
     h, head, _ = _head_and_inputs("bias", dtype=dtype, rows=7, hidden=8, vocab=3000)
     buffers = ChunkBuffers(5, head.weight, dtype)
@@ -164,7 +166,7 @@ def test_the_default_chunk_of_a_cpu_head_in_the_loss_dtype_holds_at_least_384_ro
     """Under the default budget (192 MiB of logits) a 4-byte head on a CPU gets at least 384 rows per chunk (at
     vocab 262144 the budget alone gives 128: 32 passes over the weight at N = 4096); a budget the caller gives is
     kept, and a bf16 head and the general path are sized by the budget as before."""
-    from hf_accum.fused_loss import IDENTITY, rows_per_chunk
+    from hf_accum.fused.loss import IDENTITY, rows_per_chunk
 
     def rows(vocab, dtype=torch.float32, fast=True, chunk_bytes=None):
         return rows_per_chunk(vocab, torch.empty(0, dtype=dtype), IDENTITY, fast, chunk_bytes)
@@ -175,7 +177,7 @@ def test_the_default_chunk_of_a_cpu_head_in_the_loss_dtype_holds_at_least_384_ro
     assert rows(262144, fast=False) == 128  # the general path (LoRA head, logit transform, autocast)
     assert rows(262144, torch.bfloat16) == 512  # 192 rows x LOW_PRECISION_CHUNK_FACTOR, to a multiple of 128
     # and the loss takes it: at vocab 70000 in float64 the budget gives 359 rows, the loss 384 (400 targets: 2 chunks)
-    import hf_accum.fused_loss as fused_loss
+    import hf_accum.fused.loss as fused_loss
 
     h, head, targets = _head_and_inputs("plain", rows=400, hidden=4, vocab=70000)
     assert rows(70000, torch.float64) == 384 and 192 * 2**20 // (70000 * 8) == 359
@@ -192,7 +194,7 @@ def test_the_default_chunk_of_a_cpu_head_in_the_loss_dtype_holds_at_least_384_ro
 def test_top1_hits_of_a_vocab_major_chunk_count_as_argmax_does():
     """Ties (the first maximum counts), a target that ties a later class, and a NaN logit (torch's argmax takes NaN
     as the maximum): the vocab-major count equals ``argmax`` on the row-major logits."""
-    from hf_accum.fused_gradients import top1_hits
+    from hf_accum.fused.gradients import top1_hits
 
     logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     logits[:3, 5] = logits[:3, 9] = logits[:3].amax(1) + 1.0  # rows 0-2: classes 5 and 9 tie for the maximum
@@ -320,7 +322,7 @@ def test_models_of_the_exactness_suites_take_the_fused_path(factory, collator, c
     model = factory().train()
     inputs, labels = _batch(random_rows(4, seed=3, prompt_masking=True), collator)
     step = MicroBatchLoss(label_smoothing=0.1)
-    with caplog.at_level(logging.INFO, logger="hf_accum.fused_loss"):
+    with caplog.at_level(logging.INFO, logger="hf_accum.fused.loss"):
         _, fused, n_targets = step(model, inputs, labels)
     assert step.fused.active and FUSED_ON in caplog.text
     logits = model(**inputs).logits
@@ -343,7 +345,7 @@ def _head_scenario(name):
 
 @pytest.mark.parametrize("name", sorted(HEAD_SCENARIOS))
 def test_loop_is_exact_with_fused_heads_and_naive_is_not(name, caplog):
-    with caplog.at_level(logging.INFO, logger="hf_accum.fused_loss"):
+    with caplog.at_level(logging.INFO, logger="hf_accum.fused.loss"):
         result, auditor = run_exact(_head_scenario(name))
     assert FUSED_ON in caplog.text
     assert len(auditor.records) == len(result.updates) == 3  # windows of 4, 4 and a short 3 micro-batches
@@ -353,7 +355,7 @@ def test_loop_is_exact_with_fused_heads_and_naive_is_not(name, caplog):
 
 @pytest.mark.parametrize("name", sorted(HEAD_SCENARIOS))
 def test_accum_trainer_is_exact_with_fused_heads(name, tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="hf_accum.fused_loss"):
+    with caplog.at_level(logging.INFO, logger="hf_accum.fused.loss"):
         run = run_trainer(_head_scenario(name), str(tmp_path), AccumTrainer)
     assert FUSED_ON in caplog.text
     assert len(run.errors) == 3 and run.max_error < EXACT, run.errors
@@ -478,7 +480,7 @@ def _cohere():
 
 def _two_micro_batches(step, model, caplog):
     inputs, labels = _batch(random_rows(4, seed=5, prompt_masking=True))
-    with caplog.at_level(logging.INFO, logger="hf_accum.fused_loss"):
+    with caplog.at_level(logging.INFO, logger="hf_accum.fused.loss"):
         for _ in range(2):
             _, loss, n_targets = step(model, inputs, labels)
     reference, reference_n = token_loss_sum(model(**inputs).logits, labels, "causal_lm")
@@ -506,7 +508,7 @@ def test_lora_dropout_on_the_output_layer_keeps_the_logits_path(caplog):
     model = _peft(tiny_causal_lm(), target_modules=["lm_head"], lora_dropout=0.1).train()
     step = MicroBatchLoss()
     inputs, labels = _batch(random_rows(4, seed=5))
-    with caplog.at_level(logging.INFO, logger="hf_accum.fused_loss"):
+    with caplog.at_level(logging.INFO, logger="hf_accum.fused.loss"):
         step(model, inputs, labels)
     assert not step.fused.active and "dropout" in caplog.text
 
@@ -565,7 +567,7 @@ class WeightSizedFp32(TorchDispatchMode):
 def test_bf16_weight_gradient_needs_no_fp32_copy_within_four_chunks(chunks):
     """Up to 4 chunks the bf16 weight's gradient is summed in bf16, in place, where autograd hands it to .grad
     (no fp32 copy the weight's size); from the fifth on, in fp32 (the negative control: one copy)."""
-    from hf_accum.fused_loss import LOW_PRECISION_CHUNK_FACTOR
+    from hf_accum.fused.loss import LOW_PRECISION_CHUNK_FACTOR
 
     h, head, targets = _head_and_inputs("plain", dtype=torch.bfloat16, rows=24 * LOW_PRECISION_CHUNK_FACTOR,
                                         hidden=16, vocab=300)

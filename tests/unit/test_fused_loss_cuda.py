@@ -1,5 +1,5 @@
 """The CUDA path of the fused loss: Liger-Kernel's fused linear cross-entropy (``reduction="sum"``)
-behind :func:`hf_accum.fused_loss.linear_cross_entropy_sum`. Runs where CUDA and ``liger-kernel``
+behind :func:`hf_accum.fused.loss.linear_cross_entropy_sum`. Runs where CUDA and ``liger-kernel``
 exist (``pip install -e ".[liger]"``); skipped, with the reason, elsewhere -- the development machine
 has no GPU, so these tests were not run there."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import hf_accum.fused_loss as fused_loss
-from hf_accum.fused_loss import LinearHead, linear_cross_entropy_sum
+import hf_accum.fused.loss as fused_loss
+from hf_accum.fused.loss import LinearHead, linear_cross_entropy_sum
 
 
 def _why_skipped() -> str | None:

@@ -42,7 +42,7 @@ def _errors(name: str, front_end: str, output_dir: str) -> list[float]:
 @pytest.mark.parametrize("front_end", FRONT_ENDS)
 @pytest.mark.parametrize("name", FAMILY_NAMES)
 def test_family_is_exact_on_its_path(name, front_end, tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="hf_accum.fused_loss"), float64_arithmetic():
+    with caplog.at_level(logging.INFO, logger="hf_accum.fused.loss"), float64_arithmetic():
         errors = _errors(name, front_end, str(tmp_path))
     print(f"FAMILY {name} {front_end} {max(errors):.1e}")  # docs/models.md's table: pytest -s -k ...
     assert len(errors) == 1 and errors[0] < EXACT, errors

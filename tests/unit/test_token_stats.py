@@ -1,11 +1,11 @@
 """TRL's metrics (``entropy``, ``mean_token_accuracy``) as sums inside the fused loss's chunked pass.
 
-* :class:`~hf_accum.fused_loss.TokenStats` from :func:`~hf_accum.fused_loss.linear_cross_entropy_sum`
+* :class:`~hf_accum.fused.loss.TokenStats` from :func:`~hf_accum.fused.loss.linear_cross_entropy_sum`
   equal TRL's own computation on the full float64 logits (``trl.trainer.utils.entropy_from_logits``,
   ``argmax``) over the prediction targets, with soft-capped logits too, over any chunking; ties count
   the first maximum, as ``argmax`` does (a negative control shows the tie case is really exercised).
 * They are sums: over micro-batches they equal the big batch's (exactly for the counts).
-* The logits path's :func:`~hf_accum.fused_loss.logits_token_stats` gives the same numbers.
+* The logits path's :func:`~hf_accum.micro_batch.logits_token_stats` gives the same numbers.
 * ``AccumSFTTrainer`` trains on the fused path (log line and state), with TRL's metrics logged, exact.
 """
 
@@ -24,14 +24,13 @@ from trl import SFTConfig
 from trl.trainer.utils import entropy_from_logits
 
 from hf_accum import AccumSFTTrainer
-from hf_accum.fused_loss import (
+from hf_accum.fused.loss import (
     LinearHead,
     LogitTransform,
-    MicroBatchLoss,
     TokenStats,
     linear_cross_entropy_sum,
-    logits_token_stats,
 )
+from hf_accum.micro_batch import MicroBatchLoss, logits_token_stats
 from hf_accum.testing import Scenario, run_trainer
 from hf_accum.testing.sft import sft_model_factory, sft_rows, sft_tokenizer
 
@@ -208,7 +207,7 @@ def _sft_scenario(name, **sft_args):
 @pytest.mark.parametrize("sft_args", [{}, {"padding_free": True, "max_length": None},
                                       {"packing": True, "max_length": 32}], ids=["padded", "padding_free", "packing"])
 def test_accum_sft_trainer_takes_the_fused_path_with_trl_metrics(sft_args, tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="hf_accum.fused_loss"):
+    with caplog.at_level(logging.INFO, logger="hf_accum.fused.loss"):
         run = run_trainer(_sft_scenario("fused_sft", **sft_args), str(tmp_path), AccumSFTTrainer, args_cls=SFTConfig,
                           trainer_kwargs={"processing_class": TOKENIZER})
     assert run.trainer._micro_batch_loss.fused.active and FUSED_ON in caplog.text

@@ -1,4 +1,4 @@
-"""The fused linear cross-entropy's chunk buffers, their softmax, and the gradient sums (:mod:`hf_accum.fused_loss`
+"""The fused linear cross-entropy's chunk buffers, their softmax, and the gradient sums (:mod:`hf_accum.fused.loss`
 owns the loss).
 
 :class:`ChunkBuffers` -- the ``[chunk rows, vocab]`` buffers every chunk reuses: the logits in the loss dtype and,
@@ -42,7 +42,7 @@ WEIGHT_SLICE_BYTES = 32 * 2**20
 def vocab_major(weight: torch.Tensor) -> bool:
     """Whether the fast path keeps this output layer's chunks vocab-major (:class:`ChunkBuffers`): on a CPU, a head
     in its own loss dtype (fp32, fp64). The one place that decides it: the buffers' layout and the chunk's size
-    (:func:`hf_accum.fused_loss.rows_per_chunk`) both ask here."""
+    (:func:`hf_accum.fused.loss.rows_per_chunk`) both ask here."""
     return weight.device.type == "cpu" and weight.dtype == compute_dtype(weight.dtype)
 
 
@@ -162,7 +162,7 @@ def xlogx_sum(p: torch.Tensor) -> torch.Tensor:
     """``sum_c p_c log p_c`` per row of ``p`` (``[rows, V]``, either layout; ``0 log 0 = 0``), a block at a time
     into one scratch block: a fresh ``xlogy`` per block left the heap fragmented -- each freed block's hole was
     split by the small tensors allocated after it, so the next block took new memory -- and the resident size
-    grew by one block per block (see :func:`hf_accum.fused_loss._exp_dot`)."""
+    grew by one block per block (see :func:`hf_accum.fused.loss._exp_dot`)."""
     if p.stride(1) != 1:  # vocab-major: blocks of vocabulary rows of the contiguous [V, rows] chunk
         columns = p.t()
         block = _block_rows(columns, ENTROPY_BLOCK_BYTES)

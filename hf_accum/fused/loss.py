@@ -11,9 +11,9 @@ This module owns the fused loss itself; the choice between it and the logits pat
    chunk's logits exist at a time and no forward is recomputed -- the approach of Liger-Kernel's
    FusedLinearCrossEntropy and Apple's Cut Cross-Entropy. On CUDA with ``liger-kernel`` installed,
    Liger's kernel does the same job (``reduction="sum"``).
-2. :mod:`hf_accum.fused_head` -- which output layers can be fused (``resolve_head``: what the head computes,
+2. :mod:`hf_accum.fused.head` -- which output layers can be fused (``resolve_head``: what the head computes,
    as tensors, :class:`LinearHead`, and what the model does to its logits, :class:`LogitTransform`),
-   proven on the first micro-batch by a probe, and :class:`~hf_accum.fused_head.FusedCausalLMLoss`, which
+   proven on the first micro-batch by a probe, and :class:`~hf_accum.fused.head.FusedCausalLMLoss`, which
    runs a model so that its head *returns the loss* (inside the model's forward: DDP's reducer and
    ``find_unused_parameters`` need the head reached from that forward).
 3. :mod:`hf_accum.micro_batch` -- :class:`~hf_accum.micro_batch.MicroBatchLoss`, what both front-ends call per
@@ -22,7 +22,7 @@ This module owns the fused loss itself; the choice between it and the logits pat
 
 Sums are taken in :func:`hf_accum.loss.compute_dtype` (at least fp32; fp64 stays fp64), except a bf16
 output layer's weight gradient over its first chunks, summed in bf16 (see
-:class:`~hf_accum.fused_gradients.GradientSums`); the targets are the causal ones of
+:class:`~hf_accum.fused.gradients.GradientSums`); the targets are the causal ones of
 :func:`hf_accum.loss.aligned_targets`, so the count is that of :func:`hf_accum.loss.count_targets`; label
 smoothing is torch's definition, as in the logits path.
 """
@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from hf_accum.fused_gradients import (
+from hf_accum.fused.gradients import (
     ENTROPY_BLOCK_BYTES,
     ChunkBuffers,
     GradientSums,
@@ -315,7 +315,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
 def _takes_fast_path(hidden: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor | None,
                      transform: LogitTransform) -> bool:
     """The common case -- a plain head in the hidden states' dtype, no logit transform, no autocast --
-    runs :func:`_softmax_loss_and_gradient_` in reused buffers (:class:`~hf_accum.fused_gradients.ChunkBuffers`);
+    runs :func:`_softmax_loss_and_gradient_` in reused buffers (:class:`~hf_accum.fused.gradients.ChunkBuffers`);
     the rest the general chunk math (:func:`_loss_and_logit_gradient`)."""
     return (
         lora_a is None and transform == IDENTITY and hidden.dtype == weight.dtype
@@ -329,7 +329,7 @@ def _softmax_loss_and_gradient_(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fast path's chunk math: summed (``row_weights``: weighted) loss and d(loss)/dy, in place in ``y``.
 
-    The softmax is done in place by :func:`~hf_accum.fused_gradients.softmax_` (a row-major chunk: one
+    The softmax is done in place by :func:`~hf_accum.fused.gradients.softmax_` (a row-major chunk: one
     ``torch.softmax(out=y)``, each row's max, exponentials and sum in cache, one read and one write of the chunk; a
     vocab-major one: three passes down the columns) instead of the general path's five (max, subtract, exp, sum,
     divide). The loss comes
@@ -478,19 +478,3 @@ def _liger_loss_sum(
         label_smoothing=label_smoothing, reduction="sum", **options,
     )
 
-
-# Moved to their own modules (the head probe, the per-micro-batch loss); importable from here as before.
-_MOVED = {
-    "NotFusable": "fused_head", "resolve_head": "fused_head", "FusedCausalLMLoss": "fused_head",
-    "probe_fusable_head": "fused_head", "declared_transform": "fused_head",
-    "MicroBatchLoss": "micro_batch", "LossSumFn": "micro_batch", "logits_token_stats": "micro_batch",
-}
-
-
-def __getattr__(name: str) -> Any:
-    module = _MOVED.get(name)
-    if module is None:
-        raise AttributeError(f"module 'hf_accum.fused_loss' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(f"hf_accum.{module}"), name)

@@ -2,7 +2,7 @@
 states and output layer, without ever holding the ``(tokens x vocab)`` logits.
 
 This module owns the log-probs the pairwise and RL losses need (DPO's per-sequence sums, GRPO's per-token
-ratios, KL and entropy); :mod:`hf_accum.fused_loss` owns the summed cross-entropy of SFT. The difference: a
+ratios, KL and entropy); :mod:`hf_accum.fused.loss` owns the summed cross-entropy of SFT. The difference: a
 cross-entropy *sum* has a gradient that is final when the chunk is computed (the fused loss computes it in its
 forward), while DPO and GRPO are nonlinear in the log-probs, so each token's upstream gradient is known only in
 backward. :class:`_TargetLogProbs` therefore saves the hidden states, the targets and one log-sum-exp (and
@@ -11,7 +11,7 @@ logits alive at a time (TRL's ``ChunkedLogProbFunction`` does the same; its sums
 :func:`hf_accum.loss.compute_dtype`, so a float64 model stays float64 and matches the full-logits path to
 rounding).
 
-* :class:`FusedLogProbs` -- per run: probes each model's output layer once (:func:`hf_accum.fused_head.
+* :class:`FusedLogProbs` -- per run: probes each model's output layer once (:func:`hf_accum.fused.head.
   probe_fusable_head`: what it computes and what the model does to its logits) and runs a forward whose head
   returns the per-position log-probs instead of logits (inside the head's forward, where FSDP2 / ZeRO-3 have
   gathered its weights, as the fused loss does). A model whose head cannot be fused gets ``None`` (the caller
@@ -30,12 +30,12 @@ import torch
 from torch import nn
 
 from hf_accum.distributed import is_main_process
-from hf_accum.fused_gradients import GradientSums
-from hf_accum.fused_head import NotFusable, _through_outputs, linear_leaf, probe_fusable_head, resolve_head
-from hf_accum.fused_loss import LinearHead, LogitTransform, _chunk_logits
+from hf_accum.fused.gradients import GradientSums
+from hf_accum.fused.head import NotFusable, _through_outputs, linear_leaf, probe_fusable_head, resolve_head
+from hf_accum.fused.loss import LinearHead, LogitTransform, _chunk_logits
 from hf_accum.loss import DEFAULT_CHUNK_BYTES, IGNORE_INDEX, aligned_targets, compute_dtype, unwrap_model
 
-logger = logging.getLogger("hf_accum.fused_loss")
+logger = logging.getLogger("hf_accum.fused.loss")
 
 
 def logps_chunk_rows(vocab: int, weight: torch.Tensor, entropy: bool, chunk_bytes: int | None) -> int:
@@ -79,7 +79,7 @@ class _TargetLogProbs(torch.autograd.Function):
 
     Backward recomputes each chunk's ``y`` (autocast as in forward), forms ``g_logp * ([c == t] - p) + g_H * dH/dy``,
     chains it through the temperature and the transform, and multiplies it back through the head
-    (:class:`~hf_accum.fused_gradients.GradientSums`)."""
+    (:class:`~hf_accum.fused.gradients.GradientSums`)."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor,

@@ -1,8 +1,8 @@
 """Which output layers the fused loss can take, proven on the model itself, and running a model so that its head
-returns the loss (:class:`FusedCausalLMLoss`). The loss itself is :mod:`hf_accum.fused_loss`; what both
+returns the loss (:class:`FusedCausalLMLoss`). The loss itself is :mod:`hf_accum.fused.loss`; what both
 front-ends call per micro-batch is :mod:`hf_accum.micro_batch`.
 
-See :mod:`hf_accum.fused_loss` (its docstring, items 2 and 3) for why the head's ``forward`` is replaced for
+See :mod:`hf_accum.fused.loss` (its docstring, items 2 and 3) for why the head's ``forward`` is replaced for
 one call instead of calling the decoder and the loss apart, and for what the probe proves.
 """
 
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from hf_accum.distributed import is_main_process
-from hf_accum.fused_loss import (
+from hf_accum.fused.loss import (
     IDENTITY,
     PROBE_POSITIONS,
     LinearHead,
@@ -35,7 +35,7 @@ from hf_accum.loss import (
 )
 from hf_accum.model_loss import leading_slice, probing
 
-logger = logging.getLogger("hf_accum.fused_loss")
+logger = logging.getLogger("hf_accum.fused.loss")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -259,7 +259,7 @@ class FusedCausalLMLoss:
                         vocab, self._chunk_mib(vocab), _describe(self.transform), _engine_note(self.head_module))
 
     def _chunk_mib(self, vocab: int) -> int:
-        """The logits of one chunk, in MiB, as :func:`~hf_accum.fused_loss.rows_per_chunk` sizes them for this head
+        """The logits of one chunk, in MiB, as :func:`~hf_accum.fused.loss.rows_per_chunk` sizes them for this head
         (taken as on the fast path when it has no adapter and no logit transform)."""
         assert self.head_module is not None
         weight = getattr(linear_leaf(self.head_module), "weight", None)
