@@ -34,7 +34,7 @@ _library_logger()
 _LAZY = {
     "WindowTally": "accumulation", "WindowTotals": "accumulation", "exact_mean_factor": "accumulation",
     "PackingCollator": "batching", "PaddingCollator": "batching",
-    "latest_complete_checkpoint": "checkpoint",
+    "latest_complete_checkpoint": "checkpointing.checkpoint",
     "EXIT_INTERRUPTED": "control", "EXIT_PREEMPTED": "control", "NonFiniteLossError": "control",
     "TrainingControl": "control", "TrainingStopped": "control",
     "linear_cross_entropy_sum": "fused.loss",

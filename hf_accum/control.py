@@ -13,8 +13,8 @@ same update, write the same checkpoint and stop together, even when a signal rea
 * **SIGINT** (Ctrl-C): the same, with :data:`EXIT_INTERRUPTED` (130, the shell's code for Ctrl-C); the main
   process says so once (:data:`CTRL_C_NOTE`). A second Ctrl-C -- SIGINT again, or the SIGTERM into which
   torchrun's agent (also behind a multi-process ``accelerate launch``) turns it -- aborts at once with
-  ``KeyboardInterrupt``; checkpoints are written atomically (:mod:`hf_accum.checkpoint`), so an abort leaves
-  the previous checkpoint whole and nothing half-written in its place.
+  ``KeyboardInterrupt``; checkpoints are written atomically (:mod:`hf_accum.checkpointing.checkpoint`), so an abort
+  leaves the previous checkpoint whole and nothing half-written in its place.
 * **Ctrl-C under accelerate's one-process launcher**: see :class:`LauncherTerminal` (the launcher waits).
 * **inf/NaN**: an update whose loss or gradients are not finite is skipped (weights, optimizer state and LR
   schedule untouched); after ``max_consecutive_nonfinite`` skipped updates in a row the run writes a

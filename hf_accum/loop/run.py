@@ -19,6 +19,7 @@ from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
 
 from hf_accum.boundary import UpdateBoundary
+from hf_accum.checkpointing.run_lock import locks_output_dir
 from hf_accum.compat import keep_4bit_training_layout
 from hf_accum.compile import CompileError, compile_blocks, whole_model_compiled
 from hf_accum.control import NonFiniteGuard, StopSignals, TrainingControl
@@ -31,7 +32,6 @@ from hf_accum.loop.supervisor import Supervisor, build_checkpointer
 from hf_accum.loss import model_problem_type, unwrap_model
 from hf_accum.micro_batch import LossSumFn, MicroBatchLoss
 from hf_accum.records import TrainResult, UpdateLog
-from hf_accum.run_lock import locks_output_dir
 from hf_accum.schedule import create_update_scheduler
 from hf_accum.sequence_norm import refuse_custom_loss
 from hf_accum.utilization import UtilizationMeter, meter_run, summarize
@@ -39,7 +39,7 @@ from hf_accum.utilization import UtilizationMeter, meter_run, summarize
 logger = logging.getLogger("hf_accum.loop")
 
 
-@locks_output_dir(  # one run per output directory (hf_accum.run_lock), for the whole call
+@locks_output_dir(  # one run per output directory (hf_accum.checkpointing.run_lock), for the whole call
     lambda a: ((a["config"] or LoopConfig()).output_dir, a["accelerator"].is_main_process), "LoopConfig.output_dir"
 )
 def train(

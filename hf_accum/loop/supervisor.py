@@ -13,16 +13,16 @@ from typing import Any
 from accelerate import Accelerator
 
 from hf_accum.boundary import Decision, UpdateBoundary
-from hf_accum.checkpoint import (
+from hf_accum.checkpointing.checkpoint import (
     LOOP_STATE_FILE,
     ResumeMismatchError,
     check_output_dir_writable,
     resolve_resume_checkpoint,
 )
+from hf_accum.checkpointing.loop_checkpoint import LoopCheckpointer, LoopState
 from hf_accum.loop.config import LoopConfig, LoopConfigError
 from hf_accum.loop.plan import RunPlan
 from hf_accum.loop.steppers import Stepper
-from hf_accum.loop_checkpoint import LoopCheckpointer, LoopState
 from hf_accum.records import TrainResult, UpdateLog
 
 logger = logging.getLogger("hf_accum.loop")

@@ -31,8 +31,8 @@ from typing import Any, Iterator
 import torch
 
 from hf_accum.auto_ramp import AutoRampSettings, BatchChange, BatchController, RampSchedule
-from hf_accum.checkpoint import ResumeMismatchError
-from hf_accum.loop_checkpoint import capture_random_states, data_generators, restore_random_states
+from hf_accum.checkpointing.checkpoint import ResumeMismatchError
+from hf_accum.checkpointing.loop_checkpoint import capture_random_states, data_generators, restore_random_states
 from hf_accum.loss import count_targets
 from hf_accum.rampup import RampUp, describe_stages, plan_windows
 

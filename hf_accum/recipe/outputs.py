@@ -28,12 +28,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
-from hf_accum.checkpoint import OutputDirNotWritable, check_output_dir_writable, write_text_atomically
+from hf_accum.checkpointing.checkpoint import OutputDirNotWritable, check_output_dir_writable, write_text_atomically
+from hf_accum.checkpointing.run_lock import LOCK_NAME
 from hf_accum.distributed import is_main_process
 from hf_accum.errors import EXIT_BAD_INPUT, EXIT_DISK_FULL, EXIT_INTERRUPTED, EXIT_NONFINITE, InputError
 from hf_accum.recipe import config as config_module
 from hf_accum.recipe.progress import phase_bar, quiet_third_party_warnings  # noqa: F401 -- one import path
-from hf_accum.run_lock import LOCK_NAME
 
 METRICS_NAME = "metrics.json"
 PLOT_NAME = "training_curves.png"
@@ -109,9 +109,9 @@ def check_output_dir(config: config_module.RecipeConfig, resume: bool) -> str:
 
 
 def _entries(out: str) -> list[str]:
-    """What ``out`` holds, this run's own lock file (:mod:`hf_accum.run_lock`) left out; nothing when it does not
-    exist. The main rank's :func:`probe_writable` may create and remove ``out`` while another rank reads it (seen
-    under torchrun: ``isdir`` true, then ``listdir`` found it gone), so a directory that vanishes is empty."""
+    """What ``out`` holds, this run's own lock file (:mod:`hf_accum.checkpointing.run_lock`) left out; nothing when it
+    does not exist. The main rank's :func:`probe_writable` may create and remove ``out`` while another rank reads it
+    (seen under torchrun: ``isdir`` true, then ``listdir`` found it gone), so a directory that vanishes is empty."""
     try:
         return [name for name in os.listdir(out) if name != LOCK_NAME]
     except (FileNotFoundError, NotADirectoryError):
@@ -119,8 +119,8 @@ def _entries(out: str) -> list[str]:
 
 
 def probe_writable(path: str) -> None:
-    """The output directory can be written: :func:`hf_accum.checkpoint.check_output_dir_writable`, on the main
-    process, leaving nothing behind (the directories created for the probe are removed again)."""
+    """The output directory can be written: :func:`hf_accum.checkpointing.checkpoint.check_output_dir_writable`, on the
+    main process, leaving nothing behind (the directories created for the probe are removed again)."""
     if not is_main_process():
         # One rank probes the (shared) directory: two probing at once race on the directories the probe creates
         # and removes again ("File exists", or a directory gone under the other rank's probe file).
@@ -454,7 +454,7 @@ def disk_full_is_one_line(output_dir: str) -> Iterator[None]:
     except Exception as error:
         if not is_disk_full(error):
             raise
-        from hf_accum.checkpoint import verified_resume_checkpoint
+        from hf_accum.checkpointing.checkpoint import verified_resume_checkpoint
 
         # Only the ranks whose write failed get here: each looks for itself (no collective verification).
         last = (verified_resume_checkpoint(output_dir, report=lambda line: None, collective=False)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hf_accum.checkpoint import (
+from hf_accum.checkpointing.checkpoint import (
     check_resume_engine,
     check_resume_plan,
     complete_checkpoints,

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from hf_accum.checkpoint import STAGING_PREFIX, latest_complete_checkpoint
+from hf_accum.checkpointing.checkpoint import STAGING_PREFIX, latest_complete_checkpoint
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

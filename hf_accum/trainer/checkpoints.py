@@ -2,8 +2,8 @@
 marker) and the update history; the resume checks; and the exception a halted run ends with.
 
 Trainer writes where ``_get_output_dir`` says: while a checkpoint is written that is a staging directory,
-renamed into place once every rank is done and the marker is written (:func:`hf_accum.checkpoint.staged_checkpoint`);
-only then are old checkpoints rotated out.
+renamed into place once every rank is done and the marker is written
+(:func:`hf_accum.checkpointing.checkpoint.staged_checkpoint`); only then are old checkpoints rotated out.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, Callable
 from transformers.trainer_utils import rotate_checkpoints
 
 from hf_accum.boundary import Decision
-from hf_accum.checkpoint import (
+from hf_accum.checkpointing.checkpoint import (
     PLAN_FILE,
     check_checkpoint_files,
     check_resume_engine,

@@ -35,6 +35,7 @@ from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput, TrainOutput
 
 from hf_accum.accumulation import WindowTally
+from hf_accum.checkpointing.run_lock import locks_output_dir
 from hf_accum.compat import (
     check_trainer_hooks,
     keep_4bit_training_layout,
@@ -52,7 +53,6 @@ from hf_accum.noise_scale import NoiseScaleTracker
 from hf_accum.peak_flops import check_peak_flops
 from hf_accum.planned_windows import refuse_planned_windows
 from hf_accum.records import UpdateLog
-from hf_accum.run_lock import locks_output_dir
 from hf_accum.schedule import BatchPlan
 from hf_accum.sequence_norm import check_normalization, refuse_custom_loss
 from hf_accum.trainer.batch_plan import BatchPlanner

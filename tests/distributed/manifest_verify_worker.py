@@ -3,7 +3,7 @@
 ``torchrun --nproc_per_node 2 tests/distributed/manifest_verify_worker.py OUT.json RUN_DIR``. Every rank runs the recipe's
 resume policy (:func:`hf_accum.recipe.resume.resume_checkpoint`) twice: with ``resume_from_checkpoint=true``
 (the damaged newest is skipped, the older good one chosen) and naming the damaged one (refused, exit code from
-the recipe's own ``run_cli``). Every call of ``hf_accum.manifest.file_digest`` (the sha256 of one file) is
+the recipe's own ``run_cli``). Every call of ``hf_accum.checkpointing.manifest.file_digest`` (the sha256 of one file) is
 counted per rank. Each rank writes ``OUT.json.rank<r>``; rank 0 also ``OUT.json``.
 """
 
@@ -19,7 +19,7 @@ import sys
 
 import torch.distributed as dist
 
-from hf_accum import manifest
+from hf_accum.checkpointing import manifest
 from hf_accum.distributed import leave_process_group
 from hf_accum.recipe.outputs import run_cli
 from hf_accum.recipe.resume import resume_checkpoint

@@ -22,8 +22,8 @@ import re
 import pytest
 import torch
 
-from hf_accum.checkpoint import ResumeMismatchError, latest_complete_checkpoint
-from hf_accum.run_lock import LOCK_NAME
+from hf_accum.checkpointing.checkpoint import ResumeMismatchError, latest_complete_checkpoint
+from hf_accum.checkpointing.run_lock import LOCK_NAME
 from hf_accum.testing import cases
 from hf_accum.testing.interruptions import assert_same_run, parse_args, read_records, run_dir, stitched
 from hf_accum.testing.launch import torchrun

@@ -126,8 +126,8 @@ def test_a_resumed_loop_run_continues_the_same_averages(tmp_path):
     import json
     import shutil
 
-    from hf_accum.checkpoint import LOOP_STATE_FILE
-    from hf_accum.manifest import MANIFEST_FILE
+    from hf_accum.checkpointing.checkpoint import LOOP_STATE_FILE
+    from hf_accum.checkpointing.manifest import MANIFEST_FILE
 
     whole = _loop_run(tmp_path / "whole")
     assert len(whole) == 6 and all(s is not None for s in whole[2:])

@@ -33,16 +33,16 @@ import sys
 import pytest
 import torch
 
-from hf_accum.checkpoint import (
+from hf_accum.checkpointing.checkpoint import (
     CHECKPOINT_PREFIX,
     ResumeMismatchError,
     is_complete_checkpoint,
     latest_complete_checkpoint,
 )
+from hf_accum.checkpointing.manifest import verify_checkpoint
+from hf_accum.checkpointing.run_lock import LOCK_NAME
 from hf_accum.control import CTRL_C_NOTE, EXIT_INTERRUPTED, EXIT_PREEMPTED
-from hf_accum.manifest import verify_checkpoint
 from hf_accum.recipe.testing import ROOT, SCRIPT, SMALL, TORCHRUN_2
-from hf_accum.run_lock import LOCK_NAME
 from hf_accum.testing import cases
 from hf_accum.testing.interruptions import (
     Terminal,

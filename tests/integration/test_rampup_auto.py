@@ -197,7 +197,7 @@ def test_resume_mid_ramp_reproduces_the_uninterrupted_run(tmp_path):
 
 
 def test_resume_across_auto_and_fixed_windows_is_refused(tmp_path):
-    from hf_accum.checkpoint import ResumeMismatchError
+    from hf_accum.checkpointing.checkpoint import ResumeMismatchError
 
     _auto_run(tmp_path / "auto", num_train_epochs=0.25)
     with pytest.raises(ResumeMismatchError, match="other windows"):

@@ -13,7 +13,7 @@ import tempfile
 import pytest
 import yaml
 
-from hf_accum.checkpoint import write_text_atomically
+from hf_accum.checkpointing.checkpoint import write_text_atomically
 from hf_accum.recipe import config as recipe_config
 from hf_accum.recipe import outputs as run_outputs
 from hf_accum.recipe.testing import (

@@ -27,11 +27,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hf_accum import run_lock
-from hf_accum.checkpoint import remove_staging_debris, resolve_resume_checkpoint, verified_resume_checkpoint
+from hf_accum.checkpointing import run_lock
+from hf_accum.checkpointing.checkpoint import (
+    remove_staging_debris,
+    resolve_resume_checkpoint,
+    verified_resume_checkpoint,
+)
+from hf_accum.checkpointing.manifest import MANIFEST_FILE, CheckpointCorrupt, verify_checkpoint, write_manifest
 from hf_accum.control import NonFiniteLossError, TrainingStopped
 from hf_accum.errors import EXIT_BAD_INPUT, EXIT_DISK_FULL, EXIT_NONFINITE, EXIT_PREEMPTED
-from hf_accum.manifest import MANIFEST_FILE, CheckpointCorrupt, verify_checkpoint, write_manifest
 from hf_accum.recipe import outputs as run_outputs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -94,7 +98,7 @@ def truncate(path: str) -> None:
 def test_lock_refuses_a_second_process_and_frees_with_its_dead_holder(tmp_path):
     out = str(tmp_path / "run")
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from hf_accum import run_lock; run_lock.acquire(sys.argv[1]); "
+        [sys.executable, "-c", "import sys, time; from hf_accum.checkpointing import run_lock; run_lock.acquire(sys.argv[1]); "
          "print('held', flush=True); time.sleep(600)", out],
         env=ENV, stdout=subprocess.PIPE, text=True,
     )
@@ -128,7 +132,7 @@ def held_by_another_process(tmp_path):
     """``tmp_path/run`` locked by a live process; yields (directory, that process's pid)."""
     out = str(tmp_path / "run")
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from hf_accum import run_lock; run_lock.acquire(sys.argv[1]); "
+        [sys.executable, "-c", "import sys, time; from hf_accum.checkpointing import run_lock; run_lock.acquire(sys.argv[1]); "
          "print('held', flush=True); time.sleep(600)", out],
         env=ENV, stdout=subprocess.PIPE, text=True,
     )
@@ -167,7 +171,7 @@ def test_both_engines_refuse_an_output_dir_another_run_holds(front_end, held_by_
 def test_the_write_probe_has_no_name_a_kill_could_leave_behind(tmp_path, monkeypatch):
     import tempfile
 
-    from hf_accum.checkpoint import check_output_dir_writable
+    from hf_accum.checkpointing.checkpoint import check_output_dir_writable
 
     seen = []
     original = tempfile.TemporaryFile
@@ -220,7 +224,7 @@ def test_a_second_run_on_a_running_runs_directory_is_refused_and_the_first_is_un
 
 
 def write_checkpoint(out: str, update: int, content: bytes = b"weights") -> str:
-    from hf_accum.checkpoint import staged_checkpoint
+    from hf_accum.checkpointing.checkpoint import staged_checkpoint
 
     with staged_checkpoint(out, update, commits=True, barrier=lambda: None,
                            seal=lambda folder: open(os.path.join(folder, "hf_accum_plan.json"), "w").write("{}")) as f:

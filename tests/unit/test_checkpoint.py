@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from hf_accum import LoopConfig, train
 from hf_accum.batching import PaddingCollator
-from hf_accum.checkpoint import (
+from hf_accum.checkpointing.checkpoint import (
     DEEPSPEED_TAG,
     PLAN_FILE,
     ResumeMismatchError,
@@ -29,8 +29,8 @@ from hf_accum.checkpoint import (
     save_batch_plan,
     staged_checkpoint,
 )
+from hf_accum.checkpointing.loop_checkpoint import capture_random_states, restore_random_states
 from hf_accum.control import EXIT_INTERRUPTED, EXIT_PREEMPTED, StopSignals, TrainingControl, TrainingStopped
-from hf_accum.loop_checkpoint import capture_random_states, restore_random_states
 from hf_accum.schedule import BatchPlan
 from hf_accum.testing import PAD, fresh_accelerator, random_rows, tiny_causal_lm
 
@@ -99,7 +99,7 @@ def test_atomic_file_and_directory(tmp_path):
 def test_atomic_file_flushes_the_file_then_its_directory_after_the_rename(tmp_path, monkeypatch):
     """The rename is durable only once the directory holding it is flushed: the order is file fsync, rename,
     directory fsync (a directory fsync before the rename would not cover it)."""
-    from hf_accum import checkpoint
+    from hf_accum.checkpointing import checkpoint
 
     events = []
     real_fsync, real_replace, real_open = os.fsync, os.replace, os.open

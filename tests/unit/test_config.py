@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from hf_accum.checkpoint import write_text_atomically
+from hf_accum.checkpointing.checkpoint import write_text_atomically
 from hf_accum.errors import InputError
 from hf_accum.recipe import config as recipe_config
 from hf_accum.recipe import outputs as run_outputs

@@ -1,4 +1,4 @@
-"""hf_accum.fsdp_checkpoint: a loop checkpoint of an FSDP2 model resumes only with the same sharding (FSDP or
+"""hf_accum.checkpointing.fsdp_checkpoint: a loop checkpoint of an FSDP2 model resumes only with the same sharding (FSDP or
 not, processes, device mesh, placements); the refusal names the difference. The sharded save and the exact
 resume themselves run in tests/distributed/test_fsdp_recipe.py (2 processes)."""
 
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hf_accum.checkpoint import ResumeMismatchError
-from hf_accum.fsdp_checkpoint import FSDP_DIR, SHARDING_FILE, check_fsdp_resume, sharding_of
+from hf_accum.checkpointing.checkpoint import ResumeMismatchError
+from hf_accum.checkpointing.fsdp_checkpoint import FSDP_DIR, SHARDING_FILE, check_fsdp_resume, sharding_of
 
 
 def sharded_model(processes: int) -> torch.nn.Module:

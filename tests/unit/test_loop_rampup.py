@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader
 
 from hf_accum import LoopConfig, train
 from hf_accum.batching import PaddingCollator
-from hf_accum.checkpoint import ResumeMismatchError
+from hf_accum.checkpointing.checkpoint import ResumeMismatchError
 from hf_accum.loop.config import LoopConfigError
 from hf_accum.rampup import RampUpError
 from hf_accum.testing import (

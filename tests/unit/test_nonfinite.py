@@ -18,7 +18,7 @@ from transformers import Trainer
 
 from hf_accum import AccumTrainer, LoopConfig, train
 from hf_accum.batching import PaddingCollator
-from hf_accum.checkpoint import checkpoint_path, is_complete_checkpoint
+from hf_accum.checkpointing.checkpoint import checkpoint_path, is_complete_checkpoint
 from hf_accum.control import NonFiniteLossError
 from hf_accum.testing import PAD, Scenario, fresh_accelerator, random_rows, run_trainer, tiny_causal_lm
 

@@ -34,7 +34,7 @@ from typing import Any, Callable  # noqa: E402
 import torch  # noqa: E402
 
 from hf_accum import batching  # noqa: E402
-from hf_accum.checkpoint import STAGING_PREFIX, checkpoint_path, is_complete_checkpoint  # noqa: E402
+from hf_accum.checkpointing.checkpoint import STAGING_PREFIX, checkpoint_path, is_complete_checkpoint  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 RECIPE = os.path.join(ROOT, "recipes", "finetune_llama.py")

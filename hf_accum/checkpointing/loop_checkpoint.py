@@ -1,8 +1,8 @@
 """What a loop checkpoint holds and how it is saved and loaded (:class:`LoopCheckpointer`), and the random
 states every rank must get back for an exact resume.
 
-The writing is :func:`hf_accum.checkpoint.staged_checkpoint` (atomic, verified by its manifest); this module
-owns the contents: the model in safetensors (only the adapter for PEFT models), optimizer, LR scheduler,
+The writing is :func:`hf_accum.checkpointing.checkpoint.staged_checkpoint` (atomic, verified by its manifest); this
+module owns the contents: the model in safetensors (only the adapter for PEFT models), optimizer, LR scheduler,
 GradScaler (under DeepSpeed: its own per-rank files; under FSDP2: sharded state through
 ``torch.distributed.checkpoint``), the update counter and log, the data position (epoch and micro-batches
 consumed) and every random state of every rank -- including the state the epoch's shuffle was drawn from.
@@ -21,7 +21,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 
-from hf_accum.checkpoint import (
+from hf_accum.checkpointing.checkpoint import (
     DEEPSPEED_TAG,
     LOOP_STATE_FILE,
     MODEL_FILE,
@@ -36,10 +36,10 @@ from hf_accum.checkpoint import (
     save_batch_plan,
     staged_checkpoint,
 )
-from hf_accum.fsdp_checkpoint import check_fsdp_resume, is_fsdp_model, load_fsdp_state, save_fsdp_state
+from hf_accum.checkpointing.fsdp_checkpoint import check_fsdp_resume, is_fsdp_model, load_fsdp_state, save_fsdp_state
 from hf_accum.schedule import BatchPlan
 
-logger = logging.getLogger("hf_accum.checkpoint")
+logger = logging.getLogger("hf_accum.checkpointing.checkpoint")
 
 
 # -- random states ------------------------------------------------------------------------------------

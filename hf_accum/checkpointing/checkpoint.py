@@ -12,14 +12,15 @@ Shared by both engines:
 * **Finding** (:func:`latest_complete_checkpoint`): the ``checkpoint-<n>`` with the largest ``n`` that holds
   the marker; incomplete ones are skipped. To resume (:func:`resolve_resume_checkpoint`,
   :func:`verified_resume_checkpoint`), the newest one whose files match the manifest written with it
-  (:mod:`hf_accum.manifest`); a damaged one named explicitly is refused before anything loads.
+  (:mod:`hf_accum.checkpointing.manifest`); a damaged one named explicitly is refused before anything loads.
 * **The batch plan** (:func:`check_resume_plan`): a checkpoint trained with another micro-batch,
   accumulation or world size is refused, naming the difference -- the effective batch and the data
   position would silently change.
 
-What a loop checkpoint holds (:class:`~hf_accum.loop_checkpoint.LoopCheckpointer`, for :func:`hf_accum.train`;
-AccumTrainer uses Trainer's own checkpoint contents) lives in :mod:`hf_accum.loop_checkpoint`: the model,
-optimizer, scheduler, GradScaler, the update log, the data position and every random state of every rank.
+What a loop checkpoint holds (:class:`~hf_accum.checkpointing.loop_checkpoint.LoopCheckpointer`, for
+:func:`hf_accum.train`; AccumTrainer uses Trainer's own checkpoint contents) lives in
+:mod:`hf_accum.checkpointing.loop_checkpoint`: the model, optimizer, scheduler, GradScaler, the update log, the data
+position and every random state of every rank.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ import re
 import shutil
 from typing import Callable, Iterator
 
+from hf_accum.checkpointing.manifest import check_named_checkpoint, newest_verified_checkpoint, write_manifest
 from hf_accum.errors import InputError
-from hf_accum.manifest import check_named_checkpoint, newest_verified_checkpoint, write_manifest
 from hf_accum.schedule import BatchPlan
 
 logger = logging.getLogger(__name__)
@@ -129,8 +130,8 @@ def resolve_resume_checkpoint(resume_from_checkpoint: str | bool | None, output_
 
 
 def check_checkpoint_files(checkpoint: str) -> None:
-    """Refuse (:class:`hf_accum.manifest.CheckpointCorrupt`) a named checkpoint whose files do not match its
-    manifest, naming the bad file and the newest checkpoint beside it that verifies."""
+    """Refuse (:class:`hf_accum.checkpointing.manifest.CheckpointCorrupt`) a named checkpoint whose files do not match
+    its manifest, naming the bad file and the newest checkpoint beside it that verifies."""
     check_named_checkpoint(checkpoint, lambda: _newest_good_sibling(checkpoint))
 
 
@@ -139,8 +140,8 @@ def verified_resume_checkpoint(
 ) -> str | None:
     """The newest complete checkpoint of ``output_dir`` whose files match its manifest (None: none does, or
     there is none); each newer one skipped is reported (``report``, default: a logged warning) with why.
-    Under several ranks one rank verifies and broadcasts (:func:`hf_accum.manifest.verify_checkpoint`): every
-    rank calls it; ``collective=False`` on a path only some ranks take."""
+    Under several ranks one rank verifies and broadcasts (:func:`hf_accum.checkpointing.manifest.verify_checkpoint`):
+    every rank calls it; ``collective=False`` on a path only some ranks take."""
     checkpoint, _ = newest_verified_checkpoint(complete_checkpoints(output_dir), report, collective)
     return checkpoint
 
@@ -155,7 +156,7 @@ def _newest_good_sibling(path: str) -> str | None:
 
 def remove_staging_debris(output_dir: str) -> list[str]:
     """Remove what killed checkpoint writes left in ``output_dir`` (hidden staging directories, probes);
-    returns their names. Only for the run that holds the directory's lock (:mod:`hf_accum.run_lock`)."""
+    returns their names. Only for the run that holds the directory's lock (:mod:`hf_accum.checkpointing.run_lock`)."""
     if not os.path.isdir(output_dir):
         return []
     names = sorted(name for name in os.listdir(output_dir) if name.startswith(STAGING_PREFIX))
@@ -345,7 +346,7 @@ def staged_checkpoint(
     seal: Callable[[str], None],
 ) -> Iterator[str]:
     """:func:`atomic_directory` for ``output_dir/checkpoint-<update>``; ``seal`` writes the completion marker
-    (:data:`PLAN_FILE`), then the manifest of every file is written last (:mod:`hf_accum.manifest`). Also
+    (:data:`PLAN_FILE`), then the manifest of every file is written last (:mod:`hf_accum.checkpointing.manifest`). Also
     removes staging directories that killed writes left in ``output_dir``."""
 
     def seal_and_list(folder: str) -> None:

@@ -2,9 +2,10 @@
 ``torch.distributed.checkpoint`` (DCP).
 
 Every rank writes its own shards (``fsdp/__<rank>_0.distcp``, DCP's ``fsdp/.metadata``) into the
-checkpoint's staging directory, so the checkpoint stays atomic (:func:`hf_accum.checkpoint.atomic_directory`
-renames it once every rank has written) and its manifest lists the shards like any other file. Nothing is
-gathered to one rank: a model that only fits sharded is also saved sharded.
+checkpoint's staging directory, so the checkpoint stays atomic
+(:func:`hf_accum.checkpointing.checkpoint.atomic_directory` renames it once every rank has written) and its manifest
+lists the shards like any other file. Nothing is gathered to one rank: a model that only fits sharded is also saved
+sharded.
 
 ``fsdp/sharding.json`` records how the state was sharded (processes, FSDP version, the mesh). A resume
 with another sharding is refused, naming the difference: DCP could reshard, but the loop's data position
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from hf_accum.checkpoint import ResumeMismatchError
+from hf_accum.checkpointing.checkpoint import ResumeMismatchError
 
 FSDP_DIR = "fsdp"
 SHARDING_FILE = "sharding.json"

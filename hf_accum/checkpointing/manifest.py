@@ -6,7 +6,7 @@ torch/safetensors -- or, for bytes inside a tensor, nothing at all and a silentl
 
 * **Writing** (:func:`write_manifest`): the process that commits a checkpoint writes :data:`MANIFEST_FILE`
   -- every file's relative path, size and sha256 -- as the last file of the staging directory, right
-  after the completion marker and before the rename (:func:`hf_accum.checkpoint.staged_checkpoint`).
+  after the completion marker and before the rename (:func:`hf_accum.checkpointing.checkpoint.staged_checkpoint`).
 * **Verifying** (:func:`verify_checkpoint`): sizes first (free), then sha256 streamed in 1 MiB blocks.
   A checkpoint without a manifest (written before manifests existed) is accepted with a note. Under a
   process group of several ranks, one rank (global rank 0) hashes and broadcasts its verdict: every rank
