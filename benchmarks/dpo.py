@@ -31,7 +31,7 @@ from benchmarks.report import BenchError, SectionResult, judge, median_interval,
 from benchmarks.report import summary_row as _summary_row
 from benchmarks.sft import RunResult, _Counting, _Meter, _MeterCallback, llama_with_lora, word_tokenizer
 from benchmarks.workers import Workers
-from hf_accum.peak_flops import device_peak_flops
+from hf_accum.measure.peak_flops import device_peak_flops
 
 if TYPE_CHECKING:
     from benchmarks.harness import Bench
@@ -147,7 +147,7 @@ def run_measured(spec: dict, runner: Callable[[dict, _Meter, str], _Counting]) -
 
 
 def _model_flops(spec: dict, real: int, targets: int, squared_lengths: int) -> float:
-    from hf_accum.utilization import ModelFlops
+    from hf_accum.measure.utilization import ModelFlops
 
     with torch.device("meta"):
         model, _ = llama_with_lora(word_tokenizer(spec["vocab_size"]), spec["hidden_size"], spec["layers"],
@@ -210,7 +210,7 @@ class PairedResult(SectionResult):
                              f"{mib(int(statistics.median(r.peak_bytes for r in runs))):>12}")
             lines.append(f"    ours / TRL: tokens/s {spread(row.ratios('speed'))}, memory {spread(row.ratios('memory'))}")
         peaks = sorted({r.peak for row in self.rows for runs in row.runs.values() for r in runs if r.peak})
-        lines.append(f"  MFU: model FLOPs (hf_accum.utilization) / {self.clock} / {', '.join(peaks) or 'no peak'}")
+        lines.append(f"  MFU: model FLOPs (hf_accum.measure.utilization) / {self.clock} / {', '.join(peaks) or 'no peak'}")
         return "\n".join(lines)
 
     def summary(self) -> list[dict]:

@@ -1,6 +1,6 @@
 """torchrun worker of section ``fsdp_fused`` (2 CPU processes, gloo): the loop engine under FSDP2, the fused loss
 against the logits path, same model, data and order. Each variant's peak is read around its training on every
-rank (:func:`hf_accum.memory.measure_memory`: the c10 allocator's peak tensor memory, the sharded parameters and
+rank (:func:`hf_accum.measure.memory.measure_memory`: the c10 allocator's peak tensor memory, the sharded parameters and
 the gathered units included); the report holds the larger rank's peak and the update's wall time.
 
     torchrun --nproc_per_node 2 --standalone -m benchmarks.fsdp_fused_worker OUT.json VOCAB HIDDEN LAYERS LENGTH ROUNDS
@@ -23,7 +23,7 @@ from hf_accum.batching import PaddingCollator
 from hf_accum.distributed import leave_process_group
 from hf_accum.fsdp import fsdp2_plugin, fsdp_accelerator
 from hf_accum.loop import LoopConfig, train
-from hf_accum.memory import measure_memory
+from hf_accum.measure.memory import measure_memory
 
 MICRO_BATCH, ACCUMULATION, UPDATES = 2, 2, 2
 LAYER = ["LlamaDecoderLayer"]

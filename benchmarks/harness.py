@@ -135,16 +135,16 @@ def real_tokens(examples: Sequence[dict]) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# Model FLOPs and MFU: hf_accum.utilization's count, so a table's MFU is the one a run's log line prints
+# Model FLOPs and MFU: hf_accum.measure.utilization's count, so a table's MFU is the one a run's log line prints
 # ----------------------------------------------------------------------------------------------
 
 
 def batch_flops(model: torch.nn.Module, batches: Iterable[dict]) -> float:
     """Model FLOPs of training ``model`` on the collated causal-LM ``batches`` (forward + backward, the head on
-    the targets: :class:`hf_accum.utilization.ModelFlops`); the same for every front-end given these rows."""
+    the targets: :class:`hf_accum.measure.utilization.ModelFlops`); the same for every front-end given these rows."""
     from hf_accum.accumulation import batch_shape_counts, squared_sequence_lengths
     from hf_accum.loss import count_targets
-    from hf_accum.utilization import ModelFlops
+    from hf_accum.measure.utilization import ModelFlops
 
     flops = ModelFlops.of(model)
     total = 0.0
@@ -156,10 +156,10 @@ def batch_flops(model: torch.nn.Module, batches: Iterable[dict]) -> float:
 
 
 def device_peak(device: torch.device | str, model: torch.nn.Module) -> Any:
-    """One device's peak FLOP/s for ``model``'s compute dtype (:func:`hf_accum.peak_flops.device_peak_flops`:
+    """One device's peak FLOP/s for ``model``'s compute dtype (:func:`hf_accum.measure.peak_flops.device_peak_flops`:
     ``$HF_ACCUM_PEAK_FLOPS``, a GPU's data-sheet peak, or a GEMM rate measured and cached for this CPU)."""
-    from hf_accum.peak_flops import device_peak_flops
-    from hf_accum.utilization import compute_dtype
+    from hf_accum.measure.peak_flops import device_peak_flops
+    from hf_accum.measure.utilization import compute_dtype
 
     return device_peak_flops(device, compute_dtype(model))
 
@@ -354,8 +354,8 @@ class _SavedRef:
 @contextlib.contextmanager
 def measure_memory(device: torch.device, parameters: Iterable[torch.Tensor] = ()):
     """Yield a :class:`MemoryReading`, filled in when the block ends (see the module docstring): the library's
-    peak tensor memory (:func:`hf_accum.memory.measure_memory`) plus the peak of saved activations."""
-    from hf_accum.memory import measure_memory as measure_tensor_memory
+    peak tensor memory (:func:`hf_accum.measure.memory.measure_memory`) plus the peak of saved activations."""
+    from hf_accum.measure.memory import measure_memory as measure_tensor_memory
 
     reading = MemoryReading()
     saved = SavedActivations(parameters)

@@ -209,7 +209,7 @@ class ConfigResult:
 
 
 def _peak(step: Callable[[], float]) -> tuple[int, float]:
-    from hf_accum.memory import measure_memory
+    from hf_accum.measure.memory import measure_memory
 
     with measure_memory(torch.device("cpu")) as reading:
         loss = step()

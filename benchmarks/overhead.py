@@ -60,7 +60,7 @@ class OverheadResult(SectionResult):
     """Median wall-clock real tokens/s of each loop."""
     ours_mfu: float | None = None
     bare_mfu: float | None = None
-    """Model FLOPs utilization of each loop at its median wall time (:mod:`hf_accum.utilization`: the same model
+    """Model FLOPs utilization of each loop at its median wall time (:mod:`hf_accum.measure.utilization`: the same model
     FLOPs on both sides) against ``peak``."""
     peak: str = ""
     """The peak FLOP/s MFU is measured against, and where it came from."""

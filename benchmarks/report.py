@@ -56,8 +56,8 @@ def median_mfu(values: Iterable[float | None]) -> float | None:
 
 def mfu_meaning(peaks: Iterable[str], time: str = "wall") -> str:
     """The line under a table with an MFU column: what it divides (``peaks``: each run's
-    :meth:`hf_accum.peak_flops.PeakFlops.describe`, printed once each)."""
-    return f"MFU: model FLOPs (hf_accum.utilization) / {time} time / {', '.join(sorted(set(peaks))) or 'no peak'}"
+    :meth:`hf_accum.measure.peak_flops.PeakFlops.describe`, printed once each)."""
+    return f"MFU: model FLOPs (hf_accum.measure.utilization) / {time} time / {', '.join(sorted(set(peaks))) or 'no peak'}"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ from benchmarks.report import (
     BenchError, SectionResult, judge, median_interval, mib, percent, require_positive, summary_row,
 )
 from benchmarks.workers import Workers, peak_memory, reset_peak
-from hf_accum.peak_flops import device_peak_flops
+from hf_accum.measure.peak_flops import device_peak_flops
 
 if TYPE_CHECKING:
     from benchmarks.options import BenchOptions
@@ -236,7 +236,7 @@ class RunResult:
     path: str
     """hf_accum front-ends: 'fused' or 'logits' (from hf_accum's log); '-' for the others."""
     flops: float = 0.0
-    """Model FLOPs of the epoch (:mod:`hf_accum.utilization`: the same for every front-end on the same rows)."""
+    """Model FLOPs of the epoch (:mod:`hf_accum.measure.utilization`: the same for every front-end on the same rows)."""
     mfu: float | None = None
     """``flops / seconds`` over the peak of ``peak`` (None: no peak known)."""
     peak: str = ""
@@ -411,7 +411,7 @@ def run_here(**spec: Any) -> RunResult:
 
 def _model_flops(spec: dict, counting: _Counting) -> float:
     """The epoch's model FLOPs, from the model's shapes (built on the meta device: no memory, no time)."""
-    from hf_accum.utilization import ModelFlops
+    from hf_accum.measure.utilization import ModelFlops
 
     with torch.device("meta"):
         model, _ = llama_with_lora(word_tokenizer(spec["vocab_size"]), spec["hidden_size"], spec["layers"],
@@ -484,7 +484,7 @@ class SftResult(SectionResult):
         for row in self.rows:
             lines += self._table(row)
         peaks = {r.peak for row in self.rows for runs in row.runs.values() for r in runs if r.peak}
-        lines += [f"  MFU: model FLOPs (hf_accum.utilization) / {self.clock} time / {', '.join(sorted(peaks))}"]
+        lines += [f"  MFU: model FLOPs (hf_accum.measure.utilization) / {self.clock} time / {', '.join(sorted(peaks))}"]
         return "\n".join(lines)
 
     def _table(self, row: SftRow) -> list[str]:

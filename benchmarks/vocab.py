@@ -16,7 +16,7 @@ update is taken between optimizer steps (the first update, with its lazy initial
 optimizer state's allocation, is not timed unless it is the only one). Runs are interleaved: in each
 round every front-end of a comparison runs once, adjacent to its baseline, the order alternating
 between rounds; the ratios ours / baseline are taken within a round. Beside them, each front-end's MFU: the model
-FLOPs of the timed updates (:mod:`hf_accum.utilization`'s count, the same for every front-end on these rows) over
+FLOPs of the timed updates (:mod:`hf_accum.measure.utilization`'s count, the same for every front-end on these rows) over
 their wall time and the device's peak (:func:`benchmarks.harness.device_peak`).
 
 Targets (issue "exactness without a price at real vocabularies"), judged only on rows of 512 tokens or

@@ -169,7 +169,7 @@ class WindowTotals:
     total_tokens: int = 0
     squared_lengths: int = 0
     """Sum over the window's sequences of their squared lengths: the attention part of its model FLOPs
-    (:func:`squared_sequence_lengths`, :mod:`hf_accum.utilization`)."""
+    (:func:`squared_sequence_lengths`, :mod:`hf_accum.measure.utilization`)."""
     micro_batches: int = 0
     nonfinite_losses: int = 0
     """Micro-batches whose summed loss was inf/NaN."""
@@ -185,7 +185,7 @@ class WindowTotals:
     """Noise scale: each rank's measured small batch, ``(targets, |g_small|^2)`` pairs (empty when not measured)."""
     pooled_small_batches: tuple = field(default=(), compare=False)
     """Noise scale from every micro-batch: ``(m, sum_k b_k |g_k|^2)`` over all ranks' micro-batches with a target
-    (empty when not measured; :func:`hf_accum.noise_scale.pooled_estimate`)."""
+    (empty when not measured; :func:`hf_accum.measure.noise_scale.pooled_estimate`)."""
     extra_terms: dict = field(default_factory=dict, compare=False)
     """A loss of several terms: ``{name: [sum, count]}`` of each term after the primary one (whose sum and count
     are ``loss_sum`` and ``targets``), e.g. DPO's ``sft`` term per chosen token."""

@@ -8,7 +8,7 @@ target count, as a short last window always was).
 **The controller** (:class:`BatchController`), fed one reading per update:
 
 * the reading is the *smoothed* noise scale ``B_simple`` (targets; the moving averages of
-  :class:`hf_accum.noise_scale.NoiseScaleTracker`) and the update's targets ``N`` (all ranks). Both come from
+  :class:`hf_accum.measure.noise_scale.NoiseScaleTracker`) and the update's targets ``N`` (all ranks). Both come from
   all-reduced values only: ``N`` and every rank's small-batch norm travel in the window's one all-reduce, and the
   big batch's norm is the norm of the already all-reduced gradient, so every rank computes the same reading and
   takes the same decision without another collective;

@@ -41,7 +41,7 @@ from hf_accum.accumulation import (
 )
 from hf_accum.control import NonFiniteGuard, NonFiniteLossError, TrainingControl, TrainingStopped
 from hf_accum.loss import LossKind, count_targets
-from hf_accum.noise_scale import (
+from hf_accum.measure.noise_scale import (
     NoiseScaleReading,
     NoiseScaleTracker,
     SmallBatch,
@@ -124,7 +124,7 @@ class UpdateBoundary:
     ``steps_in_backward``: the engine applies the update inside backward (DeepSpeed), so a window with
     inf/NaN cannot be skipped and stops the run instead; ``no_targets_note`` completes the warning about
     a window without targets where the front-end cannot keep it entirely out of the weights.
-    ``noise_scale``: track the gradient noise scale (:mod:`hf_accum.noise_probe` measures, the window's
+    ``noise_scale``: track the gradient noise scale (:mod:`hf_accum.measure.noise_probe` measures, the window's
     all-reduce gathers every rank's small batches, :attr:`noise` keeps the moving averages);
     ``noise_micro_batches``: ``"every"`` micro-batch is a small batch, or each window's ``"first"``.
     ``extra_terms``: the names of a multi-term loss's terms after the primary one (tallied in the same all-reduce).
@@ -158,8 +158,8 @@ class UpdateBoundary:
                                  pooled_small_batches=self.noise_every)
         self.noise: NoiseScaleTracker | None = NoiseScaleTracker() if noise_scale else None
         self.model_flops: Callable[[WindowTotals], float] | None = None
-        """The front-end's ``totals -> model FLOPs`` (:meth:`hf_accum.utilization.ModelFlops.window_flops`); each
-        record carries the update's count (None: not counted)."""
+        """The front-end's ``totals -> model FLOPs`` (:meth:`hf_accum.measure.utilization.ModelFlops.window_flops`);
+        each record carries the update's count (None: not counted)."""
 
     def add(self, loss_sum: torch.Tensor, n_targets: torch.Tensor, batch: Mapping[str, Any],
             aux_sum: torch.Tensor | None = None) -> None:
@@ -168,12 +168,14 @@ class UpdateBoundary:
         self.tally.add(loss_sum, n_targets, batch, aux_sum=aux_sum)
 
     def add_small_batch(self, n_targets: torch.Tensor | int, grad_sq: torch.Tensor) -> None:
-        """This rank's noise-scale small batch of the window (:func:`hf_accum.noise_probe.small_batch_grad_sq`)."""
+        """This rank's noise-scale small batch of the window
+        (:func:`hf_accum.measure.noise_probe.small_batch_grad_sq`)."""
         targets = torch.as_tensor(n_targets).to(self.tally.device, torch.float64)
         self.tally.add_small_batch(self.accelerator.process_index, targets, grad_sq)
 
     def add_micro_batch_small(self, n_targets: torch.Tensor | int, grad_sq: torch.Tensor) -> None:
-        """Every-micro-batch mode: one micro-batch of this rank (:func:`hf_accum.noise_probe.micro_batch_grad_sq`)."""
+        """Every-micro-batch mode: one micro-batch of this rank
+        (:func:`hf_accum.measure.noise_probe.micro_batch_grad_sq`)."""
         targets = torch.as_tensor(n_targets).to(self.tally.device, torch.float64)
         self.tally.add_micro_batch_small(targets, grad_sq)
 

@@ -255,7 +255,7 @@ def _run_check(args: argparse.Namespace) -> int:
         return EXIT_CANNOT_RUN
     print(report.table())
     print(report.verdict())
-    from hf_accum.peak_memory import peak_rss_bytes
+    from hf_accum.measure.peak_memory import peak_rss_bytes
 
     started = started or [0.0, 0.0]
     print(f"took {time.perf_counter() - started[0]:.0f} s ({time.process_time() - started[1]:.0f} s of CPU) since "

@@ -36,7 +36,7 @@ class UpdateLog:
     micro-batches' aux losses; ``loss`` stays the cross-entropy). None for models without one."""
     noise_scale: float | None = None
     """With noise-scale tracking: ``B_simple`` in targets from the moving averages (None until defined):
-    the update size beyond which more targets per update buy little (:mod:`hf_accum.noise_scale`)."""
+    the update size beyond which more targets per update buy little (:mod:`hf_accum.measure.noise_scale`)."""
     grad_sq: float | None = None
     """This update's raw estimate of ``|G|^2`` (None when nothing was measured)."""
     trace_cov: float | None = None
@@ -45,7 +45,8 @@ class UpdateLog:
     """``rampup_batch_size='auto'``: the change this update's reading decided (the next update's batch), with its
     reason (:meth:`hf_accum.auto_ramp.BatchChange.reason`); None when the batch stays."""
     flops: float | None = None
-    """Model FLOPs of this update on all ranks (forward + backward, no recompute: :mod:`hf_accum.utilization`)."""
+    """Model FLOPs of this update on all ranks (forward + backward, no recompute:
+    :mod:`hf_accum.measure.utilization`)."""
     seconds: float | None = None
     """Wall time from the previous update's end (the run's start for the first) to this one's."""
     flops_per_second: float | None = None
@@ -93,9 +94,9 @@ class TrainResult:
     checkpoint: str | None = None
     """The last checkpoint this call wrote."""
     noise_scale_advice: str | None = None
-    """With noise-scale tracking: the end-of-run line (:func:`hf_accum.noise_scale.batch_size_advice`)."""
+    """With noise-scale tracking: the end-of-run line (:func:`hf_accum.measure.noise_scale.batch_size_advice`)."""
     utilization: dict | None = None
-    """The run's model FLOPs per update, achieved FLOP/s and MFU (:func:`hf_accum.utilization.summarize`)."""
+    """The run's model FLOPs per update, achieved FLOP/s and MFU (:func:`hf_accum.measure.utilization.summarize`)."""
 
     def as_dicts(self) -> list[dict]:
         """Every update as a dict (what a checkpoint keeps of the log, and what a resumed run continues)."""

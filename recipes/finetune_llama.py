@@ -57,7 +57,7 @@ from hf_accum.recipe.outputs import (  # noqa: E402
 )
 from hf_accum.recipe.progress import launcher_defaults_note, phase_bar, ticking  # noqa: E402
 from hf_accum.recipe.resume import check_resume_fits, resume_checkpoint  # noqa: E402
-from hf_accum.peak_memory import describe as describe_peak_memory, largest_over_ranks, peak_memory  # noqa: E402
+from hf_accum.measure.peak_memory import describe as describe_peak_memory, largest_over_ranks, peak_memory  # noqa: E402
 from hf_accum.checkpointing.run_lock import run_lock  # noqa: E402
 
 

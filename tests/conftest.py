@@ -35,7 +35,7 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# MFU's denominator without the start-up GEMM probe (hf_accum.peak_flops): no test run pays for it.
+# MFU's denominator without the start-up GEMM probe (hf_accum.measure.peak_flops): no test run pays for it.
 os.environ.setdefault("HF_ACCUM_PEAK_FLOPS", "1e11")
 
 # Where the tests that start more than one process live (test ids relative to the repository root); under xdist

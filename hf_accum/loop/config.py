@@ -10,8 +10,8 @@ from hf_accum.auto_ramp import AutoRampError, AutoRampSettings, is_auto
 from hf_accum.control import DEFAULT_MAX_CONSECUTIVE_NONFINITE
 from hf_accum.errors import InputError
 from hf_accum.loss import LossKind
-from hf_accum.noise_probe import check_micro_batch_mode
-from hf_accum.peak_flops import check_peak_flops
+from hf_accum.measure.noise_probe import check_micro_batch_mode
+from hf_accum.measure.peak_flops import check_peak_flops
 from hf_accum.sequence_norm import check_normalization
 
 _STRATEGIES = ("no", "steps", "epoch")
@@ -90,8 +90,9 @@ fixed ``1 / K`` of ``Accelerator.backward`` is undone at the boundary as always)
     ``position_ids``; :mod:`hf_accum.sequence_norm`). Sequence mode takes the logits path (logged)."""
     noise_scale: bool = False
     """Track the gradient noise scale (``UpdateLog.noise_scale``, ``grad_sq``, ``trace_cov``; an end-of-run line
-    on the batch size): micro-batches are the small batches, the update the big one (:mod:`hf_accum.noise_probe`).
-    Needs >= 2 micro-batches per update (over all ranks); not under DeepSpeed or FSDP."""
+    on the batch size): micro-batches are the small batches, the update the big one
+    (:mod:`hf_accum.measure.noise_probe`). Needs >= 2 micro-batches per update (over all ranks); not under DeepSpeed or
+    FSDP."""
     noise_scale_micro_batches: str = "every"
     """With ``noise_scale``: ``"every"`` micro-batch of the window is a small batch (hooks on the parameters, no
     extra memory; ~18x fewer updates to the same precision at K=4), or only each window's ``"first"`` per rank
@@ -99,7 +100,7 @@ fixed ``1 / K`` of ``Accelerator.backward`` is undone at the boundary as always)
     peak_flops: float | None = None
     """One device's peak FLOP/s for the model's compute dtype, the denominator of MFU (``UpdateLog.mfu``); None:
     ``$HF_ACCUM_PEAK_FLOPS``, else a GPU's data-sheet peak by name, else a GEMM measured on the CPU
-    (:mod:`hf_accum.peak_flops`)."""
+    (:mod:`hf_accum.measure.peak_flops`)."""
 
     ddp_find_unused_parameters: bool | None = None
     """DDP's ``find_unused_parameters`` (``TrainingArguments.ddp_find_unused_parameters``); None: as ``Trainer``

@@ -30,11 +30,11 @@ from hf_accum.loop.plan import RunPlan, check_supported
 from hf_accum.loop.steppers import Step, Stepper, build_stepper, is_deepspeed
 from hf_accum.loop.supervisor import Supervisor, build_checkpointer
 from hf_accum.loss import model_problem_type, unwrap_model
+from hf_accum.measure.utilization import UtilizationMeter, meter_run, summarize
 from hf_accum.micro_batch import LossSumFn, MicroBatchLoss
 from hf_accum.records import TrainResult, UpdateLog
 from hf_accum.schedule import create_update_scheduler
 from hf_accum.sequence_norm import refuse_custom_loss
-from hf_accum.utilization import UtilizationMeter, meter_run, summarize
 
 logger = logging.getLogger("hf_accum.loop")
 
@@ -179,7 +179,7 @@ def _boundary(accelerator: Accelerator, config: LoopConfig, control: TrainingCon
 def _utilization(model: torch.nn.Module, accelerator: Accelerator, config: LoopConfig,
                  micro_batch_loss: MicroBatchLoss, stepper: Stepper) -> UtilizationMeter:
     """Model FLOPs at the boundary, and the meter of time and MFU (the peak: ``config.peak_flops``, else
-    :mod:`hf_accum.peak_flops`)."""
+    :mod:`hf_accum.measure.peak_flops`)."""
     return meter_run(stepper.boundary, model, micro_batch_loss.term_names[0], device=accelerator.device,
                      mixed_precision=accelerator.mixed_precision, world_size=accelerator.num_processes,
                      configured=config.peak_flops, key="LoopConfig.peak_flops")

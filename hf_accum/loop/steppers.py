@@ -47,8 +47,7 @@ from hf_accum.compat import set_sync_gradients
 from hf_accum.loop.config import LoopConfig, LoopConfigError
 from hf_accum.loop.windows import PlanDriftError, check_window_targets
 from hf_accum.loss import infer_loss_kind
-from hf_accum.micro_batch import MicroBatchLoss
-from hf_accum.noise_probe import (
+from hf_accum.measure.noise_probe import (
     NOT_UNDER_DEEPSPEED,
     NOT_UNDER_FSDP,
     MicroBatchGradNorms,
@@ -56,7 +55,8 @@ from hf_accum.noise_probe import (
     small_batch_grad_sq,
     squared_norm,
 )
-from hf_accum.noise_scale import NoiseScaleReading
+from hf_accum.measure.noise_scale import NoiseScaleReading
+from hf_accum.micro_batch import MicroBatchLoss
 
 logger = logging.getLogger(__name__)
 

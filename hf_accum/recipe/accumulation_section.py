@@ -25,7 +25,7 @@ from typing import Any
 
 from hf_accum.auto_ramp import AutoRampSettings, BatchController, is_auto
 from hf_accum.errors import InputError
-from hf_accum.peak_flops import check_peak_flops
+from hf_accum.measure.peak_flops import check_peak_flops
 from hf_accum.planned_windows import refuse_planned_windows
 from hf_accum.rampup import RampUp
 from hf_accum.schedule import plan_global_batch
@@ -54,7 +54,7 @@ class AccumulationSection:
     sequence's mean token loss (long answers do not dominate; packed rows count each sequence)."""
     peak_flops: float | None = None
     """One device's peak FLOP/s for the compute dtype, the denominator of MFU; null: a GPU's data-sheet peak by
-    name, or a GEMM measured on the CPU (:mod:`hf_accum.peak_flops`)."""
+    name, or a GEMM measured on the CPU (:mod:`hf_accum.measure.peak_flops`)."""
 
     def loop_settings(self) -> dict[str, Any]:
         """The :class:`~hf_accum.loop.LoopConfig` fields this section sets: all of them."""

@@ -193,7 +193,7 @@ class RunRecord:
     noise_scale_advice: str | None = None
     """``accumulation.noise_scale``: the end-of-run line on the batch size (also in metrics.json)."""
     utilization: dict[str, Any] | None = None
-    """Either engine's :func:`hf_accum.utilization.summarize`: ``flops_per_update``, ``flops_per_second``,
+    """Either engine's :func:`hf_accum.measure.utilization.summarize`: ``flops_per_update``, ``flops_per_second``,
     ``mfu``, the peak and its source (top-level keys of metrics.json; each update's own are in ``updates``)."""
     resumed_at: int = 0
     """The update the run resumed after (its checkpoint's number); 0 for a fresh start. The updates up to it were
@@ -251,8 +251,8 @@ class RunRecord:
 
     def utilization_line(self) -> str:
         """The end line's utilization: model FLOPs per update, achieved FLOP/s, MFU and the peak it is measured
-        against (:func:`hf_accum.utilization.describe`); no MFU when there is no peak to measure it against."""
-        from hf_accum.utilization import describe
+        against (:func:`hf_accum.measure.utilization.describe`); no MFU when there is no peak to measure it against."""
+        from hf_accum.measure.utilization import describe
 
         summary = self.utilization or {}
         if summary.get("flops_per_update") is not None and not summary.get("peak_flops"):

@@ -4,7 +4,7 @@ Builds the model a recipe config describes (model, LoRA/QLoRA, dtype, activation
 same builder the recipe uses; with no ``--config``, the embedded CPU default), measures the peak memory
 of a training step at a few micro-batch sizes of ``--max-length``-token rows, and prints the largest
 micro-batch that divides the per-process batch and fits the budget, with its accumulation steps, as a
-table (:func:`hf_accum.memory.plan_micro_batch` holds the method).
+table (:func:`hf_accum.measure.memory.plan_micro_batch` holds the method).
 
 **The planner stays inside its own budget**: this process never imports torch, never reads the model and never
 builds it (about 40 MB). Everything else runs in child processes (:mod:`hf_accum.recipe.plan_probe`), one at a
@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import psutil
 
-from hf_accum.memory import MemoryBudgetError, OverBudget, format_bytes, parse_bytes, plan_micro_batch
+from hf_accum.measure.memory import MemoryBudgetError, OverBudget, format_bytes, parse_bytes, plan_micro_batch
 from hf_accum.schedule import BatchPlan
 
 _POLL_SECONDS = 0.005

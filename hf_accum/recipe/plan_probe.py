@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from hf_accum.memory import default_budget, training_step_peak
-from hf_accum.peak_memory import peak_rss_bytes
+from hf_accum.measure.memory import default_budget, training_step_peak
+from hf_accum.measure.peak_memory import peak_rss_bytes
 from hf_accum.recipe.command_line import lean_start
 
 

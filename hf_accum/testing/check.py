@@ -410,13 +410,13 @@ def estimate_cost(checked: _CheckedModel, micro_batch: int, accumulation: int, n
 
 def _effective_flops() -> float:
     """The check's effective float64 FLOP/s on this machine: :data:`_GEMM_SHARE` of one core's measured float64
-    GEMM rate (:func:`hf_accum.peak_flops.core_gemm_rate`, cached per machine), so the estimate follows the CPU it
-    runs on; :data:`_FLOPS_PER_SECOND` where the suite pins the peak (``HF_ACCUM_PEAK_FLOPS``: no probe) or the
+    GEMM rate (:func:`hf_accum.measure.peak_flops.core_gemm_rate`, cached per machine), so the estimate follows the CPU
+    it runs on; :data:`_FLOPS_PER_SECOND` where the suite pins the peak (``HF_ACCUM_PEAK_FLOPS``: no probe) or the
     rate cannot be had (an estimate never stops a check)."""
     if os.environ.get("HF_ACCUM_PEAK_FLOPS"):
         return _FLOPS_PER_SECOND
     try:
-        from hf_accum.peak_flops import core_gemm_rate
+        from hf_accum.measure.peak_flops import core_gemm_rate
 
         return _GEMM_SHARE * core_gemm_rate(torch.float64).flops
     except Exception:  # noqa: BLE001 -- a side number: the constant instead

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hf_accum.noise_scale import SmallBatch, pooled_estimate, update_estimates
+from hf_accum.measure.noise_scale import SmallBatch, pooled_estimate, update_estimates
 
 
 class RecordingCollator:

@@ -46,11 +46,12 @@ from hf_accum.compat import (
 from hf_accum.compile import compile_blocks
 from hf_accum.control import DEFAULT_MAX_CONSECUTIVE_NONFINITE, NonFiniteGuard, StopSignals, TrainingControl
 from hf_accum.loss import LossKind, infer_loss_kind, model_problem_type, token_loss_sum
+from hf_accum.measure.noise_probe import NOT_UNDER_DEEPSPEED, NOT_UNDER_FSDP, check_micro_batch_mode
+from hf_accum.measure.noise_scale import NoiseScaleTracker
+from hf_accum.measure.peak_flops import check_peak_flops
+from hf_accum.measure.utilization import meter_run, summarize
 from hf_accum.micro_batch import MicroBatchLoss
 from hf_accum.model_loss import resolve_loss_kind
-from hf_accum.noise_probe import NOT_UNDER_DEEPSPEED, NOT_UNDER_FSDP, check_micro_batch_mode
-from hf_accum.noise_scale import NoiseScaleTracker
-from hf_accum.peak_flops import check_peak_flops
 from hf_accum.planned_windows import refuse_planned_windows
 from hf_accum.records import UpdateLog
 from hf_accum.schedule import BatchPlan
@@ -61,7 +62,6 @@ from hf_accum.trainer.checkpoints import TrainerCheckpoints
 from hf_accum.trainer.evaluation import without_repeated_eval_rows
 from hf_accum.trainer.updates import UpdateRecorder
 from hf_accum.trainer.window import TrainerWindow
-from hf_accum.utilization import meter_run, summarize
 
 logger = logging.getLogger("hf_accum.trainer")
 # Trainer's hooks keep Trainer's own parameter types; ``trial`` (optuna's Trial or a dict) is Any, as the
@@ -165,8 +165,9 @@ class AccumTrainer(Trainer):
         self.noise_scale_advice: str | None = None
         """With ``noise_scale=True``: the end-of-run line on the batch size (also logged)."""
         self.utilization: dict[str, Any] | None = None
-        """After ``train``: model FLOPs per update, achieved FLOP/s and MFU (:func:`hf_accum.utilization.summarize`;
-        every update's own are in ``updates``, and the log lines carry ``flops_per_second`` and ``mfu``)."""
+        """After ``train``: model FLOPs per update, achieved FLOP/s and MFU
+        (:func:`hf_accum.measure.utilization.summarize`; every update's own are in ``updates``, and the log lines carry
+        ``flops_per_second`` and ``mfu``)."""
         self._records = UpdateRecorder(self._window.boundary, on_update)
         self._checkpoints = TrainerCheckpoints(self)
         self._planner = BatchPlanner(self)

@@ -14,9 +14,9 @@ from typing import Callable
 import torch
 
 from hf_accum.boundary import Decision, UpdateBoundary
-from hf_accum.noise_scale import NoiseScaleReading
+from hf_accum.measure.noise_scale import NoiseScaleReading
+from hf_accum.measure.utilization import UtilizationMeter
 from hf_accum.records import UpdateLog
-from hf_accum.utilization import UtilizationMeter
 
 
 class UpdateRecorder:

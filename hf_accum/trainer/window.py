@@ -28,7 +28,7 @@ from hf_accum.accumulation import (
 )
 from hf_accum.boundary import Decision, UnitCounter, UpdateBoundary, count_window_units, discard_window_
 from hf_accum.control import NonFiniteGuard, TrainingControl
-from hf_accum.noise_probe import MicroBatchGradNorms, micro_batch_grad_sq, small_batch_grad_sq, squared_norm
+from hf_accum.measure.noise_probe import MicroBatchGradNorms, micro_batch_grad_sq, small_batch_grad_sq, squared_norm
 
 logger = logging.getLogger("hf_accum.trainer")
 

@@ -46,7 +46,7 @@ def test_measured_estimates_equal_independent_gradients(engine, max_grad_norm, m
 @pytest.mark.parametrize("mode", ["every", "first"])
 def test_a_wrong_scale_fails_the_same_check(engine, mode, tmp_path):
     """Negative control: the reference with the micro-batch gradients off by Accelerate's 1/K."""
-    from hf_accum.noise_scale import SmallBatch, pooled_estimate, update_estimates
+    from hf_accum.measure.noise_scale import SmallBatch, pooled_estimate, update_estimates
 
     case = scenario(rows=16, mode=mode)
     updates, model, _ = run_engine(engine, case, str(tmp_path))

@@ -22,7 +22,7 @@ from benchmarks.softcap import VARIANTS as SOFTCAP_VARIANTS
 from benchmarks.vocab import VARIANTS
 from hf_accum import cli
 from hf_accum.cli import main
-from hf_accum.peak_flops import PEAK_FLOPS_ENV
+from hf_accum.measure.peak_flops import PEAK_FLOPS_ENV
 
 TINY = [
     "bench", "--global-batch-size", "4", "--accumulation-steps", "1", "2", "4", "--updates", "1",
@@ -43,7 +43,7 @@ def _fraction(value) -> bool:
 
 
 # The MFU line under a table: its peak is tests/conftest.py's $HF_ACCUM_PEAK_FLOPS (1e11 FLOP/s).
-MFU_MEANING = "MFU: model FLOPs (hf_accum.utilization) / wall time / peak 100 GFLOP/s float32 (configured by $HF_ACCUM_PEAK_FLOPS)"
+MFU_MEANING = "MFU: model FLOPs (hf_accum.measure.utilization) / wall time / peak 100 GFLOP/s float32 (configured by $HF_ACCUM_PEAK_FLOPS)"
 MFU_PRINTED = r"MFU\s+(\d+\.\d)%"
 
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from hf_accum.memory import (
+from hf_accum.measure.memory import (
     MemoryBudgetError,
     fit_line,
     parse_bytes,
@@ -139,7 +139,7 @@ def test_the_planner_itself_stays_under_its_budget(roomy_run):
 
 
 def test_a_stopped_probe_never_fits_and_larger_ones_are_skipped():
-    from hf_accum.memory import OverBudget
+    from hf_accum.measure.memory import OverBudget
 
     measured = []
 

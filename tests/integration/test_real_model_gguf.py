@@ -9,7 +9,7 @@ import pytest
 
 from hf_accum.errors import InputError
 from hf_accum.gguf import GgufSource, gguf_source, names_gguf
-from hf_accum.peak_memory import describe, largest_over_ranks, peak_memory
+from hf_accum.measure.peak_memory import describe, largest_over_ranks, peak_memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -61,7 +61,7 @@ def test_peak_memory_reads_the_process_peak():
     import subprocess
     import sys
 
-    code = ("from hf_accum.peak_memory import peak_rss_bytes as p; b = p(); x = bytearray(256 * 2**20); "
+    code = ("from hf_accum.measure.peak_memory import peak_rss_bytes as p; b = p(); x = bytearray(256 * 2**20); "
             "x[::4096] = b'1' * len(x[::4096]); del x; print(p() - b)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     grown = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

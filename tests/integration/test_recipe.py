@@ -43,7 +43,7 @@ def check_outputs(out, metrics: dict, lora: bool = True) -> None:
     assert os.path.getsize(os.path.join(out, run_outputs.PLOT_NAME)) > 1000
     assert metrics["eval_before"]["examples"] == 8 and metrics["eval_after"]["examples"] == 8
     assert metrics["data"]["train_examples"] == 240
-    # Utilization (hf_accum.utilization): model FLOPs of every update, the run's FLOP/s and MFU against the peak.
+    # Utilization (hf_accum.measure.utilization): model FLOPs of every update, the run's FLOP/s and MFU against the peak.
     assert all(u["flops"] > 0 for u in metrics["updates"])
     assert metrics["flops_per_update"] > 0 and metrics["flops_per_second"] > 0 and metrics["mfu"] > 0
     assert metrics["mfu"] == pytest.approx(metrics["flops_per_second"] / metrics["peak_flops"])

@@ -189,7 +189,7 @@ def test_gemma3_270m_two_layer_cut_passes_under_4_gb():
 def test_the_time_estimate_follows_this_machines_measured_gemm_rate(model_dir, monkeypatch):
     """The estimate's rate is a fixed share of one core's measured float64 GEMM rate (2x the rate: the compute part
     of the estimate halves); with the peak pinned (the suite's HF_ACCUM_PEAK_FLOPS) no probe runs."""
-    from hf_accum import peak_flops
+    from hf_accum.measure import peak_flops
     from hf_accum.testing import check
 
     checked = _checked_model(model_dir, layers=2)

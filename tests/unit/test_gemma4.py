@@ -19,10 +19,10 @@ from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
 from hf_accum import AccumTrainer
 from hf_accum.batching import PaddingCollator
+from hf_accum.measure.utilization import AttentionLayer, CannotCountAttention, ModelFlops, attention_layers
 from hf_accum.testing import PAD, VOCAB, Scenario, random_rows, run_exact, run_naive, run_trainer
 from hf_accum.testing.float64 import float64_arithmetic
 from hf_accum.testing.models import TEST_SHAPE
-from hf_accum.utilization import AttentionLayer, CannotCountAttention, ModelFlops, attention_layers
 
 EXACT = 1e-10
 NAIVE_IS_WRONG = 1e-3

@@ -2,7 +2,7 @@
 front-ends train on, exactly, one warning says which number is missing and why, and no MFU is reported.
 
 Each failure is forced with monkeypatch at the place the meter calls it; without the fail-soft entry points of
-:mod:`hf_accum.utilization` every one of these runs raised before (or during) its first update.
+:mod:`hf_accum.measure.utilization` every one of these runs raised before (or during) its first update.
 """
 
 from __future__ import annotations
@@ -12,14 +12,15 @@ import logging
 import pytest
 import torch
 
-from hf_accum import AccumTrainer, utilization
+from hf_accum import AccumTrainer
 from hf_accum.batching import PaddingCollator
-from hf_accum.peak_flops import PeakFlops
+from hf_accum.measure import utilization
+from hf_accum.measure.peak_flops import PeakFlops
+from hf_accum.measure.utilization import ModelFlops, UtilizationMeter, describe, summarize
 from hf_accum.testing import PAD, Scenario, random_rows, run_exact, run_trainer, tiny_causal_lm
-from hf_accum.utilization import ModelFlops, UtilizationMeter, describe, summarize
 
 EXACT = 1e-10
-LOGGER = "hf_accum.utilization"
+LOGGER = "hf_accum.measure.utilization"
 
 
 class Unreadable(RuntimeError):
@@ -83,7 +84,7 @@ def test_both_front_ends_train_when_the_peak_raises(monkeypatch, caplog, tmp_pat
     def device_peak_flops(*args, **kwargs):
         raise Unreadable("no cpuinfo")
 
-    monkeypatch.setattr("hf_accum.utilization.device_peak_flops", device_peak_flops)
+    monkeypatch.setattr("hf_accum.measure.utilization.device_peak_flops", device_peak_flops)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         result, auditor = run_exact(_scenario())
     assert auditor.max_relative_error < EXACT

@@ -6,7 +6,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from hf_accum.loop import LoopConfig, LoopConfigError
-from hf_accum.noise_probe import GradientInPartsError, MicroBatchGradNorms, micro_batch_grad_sq
+from hf_accum.measure.noise_probe import GradientInPartsError, MicroBatchGradNorms, micro_batch_grad_sq
 
 
 def _model() -> torch.nn.Module:

@@ -15,7 +15,7 @@ import math
 import numpy as np
 import pytest
 
-from hf_accum.noise_scale import (
+from hf_accum.measure.noise_scale import (
     NoiseScaleTracker,
     SmallBatch,
     TwoSizeEstimate,

@@ -18,9 +18,9 @@ import sys
 import pytest
 import torch
 
-from hf_accum import peak_flops, utilization
 from hf_accum.batching import PaddingCollator
-from hf_accum.peak_flops import (
+from hf_accum.measure import peak_flops, utilization
+from hf_accum.measure.peak_flops import (
     CACHE_ENV,
     PEAK_FLOPS_ENV,
     GemmRate,
@@ -103,7 +103,7 @@ def test_a_read_only_cache_degrades_and_says_so_once(monkeypatch, caplog):
 
     monkeypatch.setattr(peak_flops.tempfile, "NamedTemporaryFile", read_only)
     FakeProbe(monkeypatch, {torch.float32: 100e9, torch.bfloat16: 200e9})
-    with caplog.at_level(logging.WARNING, logger="hf_accum.peak_flops"):
+    with caplog.at_level(logging.WARNING, logger="hf_accum.measure.peak_flops"):
         assert core_gemm_rate(torch.float32).flops == 100e9
         assert core_gemm_rate(torch.bfloat16).flops == 200e9
     warnings = [r.getMessage() for r in caplog.records if "cache" in r.getMessage()]
@@ -115,7 +115,7 @@ def test_a_cache_folder_that_cannot_exist_degrades_and_says_so_once(monkeypatch,
     blocker.write_text("")
     monkeypatch.setenv(CACHE_ENV, str(blocker / "cache"))  # a folder under a file (unwritable for root too)
     FakeProbe(monkeypatch, {torch.float32: 100e9, torch.bfloat16: 200e9})
-    with caplog.at_level(logging.WARNING, logger="hf_accum.peak_flops"):
+    with caplog.at_level(logging.WARNING, logger="hf_accum.measure.peak_flops"):
         assert core_gemm_rate(torch.float32).flops == 100e9
         assert core_gemm_rate(torch.bfloat16).flops == 200e9
     warnings = [r.getMessage() for r in caplog.records if "cache" in r.getMessage()]
@@ -126,7 +126,7 @@ def test_a_corrupt_cache_is_measured_again(monkeypatch, caplog):
     cache_path().parent.mkdir(parents=True)
     cache_path().write_text("{not json")
     FakeProbe(monkeypatch, {torch.float32: 100e9})
-    with caplog.at_level(logging.WARNING, logger="hf_accum.peak_flops"):
+    with caplog.at_level(logging.WARNING, logger="hf_accum.measure.peak_flops"):
         assert core_gemm_rate(torch.float32).source.startswith("measured")
     assert "not read" in caplog.text
     assert len(json.loads(cache_path().read_text())["entries"]) == 1  # rewritten whole

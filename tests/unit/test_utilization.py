@@ -1,4 +1,4 @@
-"""Model FLOPs, the peak FLOP/s and MFU (hf_accum.utilization, hf_accum.peak_flops).
+"""Model FLOPs, the peak FLOP/s and MFU (hf_accum.measure.utilization, hf_accum.measure.peak_flops).
 
 The analytic FLOP count is checked against ``torch.utils.flop_counter.FlopCounterMode`` on a tiny Llama (eager
 attention: the CPU SDPA kernel has no formula in the counter), full fine-tuning, LoRA and the fused loss. Then
@@ -20,11 +20,11 @@ from hf_accum.accumulation import squared_sequence_lengths
 from hf_accum.batching import PackingCollator, PaddingCollator
 from hf_accum.loop import LoopConfigError
 from hf_accum.loss import count_targets
+from hf_accum.measure.peak_flops import PEAK_FLOPS_ENV, cpu_gemm_peak, device_peak_flops, gpu_peak_flops
+from hf_accum.measure.utilization import ModelFlops, UtilizationMeter, compute_dtype, summarize
 from hf_accum.micro_batch import MicroBatchLoss
-from hf_accum.peak_flops import PEAK_FLOPS_ENV, cpu_gemm_peak, device_peak_flops, gpu_peak_flops
 from hf_accum.records import UpdateLog
 from hf_accum.testing import PAD, Scenario, fresh_accelerator, random_rows, run_trainer, tiny_causal_lm
-from hf_accum.utilization import ModelFlops, UtilizationMeter, compute_dtype, summarize
 
 ROWS, LENGTH = 3, 10
 

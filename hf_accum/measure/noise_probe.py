@@ -1,5 +1,5 @@
 """Measuring the norms the noise scale needs, inside a training run (the arithmetic is in
-:mod:`hf_accum.noise_scale`). Two modes pick the small batches (``noise_scale_micro_batches``):
+:mod:`hf_accum.measure.noise_scale`). Two modes pick the small batches (``noise_scale_micro_batches``):
 
 * ``"every"`` (default): **every micro-batch** of the window, on every rank, is a small batch. A tensor hook on
   each trainable parameter sees the gradient a backward adds to ``.grad`` *before* it is added
@@ -8,7 +8,7 @@
   parameter until the backward ends), and it also sees the window's last micro-batch under DDP, whose
   ``.grad`` is all-reduced (the hook runs before the reducer). Cost: one norm kernel per parameter per
   micro-batch (the bench's ``noise_scale`` section measures it). The boundary's all-reduce carries two sums,
-  ``m`` and ``sum_k b_k |g_k|^2`` (:func:`hf_accum.noise_scale.pooled_estimate`). It needs each parameter's
+  ``m`` and ``sum_k b_k |g_k|^2`` (:func:`hf_accum.measure.noise_scale.pooled_estimate`). It needs each parameter's
   gradient to arrive in one piece per backward: reentrant gradient checkpointing with a parameter shared by
   several checkpointed segments delivers it in parts, which is detected and refused (use ``"first"``).
 * ``"first"``: the FIRST micro-batch of each window on each rank. Right after its backward, before the next

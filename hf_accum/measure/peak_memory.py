@@ -6,7 +6,7 @@
 * CPU: the process's peak resident set size (``resource.getrusage(RUSAGE_SELF).ru_maxrss``): what the machine had
   to give this process, weights, activations, Python, libraries and allocator slack included -- the number a
   memory limit (a container, ``ulimit``, the OOM killer) acts on. The allocator-level peak of live tensor bytes
-  (what ``hf_accum.memory.measure_memory`` and the benchmarks read) needs the profiler's memory events, which
+  (what ``hf_accum.measure.memory.measure_memory`` and the benchmarks read) needs the profiler's memory events, which
   cost too much over a whole run; ``hf-accum bench`` measures it on a window instead.
 
 Each rank reports its own; the recipe reports the largest over the ranks.

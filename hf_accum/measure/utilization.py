@@ -39,14 +39,14 @@ device, and sums the squared sequence lengths in the same all-reduce
 (:func:`hf_accum.accumulation.squared_sequence_lengths`), so each update's count is its own, on all ranks.
 
 MFU = achieved model FLOP/s / (the peak of one device for the compute dtype x the processes):
-:mod:`hf_accum.peak_flops` says where the peak comes from.
+:mod:`hf_accum.measure.peak_flops` says where the peak comes from.
 
 **A meter never stops a run.** Every entry point the front-ends call (:func:`meter_run`, the count it installs at
 the update boundary, :meth:`UtilizationMeter.lap` / ``observe`` / ``take_interval``, :func:`summarize`,
 :func:`describe`) catches what goes wrong inside it: the run goes on, one warning (main process, once per run)
 says which number is missing and why, and the number is reported as missing (``None``, "MFU n/a"), never
 guessed. At the start :func:`meter_run` also says once when the run's half-precision compute is slower than
-float32 on this CPU (:func:`hf_accum.peak_flops.half_precision_slowdown`).
+float32 on this CPU (:func:`hf_accum.measure.peak_flops.half_precision_slowdown`).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from typing import Any, Callable, Iterable, Mapping, TypeGuard
 
 import torch
 
-from hf_accum.peak_flops import PeakFlops, device_peak_flops, half_precision_slowdown
+from hf_accum.measure.peak_flops import PeakFlops, device_peak_flops, half_precision_slowdown
 
 logger = logging.getLogger(__name__)
 
@@ -450,7 +450,7 @@ def _flops_counter(model: torch.nn.Module, unit: str, missing: MissingNumbers) -
 
 def _peak(model: torch.nn.Module, device: Any, mixed_precision: str | None, configured: float | None, key: str,
           missing: MissingNumbers) -> PeakFlops:
-    """One device's peak (:mod:`hf_accum.peak_flops`); unknown (said once: no MFU) where it cannot be had."""
+    """One device's peak (:mod:`hf_accum.measure.peak_flops`); unknown (said once: no MFU) where it cannot be had."""
     try:
         peak = device_peak_flops(device, compute_dtype(model, mixed_precision), configured, key)
     except Exception as error:

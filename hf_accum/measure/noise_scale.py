@@ -55,7 +55,7 @@ first micro-batch alone (docs/recipe.md); its bias there is about -4% against -3
 terms depend on ``B`` nonlinearly, so each micro-batch's pair would have to travel in the all-reduce: a number
 of slots that grows with K.)
 
-This module is pure arithmetic on norms; the front-ends measure the norms (:mod:`hf_accum.noise_probe`:
+This module is pure arithmetic on norms; the front-ends measure the norms (:mod:`hf_accum.measure.noise_probe`:
 each micro-batch's own gradient, or the first micro-batch's local gradient, and the applied gradient's norm).
 """
 

@@ -1,5 +1,5 @@
-"""A device's peak FLOP/s for a compute dtype: the denominator of MFU (:mod:`hf_accum.utilization`), and whether a
-half-precision dtype pays on this CPU at all (:func:`half_precision_slowdown`).
+"""A device's peak FLOP/s for a compute dtype: the denominator of MFU (:mod:`hf_accum.measure.utilization`), and
+whether a half-precision dtype pays on this CPU at all (:func:`half_precision_slowdown`).
 
 Where the peak comes from, first match wins (:func:`device_peak_flops`); its ``source`` always says which:
 
@@ -350,7 +350,7 @@ def device_peak_flops(device: torch.device | str, dtype: torch.dtype, configured
         tf32 = dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
         peak = gpu_peak_flops(gpu, dtype, tf32)
         if peak is None:
-            return PeakFlops(None, f"{gpu!r} not in hf_accum.peak_flops.GPU_PEAK_TFLOPS; set {key}", name)
+            return PeakFlops(None, f"{gpu!r} not in hf_accum.measure.peak_flops.GPU_PEAK_TFLOPS; set {key}", name)
         return PeakFlops(peak, f"{gpu} dense {'tf32' if tf32 else name} data-sheet peak (table)", name)
     if device.type == "cpu":
         rate = cpu_gemm_rate(dtype)
