@@ -40,8 +40,8 @@ _LAZY = {
     "linear_cross_entropy_sum": "fused.loss",
     "count_targets": "loss", "infer_loss_kind": "loss", "token_loss_sum": "loss",
     "LoopConfig": "loop", "TrainResult": "loop", "UpdateLog": "loop", "train": "loop",
-    "BatchPlan": "schedule", "create_update_scheduler": "schedule", "plan_global_batch": "schedule",
-    "planned_updates": "schedule",
+    "BatchPlan": "planning.schedule", "create_update_scheduler": "planning.schedule", "plan_global_batch":
+    "planning.schedule", "planned_updates": "planning.schedule",
     # The trainers import transformers.Trainer (heavy) and TRL (optional).
     "AccumTrainer": "trainer", "AccumSFTTrainer": "sft", "AccumDPOTrainer": "dpo",
     "DPOPairLoss": "preference", "collate_pairs": "preference", "AccumGRPOTrainer": "grpo",

@@ -29,7 +29,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Sequence
 
-from hf_accum.schedule import BatchPlan, plan_global_batch, scaled_learning_rate
+from hf_accum.planning.schedule import BatchPlan, plan_global_batch, scaled_learning_rate
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -149,8 +149,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     plan = _recipe_plan(args, processes) if args.config else _explicit_plan(args, processes)
     print(plan.describe())
     ramp = args.rampup_batch_size or (_recipe_ramp(args) if args.config else None)
-    if ramp == "auto":  # accumulation.rampup_batch_size: auto (hf_accum.auto_ramp)
-        from hf_accum.auto_ramp import describe_auto_plan
+    if ramp == "auto":  # accumulation.rampup_batch_size: auto (hf_accum.planning.auto_ramp)
+        from hf_accum.planning.auto_ramp import describe_auto_plan
 
         print(describe_auto_plan(_recipe_ramp(args, "rampup_auto"), plan, args.train_examples, args.epochs))
     elif ramp:
@@ -194,7 +194,7 @@ def _recipe_ramp(args: argparse.Namespace, key: str = "rampup_batch_size") -> An
 def ramp_stages(values: list[int], plan: BatchPlan, train_examples: int | None, epochs: float) -> str:
     """The ramp's stages: over ``train_examples`` rows x ``epochs`` (short epoch ends included), else the ramp
     itself up to the first update at the full global batch."""
-    from hf_accum.rampup import RampUp, describe_stages, plan_windows
+    from hf_accum.planning.rampup import RampUp, describe_stages, plan_windows
 
     ramp = RampUp.from_list(list(values), plan.global_batch_size, plan.micro_batch_size, plan.num_processes,
                             key="--rampup-batch-size")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from hf_accum.schedule import BatchPlan
+from hf_accum.planning.schedule import BatchPlan
 
 
 @dataclass
@@ -43,7 +43,7 @@ class UpdateLog:
     """This update's raw estimate of ``tr(S)``, the per-target gradient covariance trace."""
     batch_change: str | None = None
     """``rampup_batch_size='auto'``: the change this update's reading decided (the next update's batch), with its
-    reason (:meth:`hf_accum.auto_ramp.BatchChange.reason`); None when the batch stays."""
+    reason (:meth:`hf_accum.planning.auto_ramp.BatchChange.reason`); None when the batch stays."""
     flops: float | None = None
     """Model FLOPs of this update on all ranks (forward + backward, no recompute:
     :mod:`hf_accum.measure.utilization`)."""

@@ -40,8 +40,8 @@ from hf_accum.distributed import (  # noqa: E402
     fsdp_unsharded_root, is_fsdp_sharded, is_partitioned, leave_process_group,
 )
 from hf_accum.recipe.config import load_recipe_config, valid_keys  # noqa: E402
-from hf_accum.auto_ramp import describe_auto_plan, is_auto  # noqa: E402
-from hf_accum.schedule import BatchPlan  # noqa: E402
+from hf_accum.planning.auto_ramp import describe_auto_plan, is_auto  # noqa: E402
+from hf_accum.planning.schedule import BatchPlan  # noqa: E402
 from hf_accum.recipe.data import exact_match, load_tokenizer_and_data  # noqa: E402
 from hf_accum.recipe.launch import (  # noqa: E402
     check_engine, check_launch, check_offload_optimizer, fsdp_training_arguments, launch_line, loop_accelerator,

@@ -35,7 +35,7 @@ from typing import Callable, Iterator
 
 from hf_accum.checkpointing.manifest import check_named_checkpoint, newest_verified_checkpoint, write_manifest
 from hf_accum.errors import InputError
-from hf_accum.schedule import BatchPlan
+from hf_accum.planning.schedule import BatchPlan
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from hf_accum.checkpointing.checkpoint import (
     staged_checkpoint,
 )
 from hf_accum.checkpointing.fsdp_checkpoint import check_fsdp_resume, is_fsdp_model, load_fsdp_state, save_fsdp_state
-from hf_accum.schedule import BatchPlan
+from hf_accum.planning.schedule import BatchPlan
 
 logger = logging.getLogger("hf_accum.checkpointing.checkpoint")
 

@@ -11,7 +11,8 @@ backpropagates its *summed* token loss; at the window boundary the target counts
 gradients are scaled once by ``K * W / N`` (``K`` undoes the fixed ``1 / K`` that ``Accelerator.backward``
 applies, which would give a short last window the wrong weight ``r / K``); then clip, step, and step the LR
 scheduler only if the optimizer step was applied. Under DeepSpeed the window is counted before backward and the
-loss carries the factor. The scheduler horizon is planned in updates before training (:mod:`hf_accum.schedule`).
+loss carries the factor. The scheduler horizon is planned in updates before training
+(:mod:`hf_accum.planning.schedule`).
 """
 
 from hf_accum.loop.config import LoopConfig, LoopConfigError

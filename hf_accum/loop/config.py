@@ -6,12 +6,12 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from hf_accum.auto_ramp import AutoRampError, AutoRampSettings, is_auto
 from hf_accum.control import DEFAULT_MAX_CONSECUTIVE_NONFINITE
 from hf_accum.errors import InputError
 from hf_accum.loss import LossKind
 from hf_accum.measure.noise_probe import check_micro_batch_mode
 from hf_accum.measure.peak_flops import check_peak_flops
+from hf_accum.planning.auto_ramp import AutoRampError, AutoRampSettings, is_auto
 from hf_accum.sequence_norm import check_normalization
 
 _STRATEGIES = ("no", "steps", "epoch")
@@ -75,10 +75,10 @@ class LoopConfig:
     sequences and grows by ``increment`` towards ``micro x processes x K`` (K: the Accelerator's
     ``gradient_accumulation_steps``) over ``samples`` sequences; the window changes, the micro-batch stays
     (:mod:`hf_accum.loop.windows`). ``"auto"``: the batch grows from a minimum towards that global batch when the
-    measured noise scale says it pays (:mod:`hf_accum.auto_ramp`; turns ``noise_scale`` on; the LR schedule then
-    runs over consumed samples, so ``max_steps`` and ``warmup_steps`` are refused: use ``warmup_ratio``)."""
+    measured noise scale says it pays (:mod:`hf_accum.planning.auto_ramp`; turns ``noise_scale`` on; the LR schedule
+    then runs over consumed samples, so ``max_steps`` and ``warmup_steps`` are refused: use ``warmup_ratio``)."""
     rampup_auto: Any = None
-    """With ``rampup_batch_size="auto"``: :class:`hf_accum.auto_ramp.AutoRampSettings` or a dict of its fields
+    """With ``rampup_batch_size="auto"``: :class:`hf_accum.planning.auto_ramp.AutoRampSettings` or a dict of its fields
     (``min_batch_size``, ``margin``, ``release``, ``patience``, ``min_updates``, ``growth``, ``lr_rule``)."""
     tokens_per_update: int | None = None
     """Close an update once its window holds at least this many targets on all ranks (planned before each

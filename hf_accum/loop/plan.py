@@ -1,5 +1,5 @@
 """What a loop run will do, decided before its first micro-batch: micro-batches per epoch, updates planned
-(the LR horizon, :func:`hf_accum.schedule.planned_updates`), the batch arithmetic; said once at the start."""
+(the LR horizon, :func:`hf_accum.planning.schedule.planned_updates`), the batch arithmetic; said once at the start."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from typing import Any, Iterable
 import torch
 from accelerate import Accelerator
 
-from hf_accum.auto_ramp import is_auto
 from hf_accum.distributed import num_nodes
 from hf_accum.loop.config import LoopConfig, LoopConfigError
 from hf_accum.loop.windows import AutoRampPlan, WindowPlan, auto_plan, ramp_plan, token_plan
 from hf_accum.loss import infer_loss_kind
-from hf_accum.schedule import BatchPlan, epochs_needed, planned_updates, warn_repeated_examples
+from hf_accum.planning.auto_ramp import is_auto
+from hf_accum.planning.schedule import BatchPlan, epochs_needed, planned_updates, warn_repeated_examples
 
 logger = logging.getLogger("hf_accum.loop")
 

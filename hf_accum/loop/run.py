@@ -32,8 +32,8 @@ from hf_accum.loop.supervisor import Supervisor, build_checkpointer
 from hf_accum.loss import model_problem_type, unwrap_model
 from hf_accum.measure.utilization import UtilizationMeter, meter_run, summarize
 from hf_accum.micro_batch import LossSumFn, MicroBatchLoss
+from hf_accum.planning.schedule import create_update_scheduler
 from hf_accum.records import TrainResult, UpdateLog
-from hf_accum.schedule import create_update_scheduler
 from hf_accum.sequence_norm import refuse_custom_loss
 
 logger = logging.getLogger("hf_accum.loop")

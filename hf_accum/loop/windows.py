@@ -4,9 +4,9 @@ Two settings make the window change from update to update (the micro-batch stays
 yields; only the number of micro-batches per update moves):
 
 * ``LoopConfig(rampup_batch_size=[start, increment, samples])`` -- Megatron's batch ramp-up
-  (:mod:`hf_accum.rampup`): the window follows the samples consumed so far;
+  (:mod:`hf_accum.planning.rampup`): the window follows the samples consumed so far;
 * ``LoopConfig(rampup_batch_size="auto")`` -- the window is *decided* between updates by the noise-scale controller
-  (:mod:`hf_accum.auto_ramp`), not planned: :class:`AutoRampPlan` yields each window's size lazily, after the
+  (:mod:`hf_accum.planning.auto_ramp`), not planned: :class:`AutoRampPlan` yields each window's size lazily, after the
   previous update was observed;
 * ``LoopConfig(tokens_per_update=N)`` -- an update closes once its window holds at least ``N`` targets on
   all ranks. The targets of every micro-batch are counted in one pass over each epoch's data before training
@@ -30,11 +30,11 @@ from typing import Any, Iterator
 
 import torch
 
-from hf_accum.auto_ramp import AutoRampSettings, BatchChange, BatchController, RampSchedule
 from hf_accum.checkpointing.checkpoint import ResumeMismatchError
 from hf_accum.checkpointing.loop_checkpoint import capture_random_states, data_generators, restore_random_states
 from hf_accum.loss import count_targets
-from hf_accum.rampup import RampUp, describe_stages, plan_windows
+from hf_accum.planning.auto_ramp import AutoRampSettings, BatchChange, BatchController, RampSchedule
+from hf_accum.planning.rampup import RampUp, describe_stages, plan_windows
 
 
 class PlanDriftError(RuntimeError):

@@ -23,12 +23,12 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from hf_accum.auto_ramp import AutoRampSettings, BatchController, is_auto
 from hf_accum.errors import InputError
 from hf_accum.measure.peak_flops import check_peak_flops
-from hf_accum.planned_windows import refuse_planned_windows
-from hf_accum.rampup import RampUp
-from hf_accum.schedule import plan_global_batch
+from hf_accum.planning.auto_ramp import AutoRampSettings, BatchController, is_auto
+from hf_accum.planning.planned_windows import refuse_planned_windows
+from hf_accum.planning.rampup import RampUp
+from hf_accum.planning.schedule import plan_global_batch
 from hf_accum.sequence_norm import NORMALIZATIONS
 
 _BUDGET = "accumulation.tokens_per_update"
@@ -40,7 +40,7 @@ class AccumulationSection:
 
     rampup_batch_size: list[Any] | str | None = None
     """``[start, increment, samples]``: Megatron's batch ramp-up towards the global batch (loop engine); ``auto``: the
-    batch grows from a minimum when the measured noise scale says it pays (:mod:`hf_accum.auto_ramp`)."""
+    batch grows from a minimum when the measured noise scale says it pays (:mod:`hf_accum.planning.auto_ramp`)."""
     rampup_auto: dict[str, Any] | None = None
     """With ``rampup_batch_size: auto``: the controller's settings (``min_batch_size``, ``margin``, ``release``,
     ``patience``, ``min_updates``, ``growth``, ``lr_rule``: constant | sqrt | seesaw)."""

@@ -215,7 +215,8 @@ class RunRecord:
                 tqdm.write(update.line())
 
     def add_result(self, plan: Any, **facts: Any) -> None:
-        """The batch plan that ran (``hf_accum.schedule.BatchPlan``) and the run's other facts, for metrics.json."""
+        """The batch plan that ran (``hf_accum.planning.schedule.BatchPlan``) and the run's other facts, for
+        metrics.json."""
         self.facts.update(
             world_size=plan.num_processes, batch_plan=plan.describe(), micro_batch_size=plan.micro_batch_size,
             accumulation_steps=plan.accumulation_steps, global_batch_size=plan.global_batch_size, **facts,

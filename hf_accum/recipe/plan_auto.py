@@ -30,7 +30,7 @@ from typing import Any, Callable
 import psutil
 
 from hf_accum.measure.memory import MemoryBudgetError, OverBudget, format_bytes, parse_bytes, plan_micro_batch
-from hf_accum.schedule import BatchPlan
+from hf_accum.planning.schedule import BatchPlan
 
 _POLL_SECONDS = 0.005
 _SAFETY = 0.95

@@ -20,9 +20,9 @@ from hf_accum.checkpointing.checkpoint import (
     verified_resume_checkpoint,
 )
 from hf_accum.distributed import is_main_process
+from hf_accum.planning.schedule import BatchPlan
 from hf_accum.recipe.config import ConfigError
 from hf_accum.recipe.outputs import say
-from hf_accum.schedule import BatchPlan
 
 
 def resume_checkpoint(given: str | bool | None, out: str, state: str) -> str | None:

@@ -1,6 +1,6 @@
 """AccumTrainer's batch arithmetic: the effective batch the user asked for (kept through
-``auto_find_batch_size``), the :class:`~hf_accum.schedule.BatchPlan` said at the start, and the LR horizon in
-updates (:func:`hf_accum.schedule.planned_updates`, short last windows counted)."""
+``auto_find_batch_size``), the :class:`~hf_accum.planning.schedule.BatchPlan` said at the start, and the LR horizon in
+updates (:func:`hf_accum.planning.schedule.planned_updates`, short last windows counted)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from transformers.trainer_utils import has_length
 
 from hf_accum.compat import set_train_batch_size, train_batch_size
 from hf_accum.distributed import num_nodes
-from hf_accum.schedule import BatchPlan, planned_updates, warn_repeated_examples
+from hf_accum.planning.schedule import BatchPlan, planned_updates, warn_repeated_examples
 
 logger = logging.getLogger("hf_accum.trainer")
 

@@ -30,7 +30,7 @@ from hf_accum.checkpointing.checkpoint import (
     staged_checkpoint,
 )
 from hf_accum.compat import TRAINER_STATE_NAME
-from hf_accum.schedule import BatchPlan
+from hf_accum.planning.schedule import BatchPlan
 
 logger = logging.getLogger("hf_accum.trainer")
 

@@ -52,9 +52,9 @@ from hf_accum.measure.peak_flops import check_peak_flops
 from hf_accum.measure.utilization import meter_run, summarize
 from hf_accum.micro_batch import MicroBatchLoss
 from hf_accum.model_loss import resolve_loss_kind
-from hf_accum.planned_windows import refuse_planned_windows
+from hf_accum.planning.planned_windows import refuse_planned_windows
+from hf_accum.planning.schedule import BatchPlan
 from hf_accum.records import UpdateLog
-from hf_accum.schedule import BatchPlan
 from hf_accum.sequence_norm import check_normalization, refuse_custom_loss
 from hf_accum.trainer.batch_plan import BatchPlanner
 from hf_accum.trainer.callbacks import BoundaryActions
@@ -94,7 +94,7 @@ class AccumTrainer(Trainer):
       does not step the LR scheduler (logged as a skipped update); after ``max_consecutive_nonfinite``
       inf/NaN updates in a row: a checkpoint and :class:`~hf_accum.control.NonFiniteLossError` (DeepSpeed
       steps inside backward: it stops at the first);
-    * the LR scheduler's horizon is :func:`hf_accum.schedule.planned_updates` (updates, not micro-batches);
+    * the LR scheduler's horizon is :func:`hf_accum.planning.schedule.planned_updates` (updates, not micro-batches);
     * ``auto_find_batch_size`` keeps the effective batch (K grows as the micro-batch shrinks, logged);
     * resuming refuses another micro-batch, accumulation or world size; ``train(resume_from_checkpoint=True)``
       takes the latest *complete* checkpoint; checkpoints are written atomically;

@@ -37,8 +37,8 @@ from hf_accum.distributed import (
     skip_deepspeed_inference_comm_build,
 )
 from hf_accum.loop import LoopConfig, train
+from hf_accum.planning.schedule import create_update_scheduler
 from hf_accum.recipe.launch import check_launch, loop_accelerator
-from hf_accum.schedule import create_update_scheduler
 from hf_accum.testing import PAD, Scenario, fresh_accelerator, training_args
 from hf_accum.testing.cases.deepspeed_case import (
     ACCUMULATION,

@@ -30,7 +30,7 @@ from hf_accum.batching import PaddingCollator
 from hf_accum.distributed import gathered_state_dict, leave_process_group
 from hf_accum.fsdp import fsdp2_plugin, fsdp_accelerator
 from hf_accum.loop import LoopConfig, train
-from hf_accum.schedule import create_update_scheduler
+from hf_accum.planning.schedule import create_update_scheduler
 from hf_accum.testing import PAD, big_batch_learning_rates, random_rows, tiny_causal_lm
 from hf_accum.testing.deltas import DeltaRecorder, delta_errors
 from hf_accum.testing.logs import CapturedLog

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from hf_accum.cli import main as cli_main
-from hf_accum.schedule import BatchPlan, plan_global_batch
+from hf_accum.planning.schedule import BatchPlan, plan_global_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(__file__)

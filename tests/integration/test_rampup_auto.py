@@ -16,9 +16,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from hf_accum import LoopConfig, train
-from hf_accum.auto_ramp import AutoRampSettings, BatchController, RampSchedule, schedule_shape
 from hf_accum.batching import PaddingCollator
 from hf_accum.loop.config import LoopConfigError
+from hf_accum.planning.auto_ramp import AutoRampSettings, BatchController, RampSchedule, schedule_shape
 from hf_accum.testing import PAD, Scenario, fresh_accelerator, random_rows, run_exact, tiny_causal_lm
 
 EXACT = 1e-10
@@ -259,7 +259,7 @@ def test_rampup_auto_without_auto_is_refused_and_auto_turns_noise_scale_on():
 
 def test_accum_trainer_refuses_and_names_the_loop_engine():
     from hf_accum import AccumTrainer
-    from hf_accum.planned_windows import WindowsNeedLoopError
+    from hf_accum.planning.planned_windows import WindowsNeedLoopError
 
     with pytest.raises(WindowsNeedLoopError, match=r"rampup_batch_size='auto' needs the loop engine"):
         AccumTrainer(rampup_batch_size="auto")

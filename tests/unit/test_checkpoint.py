@@ -31,7 +31,7 @@ from hf_accum.checkpointing.checkpoint import (
 )
 from hf_accum.checkpointing.loop_checkpoint import capture_random_states, restore_random_states
 from hf_accum.control import EXIT_INTERRUPTED, EXIT_PREEMPTED, StopSignals, TrainingControl, TrainingStopped
-from hf_accum.schedule import BatchPlan
+from hf_accum.planning.schedule import BatchPlan
 from hf_accum.testing import PAD, fresh_accelerator, random_rows, tiny_causal_lm
 
 PLAN = BatchPlan(2, 4, 1)

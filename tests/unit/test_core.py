@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from hf_accum.accumulation import WindowTally, exact_mean_factor, rescale_gradients_
 from hf_accum.loss import count_targets, infer_loss_kind, token_loss_sum
-from hf_accum.schedule import plan_global_batch, planned_updates, updates_per_epoch
+from hf_accum.planning.schedule import plan_global_batch, planned_updates, updates_per_epoch
 from hf_accum.testing import tiny_causal_lm, tiny_sequence_classifier
 
 
@@ -139,7 +139,7 @@ def test_planned_updates_counts_short_windows_and_max_steps():
 
 
 def test_repeated_examples_warning_names_the_count():
-    from hf_accum.schedule import BatchPlan, repeated_examples_warning
+    from hf_accum.planning.schedule import BatchPlan, repeated_examples_warning
 
     plan = BatchPlan(micro_batch_size=2, accumulation_steps=3, num_processes=2)
     assert "repeats 1 examples" in repeated_examples_warning(27, plan)

@@ -11,7 +11,7 @@ from hf_accum import LoopConfig, train
 from hf_accum.batching import PaddingCollator
 from hf_accum.checkpointing.checkpoint import ResumeMismatchError
 from hf_accum.loop.config import LoopConfigError
-from hf_accum.rampup import RampUpError
+from hf_accum.planning.rampup import RampUpError
 from hf_accum.testing import (
     PAD,
     Scenario,
@@ -157,7 +157,7 @@ def test_ramp_off_the_micro_batch_grid_names_the_nearest_values():
 @pytest.mark.parametrize("setting", [{"rampup_batch_size": [2, 2, 16]}, {"tokens_per_update": 100}])
 def test_accum_trainer_refuses_and_names_the_loop_engine(setting):
     from hf_accum import AccumTrainer
-    from hf_accum.planned_windows import WindowsNeedLoopError
+    from hf_accum.planning.planned_windows import WindowsNeedLoopError
 
     with pytest.raises(WindowsNeedLoopError, match=r"needs the loop engine \(engine=loop"):
         AccumTrainer(**setting)

@@ -3,7 +3,7 @@
 import pytest
 
 from hf_accum.errors import InputError
-from hf_accum.rampup import RampUp, RampUpError, describe_stages, plan_windows, total_updates
+from hf_accum.planning.rampup import RampUp, RampUpError, describe_stages, plan_windows, total_updates
 
 
 def megatron_global_batch(consumed: int, start: int, increment: int, samples: int, global_batch: int) -> int:

@@ -9,9 +9,9 @@ import pytest
 
 from hf_accum.checkpointing.checkpoint import PLAN_FILE, STAGING_PREFIX, ResumeMismatchError, save_batch_plan
 from hf_accum.checkpointing.manifest import write_manifest
+from hf_accum.planning.schedule import BatchPlan
 from hf_accum.recipe.config import ConfigError
 from hf_accum.recipe.resume import check_resume_fits, resume_checkpoint
-from hf_accum.schedule import BatchPlan
 
 PLAN = BatchPlan(2, 4, 1)
 

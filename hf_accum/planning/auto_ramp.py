@@ -297,8 +297,8 @@ class RampSchedule:
 
 
 def describe_auto_plan(settings: Any, plan: Any, train_examples: int | None = None, epochs: float = 1.0) -> str:
-    """``hf-accum plan``'s lines for the auto ramp on ``plan`` (a :class:`hf_accum.schedule.BatchPlan`: its K is the
-    ceiling); with ``train_examples``, the LR schedule's horizon in samples."""
+    """``hf-accum plan``'s lines for the auto ramp on ``plan`` (a :class:`hf_accum.planning.schedule.BatchPlan`: its K
+    is the ceiling); with ``train_examples``, the LR schedule's horizon in samples."""
     per_round = plan.micro_batch_size * plan.num_processes
     key = "accumulation.rampup_auto"
     controller = BatchController(AutoRampSettings.of(settings, key), per_round, plan.accumulation_steps, key)
