@@ -143,7 +143,7 @@ def batch_flops(model: torch.nn.Module, batches: Iterable[dict]) -> float:
     """Model FLOPs of training ``model`` on the collated causal-LM ``batches`` (forward + backward, the head on
     the targets: :class:`hf_accum.measure.utilization.ModelFlops`); the same for every front-end given these rows."""
     from hf_accum.accumulation import batch_shape_counts, squared_sequence_lengths
-    from hf_accum.loss import count_targets
+    from hf_accum.losses.token_loss import count_targets
     from hf_accum.measure.utilization import ModelFlops
 
     flops = ModelFlops.of(model)

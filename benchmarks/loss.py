@@ -1,6 +1,6 @@
 """Section ``loss``: the loss step at a large vocabulary.
 
-:func:`hf_accum.loss.token_loss_sum` (chunked) vs plain ``F.cross_entropy(logits.float())`` on one
+:func:`hf_accum.losses.token_loss.token_loss_sum` (chunked) vs plain ``F.cross_entropy(logits.float())`` on one
 row of bf16 logits; the largest single allocation tells whether the full fp32 logits were
 materialized.
 """
@@ -16,7 +16,7 @@ from transformers.hf_argparser import HfArg
 
 from benchmarks.harness import Bench, measure_memory
 from benchmarks.report import BenchError, SectionResult, mib, require_positive, summary_row, verdict
-from hf_accum.loss import IGNORE_INDEX, aligned_targets, rows_per_chunk, token_loss_sum
+from hf_accum.losses.token_loss import IGNORE_INDEX, aligned_targets, rows_per_chunk, token_loss_sum
 
 if TYPE_CHECKING:
     from benchmarks.options import BenchOptions

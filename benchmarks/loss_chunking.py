@@ -1,4 +1,4 @@
-"""Evidence for a proposed change to hf_accum/loss.py (not used by the product).
+"""Evidence for a proposed change to hf_accum/losses/token_loss.py (not used by the product).
 
 Compares the peak extra memory of the loss step (forward + backward) on bf16 logits for:
 
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.harness import measure_memory
-from hf_accum.loss import IGNORE_INDEX, aligned_targets, token_loss_sum
+from hf_accum.losses.token_loss import IGNORE_INDEX, aligned_targets, token_loss_sum
 
 
 class ChunkedCrossEntropySum(torch.autograd.Function):

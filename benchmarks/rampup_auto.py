@@ -177,7 +177,7 @@ def run_variant(task: EmbeddedTask, variant: str, accumulation: int, seed: int, 
     from hf_accum.batching import PaddingCollator
     from hf_accum.loop import LoopConfig, train
     from hf_accum.loop.evaluation import evaluate_loss
-    from hf_accum.micro_batch import MicroBatchLoss
+    from hf_accum.losses.micro_batch import MicroBatchLoss
     from hf_accum.testing import fresh_accelerator
 
     accelerator = fresh_accelerator(accumulation, device="cpu")

@@ -38,13 +38,13 @@ _LAZY = {
     "EXIT_INTERRUPTED": "control", "EXIT_PREEMPTED": "control", "NonFiniteLossError": "control",
     "TrainingControl": "control", "TrainingStopped": "control",
     "linear_cross_entropy_sum": "fused.loss",
-    "count_targets": "loss", "infer_loss_kind": "loss", "token_loss_sum": "loss",
+    "count_targets": "losses.token_loss", "infer_loss_kind": "losses.token_loss", "token_loss_sum": "losses.token_loss",
     "LoopConfig": "loop", "TrainResult": "loop", "UpdateLog": "loop", "train": "loop",
     "BatchPlan": "planning.schedule", "create_update_scheduler": "planning.schedule", "plan_global_batch":
     "planning.schedule", "planned_updates": "planning.schedule",
     # The trainers import transformers.Trainer (heavy) and TRL (optional).
     "AccumTrainer": "trainer", "AccumSFTTrainer": "sft", "AccumDPOTrainer": "dpo",
-    "DPOPairLoss": "preference", "collate_pairs": "preference", "AccumGRPOTrainer": "grpo",
+    "DPOPairLoss": "losses.preference", "collate_pairs": "losses.preference", "AccumGRPOTrainer": "grpo",
     "AccumRewardTrainer": "reward",
 }
 # Front-ends refused by name, with the reason (docs/normalization.md): importing one raises it.

@@ -18,7 +18,7 @@ inf/NaN loss or gradient: every rank learns of it from the same all-reduce (:met
 
 **Units and terms.** Nothing above needs the unit to be a token: a loss returns its *sum* over its units and
 the *count* of its units (target tokens; sequences in sequence mode; preference pairs for DPO,
-:mod:`hf_accum.preference`). A loss of several terms with different units (DPO per pair + its ``sft`` term
+:mod:`hf_accum.losses.preference`). A loss of several terms with different units (DPO per pair + its ``sft`` term
 per chosen token) returns one ``(sum, count)`` per term, as two 1-d tensors ``sums[J]``, ``counts[J]``;
 term 0 is the *primary* one (its count is ``WindowTotals.targets``, an update without any skips). The
 update then applies ``sum_j grad(S_j) / N_j`` (``S_j``, ``N_j`` summed over micro-batches and ranks), and
@@ -180,7 +180,8 @@ class WindowTotals:
     checkpoint_requests: int = 0
     """Ranks asked for a checkpoint by the boundary."""
     aux_loss_sum: float = 0.0
-    """Summed ``coef * aux_k * n_k`` of the micro-batches (MoE router losses; hf_accum.micro_batch.MicroBatchLoss)."""
+    """Summed ``coef * aux_k * n_k`` of the micro-batches (MoE router losses;
+    hf_accum.losses.micro_batch.MicroBatchLoss)."""
     small_batches: tuple = field(default=(), compare=False)
     """Noise scale: each rank's measured small batch, ``(targets, |g_small|^2)`` pairs (empty when not measured)."""
     pooled_small_batches: tuple = field(default=(), compare=False)

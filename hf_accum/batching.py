@@ -5,7 +5,7 @@ Hugging Face convention, what :func:`hf_accum.recipe.data.encode_examples` produ
 with the example, so it survives ``Trainer(remove_unused_columns=True)`` and any collator. The
 older ``prompt_length`` key (mask the first ``prompt_length`` labels) is still honoured.
 
-Both collators emit ``labels`` padded with -100, so that :func:`hf_accum.loss.count_targets`
+Both collators emit ``labels`` padded with -100, so that :func:`hf_accum.losses.token_loss.count_targets`
 counts exactly the tokens the loss sums over.
 """
 
@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import torch
 from transformers import DataCollatorWithFlattening
 
-from hf_accum.loss import IGNORE_INDEX
+from hf_accum.losses.token_loss import IGNORE_INDEX
 
 
 @dataclass

@@ -9,7 +9,7 @@ At the boundary (:meth:`UpdateBoundary.close`), on every rank, in lockstep:
 2. reduce the window's sums over ranks -- the ONE all-reduce of the update (loss, targets, sequences,
    padding, flags: :class:`hf_accum.accumulation.WindowTally`);
 3. check that the loss counted the units the normalization was computed from (the targets of
-   :func:`hf_accum.loss.count_targets`, or the units a loss counts itself: ``count_units``, each term's);
+   :func:`hf_accum.losses.token_loss.count_targets`, or the units a loss counts itself: ``count_units``, each term's);
 4. decide (:func:`decide`, the only place a skip reason is chosen): apply or skip the update (no targets,
    inf/NaN), write a checkpoint (a request, a stop, the inf/NaN limit), halt (:class:`Halt`);
 5. warn once, on the main process, about a skipped update.
@@ -40,7 +40,8 @@ from hf_accum.accumulation import (
     nonfinite_flag,
 )
 from hf_accum.control import NonFiniteGuard, NonFiniteLossError, TrainingControl, TrainingStopped
-from hf_accum.loss import LossKind, count_targets
+from hf_accum.losses.sequence_norm import count_sequences
+from hf_accum.losses.token_loss import LossKind, count_targets
 from hf_accum.measure.noise_scale import (
     NoiseScaleReading,
     NoiseScaleTracker,
@@ -50,7 +51,6 @@ from hf_accum.measure.noise_scale import (
     update_estimates,
 )
 from hf_accum.records import UpdateLog
-from hf_accum.sequence_norm import count_sequences
 
 NO_TARGETS = "no targets in window"
 FP16_OVERFLOW = "inf/nan gradients (fp16 loss scale lowered)"
@@ -267,7 +267,7 @@ def _check_counted(totals: WindowTotals, counted: int | Sequence[int], count_sou
         raise ValueError(
             f"{count_source} counted {totals.targets} targets in this window but count_targets counted "
             f"{expected[0]}; the normalization uses the latter, so {count_source} must return the same count "
-            "(a sum over exactly the targets of hf_accum.loss.count_targets)"
+            "(a sum over exactly the targets of hf_accum.losses.token_loss.count_targets)"
         )
     if totals.term_counts != expected:
         raise ValueError(
@@ -290,7 +290,7 @@ UnitCounter = Callable[[Mapping[str, Any]], torch.Tensor]
 
 def default_unit_counter(kind: LossKind, normalization: str = "token") -> UnitCounter:
     """The units of the built-in losses: prediction targets (``token``), or sequences with at least one target
-    (``sequence``, what the sequence-weighted loss reports, :mod:`hf_accum.sequence_norm`)."""
+    (``sequence``, what the sequence-weighted loss reports, :mod:`hf_accum.losses.sequence_norm`)."""
     if normalization == "sequence":
         return count_sequences
     return lambda batch: count_targets(batch["labels"], kind)

@@ -4,8 +4,8 @@ its preference pairs.
 This module owns the composition of AccumTrainer with TRL's ``DPOTrainer`` and nothing else. TRL keeps what it
 owns: dataset preparation (prompt/chosen/rejected, chat templates, tokenization), its collator, the reference
 model (a copy, the PEFT adapter disabled, or precomputed reference log-probs), ``sync_ref_model``, model cards.
-:mod:`hf_accum.preference` owns the math of one micro-batch (:class:`~hf_accum.preference.DPOPairLoss`: the SUM
-over the micro-batch's pairs of the pair loss and the number of pairs, and the ``sft`` term as a sum over the
+:mod:`hf_accum.losses.preference` owns the math of one micro-batch (:class:`~hf_accum.losses.preference.DPOPairLoss`:
+the SUM over the micro-batch's pairs of the pair loss and the number of pairs, and the ``sft`` term as a sum over the
 chosen completions' tokens with their count). AccumTrainer owns the normalization: each term's count is taken
 over the window's micro-batches on all ranks before backward and each micro-batch backpropagates
 ``sum_j S_jk * W / N_j`` (:mod:`hf_accum.trainer.window`).
@@ -24,14 +24,14 @@ What the composition has to repair:
   fused log-probs (:mod:`hf_accum.fused.logprobs`: chunked, no ``[tokens, vocab]`` logits, sums in at least
   float32 and float64 for a float64 model), for the policy, the live reference and the precomputed reference
   alike; ``fused_loss=False`` (or a head that cannot be fused) takes the logits in the model's own dtype
-  (:func:`hf_accum.preference.completion_logps`). Both are exact to rounding on float64 models;
+  (:func:`hf_accum.losses.preference.completion_logps`). Both are exact to rounding on float64 models;
 * the metrics: ``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins``,
   ``logps/chosen``, ``logps/rejected`` are sums over pairs on each rank, all-reduced once per update and
   logged as pair-weighted means over the logged updates (exact over the update like the loss); ``num_tokens``
   counts the attended tokens of every rank.
 
 Refused before any model loads (one line naming the setting): loss types that are not sums over pairs or chosen
-tokens (``aot``, ``aot_unpaired``, ``apo_*``, ...: only :data:`hf_accum.preference.SUPPORTED_LOSS_TYPES`),
+tokens (``aot``, ``aot_unpaired``, ``apo_*``, ...: only :data:`hf_accum.losses.preference.SUPPORTED_LOSS_TYPES`),
 ``ld_alpha``, ``f_divergence_type`` other than ``reverse_kl``, ``use_weighting``.
 """
 
@@ -52,8 +52,8 @@ from hf_accum.compat import (
 )
 from hf_accum.errors import InputError
 from hf_accum.fused.logprobs import FusedLogProbs
-from hf_accum.micro_batch import MicroBatchLoss
-from hf_accum.preference import (
+from hf_accum.losses.micro_batch import MicroBatchLoss
+from hf_accum.losses.preference import (
     IGNORE_INDEX,
     REFERENCE_KEYS,
     SUPPORTED_LOSS_TYPES,
@@ -147,7 +147,7 @@ class AccumDPOTrainer(AccumTrainer, DPOTrainer):  # type: ignore[misc]  # TRL ty
 
     def _build_micro_batch_loss(self, loss_kind: Any, fused_loss: bool, normalization: str = "token") -> MicroBatchLoss:
         """Called by AccumTrainer's constructor: the pair loss of TRL's settings, its log-probs fused unless
-        ``fused_loss=False`` (:class:`~hf_accum.preference.DPOPairLoss` runs the forward; the cross-entropy's own
+        ``fused_loss=False`` (:class:`~hf_accum.losses.preference.DPOPairLoss` runs the forward; the cross-entropy's own
         fused path is off: the loss is not a token cross-entropy)."""
         if normalization != "token":
             raise InputError(f"AccumDPOTrainer(normalization={normalization!r}): a DPO loss is normalized per pair")

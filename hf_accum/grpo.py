@@ -34,10 +34,10 @@ forward's log-probs. Generation itself is never touched (a harness may replace `
 
 **Log-probs.** The per-token log-probs and entropies of the policy, the old policy and the reference come from our
 fused log-probs (:mod:`hf_accum.fused.logprobs`: chunked over the completion tokens, no ``[tokens, vocab]`` logits,
-the entropy and its gradient from the same chunks), in :func:`hf_accum.loss.compute_dtype`: a float64 model is exact
-to rounding, so float64 tests measure the accumulation math, not float32 rounding (TRL's fused head accumulates in
-float32). ``fused_logprobs=False``, a head that cannot be fused, multimodal inputs or a MoE router loss take TRL's
-fused head, or for a float64 model the full logits in float64.
+the entropy and its gradient from the same chunks), in :func:`hf_accum.losses.token_loss.compute_dtype`: a float64
+model is exact to rounding, so float64 tests measure the accumulation math, not float32 rounding (TRL's fused head
+accumulates in float32). ``fused_logprobs=False``, a head that cannot be fused, multimodal inputs or a MoE router loss
+take TRL's fused head, or for a float64 model the full logits in float64.
 
 **sapo.** TRL 1.16 stores ``sapo_temperature_pos`` / ``_neg`` as float32 constants (1.05 -> 1.0499999523); the loss
 here uses them as Python floats in the loss dtype (:meth:`AccumGRPOTrainer.get_sapo_token_loss`).
@@ -66,7 +66,7 @@ from hf_accum.compat import (
     trl_metrics,
 )
 from hf_accum.fused.logprobs import FusedLogProbs
-from hf_accum.loss import IGNORE_INDEX, compute_dtype
+from hf_accum.losses.token_loss import IGNORE_INDEX, compute_dtype
 
 try:
     from trl import GRPOConfig, GRPOTrainer

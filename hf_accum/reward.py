@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from hf_accum.accumulation import LoggedMeans
 from hf_accum.compat import add_trl_train_tokens, trl_metrics, trl_train_tokens
 from hf_accum.errors import InputError
-from hf_accum.micro_batch import MicroBatchLoss
+from hf_accum.losses.micro_batch import MicroBatchLoss
 from hf_accum.trainer import AccumTrainer
 
 try:
@@ -72,7 +72,7 @@ class RewardPairLoss:
     non_model_keys = ("margin",)
     term_names = ("pair",)
     # The first-micro-batch probe compares the model's own ``forward(labels=...)`` loss with ours; a reward model's
-    # own loss is a regression on the labels, not this pairwise loss: nothing to compare (hf_accum.micro_batch).
+    # own loss is a regression on the labels, not this pairwise loss: nothing to compare (hf_accum.losses.micro_batch).
     compares_model_loss = False
 
     def __init__(self, center_rewards_coefficient: float | None = None) -> None:

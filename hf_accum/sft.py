@@ -33,7 +33,7 @@ from transformers.trainer_utils import EvalLoopOutput
 
 from hf_accum.accumulation import DeviceSums, batch_shape_counts
 from hf_accum.compat import add_trl_train_tokens, trl_metrics, trl_train_tokens
-from hf_accum.loss import unwrap_model
+from hf_accum.losses.token_loss import unwrap_model
 from hf_accum.trainer import AccumTrainer
 
 try:
@@ -58,7 +58,7 @@ class AccumSFTTrainer(AccumTrainer, SFTTrainer):  # type: ignore[misc]  # TRL ty
     ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` (and their ``eval_`` versions) are kept.
 
     A MoE router auxiliary loss (``output_router_logits=True``) is added as in every front-end
-    (:class:`hf_accum.micro_batch.MicroBatchLoss`) and logged as ``aux_loss``. Refused, because
+    (:class:`hf_accum.losses.micro_batch.MicroBatchLoss`) and logged as ``aux_loss``. Refused, because
     AccumTrainer's loss would silently drop it: ``loss_type="dft"``, as well as ``compute_loss_func``.
     """
 
@@ -80,7 +80,7 @@ class AccumSFTTrainer(AccumTrainer, SFTTrainer):  # type: ignore[misc]  # TRL ty
     def _sync_router_coef(self) -> None:
         """TRL writes ``SFTConfig.router_aux_loss_coef`` into the model's config, but MoE models read the
         coefficient they copied at construction (``model.router_aux_loss_coef``), as does the router term every
-        front-end adds (:func:`hf_accum.model_loss.model_loss_terms`): copy TRL's value there too."""
+        front-end adds (:func:`hf_accum.losses.model_loss.model_loss_terms`): copy TRL's value there too."""
         inner = unwrap_model(self.model)
         if self.aux_loss_enabled and hasattr(inner, "router_aux_loss_coef"):
             inner.router_aux_loss_coef = self.router_aux_loss_coef

@@ -13,7 +13,7 @@ every micro-batch holds the same rows) or as hf_accum defines it for an update, 
 of each micro-batch's router loss (``"per_micro_batch"``: each micro-batch run alone, weighted by its
 targets over the update's targets).
 
-It shares no code with :mod:`hf_accum.loss` or :mod:`hf_accum.accumulation` on purpose: it is
+It shares no code with :mod:`hf_accum.losses.token_loss` or :mod:`hf_accum.accumulation` on purpose: it is
 the yardstick they are measured against (tests, ``hf-accum check``).
 """
 
@@ -212,7 +212,7 @@ def _sequence_mean(auditor: BigBatchAuditor, logits: torch.Tensor, labels: torch
 @dataclass(frozen=True)
 class ReferenceLayout:
     """How the reference pairs logits with labels, and its mean loss, for one loss kind (written
-    independently of hf_accum.loss.LOSS_KIND_SPECS: this is the yardstick)."""
+    independently of hf_accum.losses.token_loss.LOSS_KIND_SPECS: this is the yardstick)."""
 
     align: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     mean_loss: Callable[[BigBatchAuditor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, int]]

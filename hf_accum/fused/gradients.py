@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_accum.loss import compute_dtype
+from hf_accum.losses.token_loss import compute_dtype
 
 # Chunks a low-precision weight's gradient is summed over in its own dtype, in place, before the sum moves to fp32
 # (the measurement is on GradientSums._widen_weight_sum).

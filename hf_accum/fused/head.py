@@ -1,6 +1,6 @@
 """Which output layers the fused loss can take, proven on the model itself, and running a model so that its head
 returns the loss (:class:`FusedCausalLMLoss`). The loss itself is :mod:`hf_accum.fused.loss`; what both
-front-ends call per micro-batch is :mod:`hf_accum.micro_batch`.
+front-ends call per micro-batch is :mod:`hf_accum.losses.micro_batch`.
 
 See :mod:`hf_accum.fused.loss` (its docstring, items 2 and 3) for why the head's ``forward`` is replaced for
 one call instead of calling the decoder and the loss apart, and for what the probe proves.
@@ -26,14 +26,14 @@ from hf_accum.fused.loss import (
     linear_cross_entropy_sum,
     rows_per_chunk,
 )
-from hf_accum.loss import (
+from hf_accum.losses.model_loss import leading_slice, probing
+from hf_accum.losses.token_loss import (
     DEFAULT_CHUNK_BYTES,
     aligned_targets,
     check_label_smoothing,
     compute_dtype,
     unwrap_model,
 )
-from hf_accum.model_loss import leading_slice, probing
 
 logger = logging.getLogger("hf_accum.fused.loss")
 
@@ -384,7 +384,7 @@ def _probe_forward(model: nn.Module, head_module: nn.Module, inputs: dict[str, A
 
 
 def _probe_slice(inputs: dict[str, Any]) -> dict[str, Any]:
-    """The first row's first positions (padding-free rows included, :func:`hf_accum.model_loss.leading_slice`),
+    """The first row's first positions (padding-free rows included, :func:`hf_accum.losses.model_loss.leading_slice`),
     when the inputs' layout lets them be cut (else the whole micro-batch: correct, only costlier)."""
     cut = leading_slice(inputs, 0, PROBE_POSITIONS)
     return cut if cut is not None else dict(inputs)

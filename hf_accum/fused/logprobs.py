@@ -8,7 +8,7 @@ forward), while DPO and GRPO are nonlinear in the log-probs, so each token's ups
 backward. :class:`_TargetLogProbs` therefore saves the hidden states, the targets and one log-sum-exp (and
 entropy) per target, and recomputes each chunk's logits in backward -- twice the head's forward GEMM, one chunk's
 logits alive at a time (TRL's ``ChunkedLogProbFunction`` does the same; its sums are float32, ours are in
-:func:`hf_accum.loss.compute_dtype`, so a float64 model stays float64 and matches the full-logits path to
+:func:`hf_accum.losses.token_loss.compute_dtype`, so a float64 model stays float64 and matches the full-logits path to
 rounding).
 
 * :class:`FusedLogProbs` -- per run: probes each model's output layer once (:func:`hf_accum.fused.head.
@@ -33,7 +33,7 @@ from hf_accum.distributed import is_main_process
 from hf_accum.fused.gradients import GradientSums
 from hf_accum.fused.head import NotFusable, _through_outputs, linear_leaf, probe_fusable_head, resolve_head
 from hf_accum.fused.loss import LinearHead, LogitTransform, _chunk_logits
-from hf_accum.loss import DEFAULT_CHUNK_BYTES, IGNORE_INDEX, aligned_targets, compute_dtype, unwrap_model
+from hf_accum.losses.token_loss import DEFAULT_CHUNK_BYTES, IGNORE_INDEX, aligned_targets, compute_dtype, unwrap_model
 
 logger = logging.getLogger("hf_accum.fused.loss")
 

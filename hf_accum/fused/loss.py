@@ -16,15 +16,16 @@ This module owns the fused loss itself; the choice between it and the logits pat
    proven on the first micro-batch by a probe, and :class:`~hf_accum.fused.head.FusedCausalLMLoss`, which
    runs a model so that its head *returns the loss* (inside the model's forward: DDP's reducer and
    ``find_unused_parameters`` need the head reached from that forward).
-3. :mod:`hf_accum.micro_batch` -- :class:`~hf_accum.micro_batch.MicroBatchLoss`, what both front-ends call per
+3. :mod:`hf_accum.losses.micro_batch` -- :class:`~hf_accum.losses.micro_batch.MicroBatchLoss`, what both front-ends
+call per
    micro-batch: the fused path for causal LMs while training, the logits path otherwise, the model's own
    extra loss terms, and optionally :class:`TokenStats` (TRL's metrics) from the same chunks.
 
-Sums are taken in :func:`hf_accum.loss.compute_dtype` (at least fp32; fp64 stays fp64), except a bf16
+Sums are taken in :func:`hf_accum.losses.token_loss.compute_dtype` (at least fp32; fp64 stays fp64), except a bf16
 output layer's weight gradient over its first chunks, summed in bf16 (see
 :class:`~hf_accum.fused.gradients.GradientSums`); the targets are the causal ones of
-:func:`hf_accum.loss.aligned_targets`, so the count is that of :func:`hf_accum.loss.count_targets`; label
-smoothing is torch's definition, as in the logits path.
+:func:`hf_accum.losses.token_loss.aligned_targets`, so the count is that of
+:func:`hf_accum.losses.token_loss.count_targets`; label smoothing is torch's definition, as in the logits path.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from hf_accum.fused.gradients import (
     vocab_major,
     xlogx_sum,
 )
-from hf_accum.loss import (
+from hf_accum.losses.token_loss import (
     DEFAULT_CHUNK_BYTES,
     IGNORE_INDEX,
     check_label_smoothing,
@@ -198,14 +199,14 @@ def linear_cross_entropy_sum(
     """Summed cross-entropy of ``head.model_logits(hidden)`` against ``targets`` (``-100``: no target).
 
     ``hidden`` is ``[..., H]`` and ``targets`` holds one entry per position of ``hidden`` (already
-    aligned: for a causal LM, :func:`hf_accum.loss.aligned_targets`). Returns a 0-dim tensor in
-    :func:`~hf_accum.loss.compute_dtype`; its gradient is exact (no recomputation, no approximation).
+    aligned: for a causal LM, :func:`hf_accum.losses.token_loss.aligned_targets`). Returns a 0-dim tensor in
+    :func:`~hf_accum.losses.token_loss.compute_dtype`; its gradient is exact (no recomputation, no approximation).
     ``chunk_bytes`` bounds the chunk's logit buffers, in the loss dtype (a bf16 head on the fast path: three times,
     :data:`LOW_PRECISION_CHUNK_FACTOR`); ``None``: the default budget (:func:`rows_per_chunk`). ``stats``, when
     given, gets
     this call's :class:`TokenStats` added (computed from the same chunks: no extra logits). ``weights``, when
     given (one per position, like ``targets``), makes it ``sum_t w_t * loss_t``: each target row's loss and
-    logit gradient are scaled by its weight (per-sequence normalization, :mod:`hf_accum.sequence_norm`).
+    logit gradient are scaled by its weight (per-sequence normalization, :mod:`hf_accum.losses.sequence_norm`).
     """
     check_label_smoothing(label_smoothing)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])

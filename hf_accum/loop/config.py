@@ -8,11 +8,11 @@ from typing import Any
 
 from hf_accum.control import DEFAULT_MAX_CONSECUTIVE_NONFINITE
 from hf_accum.errors import InputError
-from hf_accum.loss import LossKind
+from hf_accum.losses.sequence_norm import check_normalization
+from hf_accum.losses.token_loss import LossKind
 from hf_accum.measure.noise_probe import check_micro_batch_mode
 from hf_accum.measure.peak_flops import check_peak_flops
 from hf_accum.planning.auto_ramp import AutoRampError, AutoRampSettings, is_auto
-from hf_accum.sequence_norm import check_normalization
 
 _STRATEGIES = ("no", "steps", "epoch")
 _COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -40,8 +40,8 @@ class LoopConfig:
     """Clip the global gradient norm once per update (0 disables clipping)."""
     label_smoothing: float = 0.0
     loss_kind: LossKind | None = None
-    """``causal_lm``, ``token`` or ``sequence`` (:data:`hf_accum.loss.LOSS_KIND_SPECS`); when None, inferred
-    from the model class, else from the model's own loss on the first micro-batch."""
+    """``causal_lm``, ``token`` or ``sequence`` (:data:`hf_accum.losses.token_loss.LOSS_KIND_SPECS`); when None,
+    inferred from the model class, else from the model's own loss on the first micro-batch."""
     fused_loss: bool = True
     """Causal LMs: sum the loss from the last hidden states and the output layer, chunk by chunk,
     never holding the (tokens x vocab) logits (:mod:`hf_accum.fused.loss`). Heads that are not a plain
@@ -87,7 +87,7 @@ fixed ``1 / K`` of ``Accelerator.backward`` is undone at the boundary as always)
     normalization: str = "token"
     """``"token"``: the update's loss is the mean over its targets; ``"sequence"``: the mean over its sequences of
     each sequence's mean token loss (causal LMs; packed rows count one sequence per restart of
-    ``position_ids``; :mod:`hf_accum.sequence_norm`). Sequence mode takes the logits path (logged)."""
+    ``position_ids``; :mod:`hf_accum.losses.sequence_norm`). Sequence mode takes the logits path (logged)."""
     noise_scale: bool = False
     """Track the gradient noise scale (``UpdateLog.noise_scale``, ``grad_sq``, ``trace_cov``; an end-of-run line
     on the batch size): micro-batches are the small batches, the update the big one

@@ -13,8 +13,8 @@ from hf_accum.accumulation import WindowTally
 from hf_accum.distributed import is_partitioned
 from hf_accum.loop.config import LoopConfig
 from hf_accum.loop.steppers import split_labels
-from hf_accum.micro_batch import MicroBatchLoss
-from hf_accum.model_loss import is_encoder_decoder, training_inputs
+from hf_accum.losses.micro_batch import MicroBatchLoss
+from hf_accum.losses.model_loss import is_encoder_decoder, training_inputs
 
 
 def evaluation_due(config: LoopConfig, step: int, total_updates: int, epoch_ended: bool) -> bool:
@@ -75,7 +75,7 @@ def _forward_shortfall(model: nn.Module, batches: Sized, accelerator: Accelerato
 def _extra_forwards(model: nn.Module, count: int, inputs: dict[str, Any] | None, labels: torch.Tensor | None,
                     accelerator: Accelerator) -> None:
     """Forwards that count nothing: the last batch again (as it trained: an encoder-decoder's decoder inputs built
-    from its labels, :func:`~hf_accum.model_loss.training_inputs`), or one token where this rank had no batch."""
+    from its labels, :func:`~hf_accum.losses.model_loss.training_inputs`), or one token where this rank had no batch."""
     if inputs is None:
         one_token = torch.zeros((1, 1), dtype=torch.long, device=accelerator.device)
         inputs = {"input_ids": one_token, **({"decoder_input_ids": one_token} if is_encoder_decoder(model) else {})}

@@ -15,7 +15,7 @@ from accelerate import Accelerator
 from hf_accum.distributed import num_nodes
 from hf_accum.loop.config import LoopConfig, LoopConfigError
 from hf_accum.loop.windows import AutoRampPlan, WindowPlan, auto_plan, ramp_plan, token_plan
-from hf_accum.loss import infer_loss_kind
+from hf_accum.losses.token_loss import infer_loss_kind
 from hf_accum.planning.auto_ramp import is_auto
 from hf_accum.planning.schedule import BatchPlan, epochs_needed, planned_updates, warn_repeated_examples
 

@@ -29,12 +29,12 @@ from hf_accum.loop.evaluation import evaluate_loss, evaluation_due
 from hf_accum.loop.plan import RunPlan, check_supported
 from hf_accum.loop.steppers import Step, Stepper, build_stepper, is_deepspeed
 from hf_accum.loop.supervisor import Supervisor, build_checkpointer
-from hf_accum.loss import model_problem_type, unwrap_model
+from hf_accum.losses.micro_batch import LossSumFn, MicroBatchLoss
+from hf_accum.losses.sequence_norm import refuse_custom_loss
+from hf_accum.losses.token_loss import model_problem_type, unwrap_model
 from hf_accum.measure.utilization import UtilizationMeter, meter_run, summarize
-from hf_accum.micro_batch import LossSumFn, MicroBatchLoss
 from hf_accum.planning.schedule import create_update_scheduler
 from hf_accum.records import TrainResult, UpdateLog
-from hf_accum.sequence_norm import refuse_custom_loss
 
 logger = logging.getLogger("hf_accum.loop")
 

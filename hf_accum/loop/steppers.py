@@ -46,7 +46,8 @@ from hf_accum.boundary import Decision, UpdateBoundary, count_window_units, disc
 from hf_accum.compat import set_sync_gradients
 from hf_accum.loop.config import LoopConfig, LoopConfigError
 from hf_accum.loop.windows import PlanDriftError, check_window_targets
-from hf_accum.loss import infer_loss_kind
+from hf_accum.losses.micro_batch import MicroBatchLoss
+from hf_accum.losses.token_loss import infer_loss_kind
 from hf_accum.measure.noise_probe import (
     NOT_UNDER_DEEPSPEED,
     NOT_UNDER_FSDP,
@@ -56,7 +57,6 @@ from hf_accum.measure.noise_probe import (
     squared_norm,
 )
 from hf_accum.measure.noise_scale import NoiseScaleReading
-from hf_accum.micro_batch import MicroBatchLoss
 
 logger = logging.getLogger(__name__)
 

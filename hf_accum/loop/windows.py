@@ -32,7 +32,7 @@ import torch
 
 from hf_accum.checkpointing.checkpoint import ResumeMismatchError
 from hf_accum.checkpointing.loop_checkpoint import capture_random_states, data_generators, restore_random_states
-from hf_accum.loss import count_targets
+from hf_accum.losses.token_loss import count_targets
 from hf_accum.planning.auto_ramp import AutoRampSettings, BatchChange, BatchController, RampSchedule
 from hf_accum.planning.rampup import RampUp, describe_stages, plan_windows
 

@@ -10,7 +10,7 @@ before anything loads, the batch keys resolved and the section checked (:func:`c
   becomes 1); one given in the same layer or above is a conflict.
 * ``noise_scale: true``: refused under DeepSpeed (its engine keeps the micro-batch gradients); one micro-batch per
   update measures nothing (said, not refused).
-* ``normalization: token | sequence`` (:mod:`hf_accum.sequence_norm`), both engines.
+* ``normalization: token | sequence`` (:mod:`hf_accum.losses.sequence_norm`), both engines.
 
 The engines take the section as :meth:`AccumulationSection.loop_settings`; the loop's
 :class:`~hf_accum.loop.LoopConfig` is built once, by :mod:`hf_accum.recipe.preflight`.
@@ -24,12 +24,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from hf_accum.errors import InputError
+from hf_accum.losses.sequence_norm import NORMALIZATIONS
 from hf_accum.measure.peak_flops import check_peak_flops
 from hf_accum.planning.auto_ramp import AutoRampSettings, BatchController, is_auto
 from hf_accum.planning.planned_windows import refuse_planned_windows
 from hf_accum.planning.rampup import RampUp
 from hf_accum.planning.schedule import plan_global_batch
-from hf_accum.sequence_norm import NORMALIZATIONS
 
 _BUDGET = "accumulation.tokens_per_update"
 

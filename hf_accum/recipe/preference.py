@@ -3,8 +3,8 @@ both engines.
 
 The recipe (``recipes/finetune_llama.py``) reads what differs between objectives from one :class:`Objective`:
 its data (:func:`hf_accum.recipe.data.preference.load_preference_data`: pairs, not conversations), collator
-(:func:`hf_accum.preference.collate_pairs`), held-out metric (:func:`hf_accum.recipe.reference.pairwise_accuracy`)
-and engines:
+(:func:`hf_accum.losses.preference.collate_pairs`), held-out metric
+(:func:`hf_accum.recipe.reference.pairwise_accuracy`) and engines:
 
 * ``loop``: the recipe's own loop engine with ``loss_sum_fn=DPOPairLoss(...)`` (one ``(sum, count)`` per term:
   pairs, and chosen tokens for ``dpo.sft_weight``); the reference log-probs are computed once before training,
@@ -123,7 +123,7 @@ def train_dpo_with_loop(train_with_loop: Callable[..., Any], model: Any, tokeniz
                         args: Any, record: Any, resume: Any, launch: Any) -> Any:
     """The recipe's loop engine (``train_with_loop``) on pairs carrying their reference log-probs, with
     ``DPOPairLoss`` as its ``loss_sum_fn``."""
-    from hf_accum.preference import DPOPairLoss
+    from hf_accum.losses.preference import DPOPairLoss
     from hf_accum.recipe.outputs import is_main_process, say
     from hf_accum.recipe.reference import pair_features, reference_logps
 
@@ -147,7 +147,7 @@ def train_dpo_with_loop(train_with_loop: Callable[..., Any], model: Any, tokeniz
 
 
 def pair_collator(config: Any, tokenizer: Any) -> Callable[..., Any]:
-    from hf_accum.preference import collate_pairs
+    from hf_accum.losses.preference import collate_pairs
 
     return partial(collate_pairs, pad_token_id=tokenizer.pad_token_id)
 

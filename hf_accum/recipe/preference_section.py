@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hf_accum.errors import InputError
-from hf_accum.preference import PAIR_LOSS_TYPES
+from hf_accum.losses.preference import PAIR_LOSS_TYPES
 from hf_accum.recipe.data.formats import FORMATS, PREFERENCE_FORMATS
 
 OBJECTIVES = ("sft", "dpo")
@@ -18,7 +18,7 @@ OBJECTIVES = ("sft", "dpo")
 @dataclass
 class DPOSection:
     """DPO's settings (``objective: dpo``), TRL's ``DPOConfig`` names: the trainer engine passes them to
-    ``DPOConfig``, the loop engine to ``hf_accum.preference.DPOPairLoss``."""
+    ``DPOConfig``, the loop engine to ``hf_accum.losses.preference.DPOPairLoss``."""
 
     beta: float = 0.1
     """How far the policy may move from the reference (the base model: the adapter disabled); TRL's ``beta``."""

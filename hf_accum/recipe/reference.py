@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from hf_accum.preference import REFERENCE_KEYS, collate_pairs, completion_logps
+from hf_accum.losses.preference import REFERENCE_KEYS, collate_pairs, completion_logps
 from hf_accum.recipe.data.preference import SIDES, labelled
 from hf_accum.recipe.progress import phase_bar
 
@@ -31,7 +31,8 @@ CACHE_NAME = "reference_logps.pt"
 
 
 def pair_features(pair: dict[str, Any]) -> dict[str, Any]:
-    """The feature :func:`hf_accum.preference.collate_pairs` reads, from an encoded pair (reference log-probs kept)."""
+    """The feature :func:`hf_accum.losses.preference.collate_pairs` reads, from an encoded pair (reference log-probs
+    kept)."""
     feature = {key: pair[key] for key in REFERENCE_KEYS if key in pair}
     for side in SIDES:
         feature[f"{side}_input_ids"], feature[f"{side}_labels"] = labelled(pair, side)

@@ -44,7 +44,7 @@ def preference_rows(n: int, seed: int = 0, prompt_words: tuple[int, int] = (1, 1
 
 def pair_features(n: int, seed: int = 0, vocab: int = 40, prompt: tuple[int, int] = (1, 8),
                   answer: tuple[int, int] = (1, 6)) -> list[dict]:
-    """``n`` pairs as token ids for :func:`hf_accum.preference.collate_pairs` (labels -100 on the prompt)."""
+    """``n`` pairs as token ids for :func:`hf_accum.losses.preference.collate_pairs` (labels -100 on the prompt)."""
     rng = random.Random(seed)
     features = []
     for _ in range(n):
@@ -320,8 +320,8 @@ def run_dpo_trainer(trainer_cls: Any, rows: Any, tokenizer: Any, out_dir: str, *
 
 def run_dpo_loop(features: list[dict], loss: Any, *, micro_batch: int = 2, accumulation: int = 3,
                  even_batches: bool = True, pad_token_id: int = 0, vocab: int = 40) -> dict:
-    """``hf_accum.train`` with ``loss_sum_fn=loss`` (a :class:`hf_accum.preference.DPOPairLoss`) on
-    :func:`hf_accum.preference.collate_pairs` micro-batches, under a :class:`PairAudit`. The features carry
+    """``hf_accum.train`` with ``loss_sum_fn=loss`` (a :class:`hf_accum.losses.preference.DPOPairLoss`) on
+    :func:`hf_accum.losses.preference.collate_pairs` micro-batches, under a :class:`PairAudit`. The features carry
     their reference log-probs; the reference model is the initial one."""
     import copy
 
@@ -329,7 +329,7 @@ def run_dpo_loop(features: list[dict], loss: Any, *, micro_batch: int = 2, accum
     from torch.utils.data import DataLoader
 
     from hf_accum import LoopConfig, train
-    from hf_accum.preference import collate_pairs
+    from hf_accum.losses.preference import collate_pairs
     from hf_accum.testing.data import map_style
     from hf_accum.testing.models import tiny_causal_lm
     from hf_accum.testing.scenarios import fresh_accelerator

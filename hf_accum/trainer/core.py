@@ -45,17 +45,17 @@ from hf_accum.compat import (
 )
 from hf_accum.compile import compile_blocks
 from hf_accum.control import DEFAULT_MAX_CONSECUTIVE_NONFINITE, NonFiniteGuard, StopSignals, TrainingControl
-from hf_accum.loss import LossKind, infer_loss_kind, model_problem_type, token_loss_sum
+from hf_accum.losses.micro_batch import MicroBatchLoss
+from hf_accum.losses.model_loss import resolve_loss_kind
+from hf_accum.losses.sequence_norm import check_normalization, refuse_custom_loss
+from hf_accum.losses.token_loss import LossKind, infer_loss_kind, model_problem_type, token_loss_sum
 from hf_accum.measure.noise_probe import NOT_UNDER_DEEPSPEED, NOT_UNDER_FSDP, check_micro_batch_mode
 from hf_accum.measure.noise_scale import NoiseScaleTracker
 from hf_accum.measure.peak_flops import check_peak_flops
 from hf_accum.measure.utilization import meter_run, summarize
-from hf_accum.micro_batch import MicroBatchLoss
-from hf_accum.model_loss import resolve_loss_kind
 from hf_accum.planning.planned_windows import refuse_planned_windows
 from hf_accum.planning.schedule import BatchPlan
 from hf_accum.records import UpdateLog
-from hf_accum.sequence_norm import check_normalization, refuse_custom_loss
 from hf_accum.trainer.batch_plan import BatchPlanner
 from hf_accum.trainer.callbacks import BoundaryActions
 from hf_accum.trainer.checkpoints import TrainerCheckpoints
@@ -89,7 +89,7 @@ class AccumTrainer(Trainer):
     * the applied gradient is the gradient of the mean loss over all N prediction targets of the window
       on all ranks, whatever the model's ``forward`` signature, its head, the lengths, the ranks or the
       short last window of an epoch; ``N`` is always summed over ranks (``average_tokens_across_devices``
-      is ignored); label smoothing is computed by :func:`hf_accum.loss.token_loss_sum` (or the fused loss);
+      is ignored); label smoothing is computed by :func:`hf_accum.losses.token_loss.token_loss_sum` (or the fused loss);
     * a window with no target, or with an inf/NaN loss or gradient on any rank, applies no gradient and
       does not step the LR scheduler (logged as a skipped update); after ``max_consecutive_nonfinite``
       inf/NaN updates in a row: a checkpoint and :class:`~hf_accum.control.NonFiniteLossError` (DeepSpeed
@@ -235,9 +235,9 @@ class AccumTrainer(Trainer):
         """Summed loss over one micro-batch's prediction targets, and the number of targets.
 
         Override to change the loss. Return a SUM over targets (never a mean) and the same target count as
-        :func:`hf_accum.loss.count_targets`; AccumTrainer divides by the window's global count once. ``inputs``
-        are the forward's inputs (labels removed). Causal LMs that keep this default are trained with the fused
-        loss instead (same sum, no logits); overriding it gives the override real ``outputs.logits``.
+        :func:`hf_accum.losses.token_loss.count_targets`; AccumTrainer divides by the window's global count once.
+        ``inputs`` are the forward's inputs (labels removed). Causal LMs that keep this default are trained with the
+        fused loss instead (same sum, no logits); overriding it gives the override real ``outputs.logits``.
         """
         return token_loss_sum(outputs.logits, labels, kind=self.loss_kind,
                               label_smoothing=self.args.label_smoothing_factor, problem_type=self._problem_type)

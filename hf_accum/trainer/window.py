@@ -58,7 +58,7 @@ class TrainerWindow:
         """Noise scale from every micro-batch: the hooks measuring each backward's own gradient."""
         self.clips = clips
         self.normalization = normalization
-        """``token`` or ``sequence``: the unit the window is counted in (:mod:`hf_accum.sequence_norm`)."""
+        """``token`` or ``sequence``: the unit the window is counted in (:mod:`hf_accum.losses.sequence_norm`)."""
         """Trainer clips (``max_grad_norm`` > 0), so its norm before clipping is the noise scale's big batch."""
         self.first_pending = False
         """Noise scale: the window's first micro-batch has not been measured yet."""

@@ -199,7 +199,7 @@ def dpo_fused_run() -> dict:
     the same pairs: FSDP2's rank-averaged gradient is that micro-batch's gradient)."""
     import copy
 
-    from hf_accum.preference import DPOPairLoss, collate_pairs
+    from hf_accum.losses.preference import DPOPairLoss, collate_pairs
     from hf_accum.testing.dpo_reference import pair_features, with_reference_logps
 
     accelerator = accelerator_for("fsdp")

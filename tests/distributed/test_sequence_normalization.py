@@ -51,7 +51,7 @@ def test_bad_values_are_refused_in_one_line():
         LoopConfig(normalization="row")
     with pytest.raises(LoopConfigError, match="needs loss_kind 'causal_lm'"):
         LoopConfig(normalization="sequence", loss_kind="sequence")
-    from hf_accum.micro_batch import MicroBatchLoss
+    from hf_accum.losses.micro_batch import MicroBatchLoss
 
     with pytest.raises(ValueError, match="MicroBatchLoss\\(normalization\\)='sequences'; allowed: 'token', 'sequence'"):
         MicroBatchLoss(normalization="sequences")
@@ -75,7 +75,7 @@ def test_two_ranks(ddp_report, engine):
 
 
 def test_packed_sequences_are_found_wherever_positions_restart():
-    from hf_accum.sequence_norm import sequence_weights
+    from hf_accum.losses.sequence_norm import sequence_weights
 
     # one packed row: sequences of 4, 3 and 5 positions; labels -100 at each sequence's first position
     labels = torch.tensor([[-100, 5, 6, 7, -100, 8, 9, -100, 10, 11, 12, 13]])

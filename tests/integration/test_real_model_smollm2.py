@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from hf_accum.loss import IGNORE_INDEX
+from hf_accum.losses.token_loss import IGNORE_INDEX
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "recipes", "finetune_llama.py")

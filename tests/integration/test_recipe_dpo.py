@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from hf_accum.loss import IGNORE_INDEX
+from hf_accum.losses.token_loss import IGNORE_INDEX
 from hf_accum.recipe import config as recipe_config
 from hf_accum.recipe import embedded
 from hf_accum.recipe.data import DataError

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_accum.accumulation import WindowTally, exact_mean_factor, rescale_gradients_
-from hf_accum.loss import count_targets, infer_loss_kind, token_loss_sum
+from hf_accum.losses.token_loss import count_targets, infer_loss_kind, token_loss_sum
 from hf_accum.planning.schedule import plan_global_batch, planned_updates, updates_per_epoch
 from hf_accum.testing import tiny_causal_lm, tiny_sequence_classifier
 

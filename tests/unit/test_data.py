@@ -16,7 +16,7 @@ import torch
 
 from hf_accum import tiny
 from hf_accum.batching import PackingCollator, PaddingCollator
-from hf_accum.loss import IGNORE_INDEX, count_targets
+from hf_accum.losses.token_loss import IGNORE_INDEX, count_targets
 from hf_accum.recipe import config as recipe_config
 from hf_accum.recipe import data as data_module
 from hf_accum.recipe import embedded, modeling

@@ -20,7 +20,7 @@ from trl import DPOConfig, DPOTrainer  # noqa: E402
 
 from hf_accum import AccumDPOTrainer  # noqa: E402
 from hf_accum.errors import InputError  # noqa: E402
-from hf_accum.preference import DPOPairLoss  # noqa: E402
+from hf_accum.losses.preference import DPOPairLoss  # noqa: E402
 from hf_accum.testing.dpo_reference import pair_features, preference_rows, run_dpo_loop, run_dpo_trainer  # noqa: E402
 from hf_accum.testing.sft import sft_tokenizer  # noqa: E402
 

@@ -1,5 +1,5 @@
 """The core's (sum, count) per term (hf_accum/accumulation.py, hf_accum/boundary.py) and the preference math
-(hf_accum/preference.py) on small tensors: factors per term, one scalar to backpropagate, the window tally with
+(hf_accum/losses/preference.py) on small tensors: factors per term, one scalar to backpropagate, the window tally with
 an extra term in the same all-reduce, the count check, DPOPairLoss's counts and TRL's formulas."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from hf_accum.boundary import UpdateBoundary, count_window_units
 from hf_accum.control import NonFiniteGuard, TrainingControl
 from hf_accum.loop import LoopConfig, LoopConfigError
 from hf_accum.loop.run import _micro_batch_loss
-from hf_accum.preference import DPOPairLoss, collate_pairs, completion_logps, pair_losses
+from hf_accum.losses.preference import DPOPairLoss, collate_pairs, completion_logps, pair_losses
 from hf_accum.testing.models import tiny_causal_lm
 
 ONE_PROCESS = SimpleNamespace(num_processes=1, process_index=0, device=torch.device("cpu"), is_main_process=True)

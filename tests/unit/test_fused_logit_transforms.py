@@ -28,8 +28,8 @@ from hf_accum.fused.loss import (
     LogitTransform,
     linear_cross_entropy_sum,
 )
-from hf_accum.loss import token_loss_sum
-from hf_accum.micro_batch import MicroBatchLoss
+from hf_accum.losses.micro_batch import MicroBatchLoss
+from hf_accum.losses.token_loss import token_loss_sum
 from hf_accum.testing import (
     PAD,
     VOCAB,

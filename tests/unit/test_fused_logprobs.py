@@ -14,7 +14,7 @@ import torch
 
 from hf_accum.fused.logprobs import target_logps
 from hf_accum.fused.loss import LinearHead, LogitTransform
-from hf_accum.preference import DPOPairLoss, collate_pairs
+from hf_accum.losses.preference import DPOPairLoss, collate_pairs
 from hf_accum.testing.dpo_reference import pair_features, with_reference_logps
 from hf_accum.testing.models import tiny_causal_lm
 

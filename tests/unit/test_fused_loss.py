@@ -28,8 +28,8 @@ from hf_accum.batching import PackingCollator, PaddingCollator
 from hf_accum.fused.head import NotFusable, resolve_head
 from hf_accum.fused.loss import LinearHead, linear_cross_entropy_sum
 from hf_accum.loop import LoopConfig, train
-from hf_accum.loss import rows_per_chunk, token_loss_sum
-from hf_accum.micro_batch import MicroBatchLoss
+from hf_accum.losses.micro_batch import MicroBatchLoss
+from hf_accum.losses.token_loss import rows_per_chunk, token_loss_sum
 from hf_accum.testing import (
     PAD,
     VOCAB,
@@ -424,7 +424,7 @@ def test_no_tokens_by_vocab_tensor_is_allocated_while_training(front_end, layout
 
 
 def test_leading_slice_cuts_a_padding_free_row_with_its_sequence_boundaries():
-    from hf_accum.model_loss import leading_slice
+    from hf_accum.losses.model_loss import leading_slice
 
     # three sequences of 5, 4 and 6 positions flattened into one row of 15
     inputs = {"input_ids": torch.arange(15).view(1, 15), "position_ids": torch.tensor([list(range(5)) + list(range(4))

@@ -60,7 +60,7 @@ def test_skipped_fp16_update_does_not_advance_the_scheduler():
     from torch.utils.data import DataLoader
 
     from hf_accum.loop import LoopConfig, train
-    from hf_accum.loss import token_loss_sum
+    from hf_accum.losses.token_loss import token_loss_sum
     from hf_accum.testing import fresh_accelerator
 
     accelerator = fresh_accelerator(2)

@@ -12,7 +12,7 @@ from hf_accum import LoopConfig, train
 from hf_accum.batching import PaddingCollator
 from hf_accum.loop.config import LoopConfigError
 from hf_accum.loop.windows import budget_windows
-from hf_accum.loss import count_targets
+from hf_accum.losses.token_loss import count_targets
 from hf_accum.testing import (
     PAD,
     Scenario,

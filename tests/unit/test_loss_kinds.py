@@ -1,4 +1,4 @@
-"""Loss kinds: one registry (hf_accum.loss.LOSS_KIND_SPECS, mirrored by the auditor's
+"""Loss kinds: one registry (hf_accum.losses.token_loss.LOSS_KIND_SPECS, mirrored by the auditor's
 hf_accum.verify.REFERENCE_LAYOUTS), and the probe that places a model whose class names no layout by
 comparing its own loss with ours -- so a causal LM inside a custom nn.Module works without loss_kind=."""
 
@@ -13,8 +13,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from hf_accum import AccumTrainer
 from hf_accum.batching import PaddingCollator
-from hf_accum.loss import LOSS_KIND_SPECS, LOSS_KINDS, infer_loss_kind
-from hf_accum.model_loss import probe_loss_kind
+from hf_accum.losses.model_loss import probe_loss_kind
+from hf_accum.losses.token_loss import LOSS_KIND_SPECS, LOSS_KINDS, infer_loss_kind
 from hf_accum.testing import PAD, NoKwargsForCausalLM, Scenario, random_rows, run_trainer, tiny_causal_lm
 from hf_accum.verify import REFERENCE_LAYOUTS
 
@@ -63,7 +63,7 @@ def test_probe_picks_the_layout_of_the_models_own_loss(model_cls, kind, caplog):
     with pytest.raises(ValueError, match="cannot tell the loss layout"):
         infer_loss_kind(model)
     inputs, labels = _first_batch()
-    with caplog.at_level(logging.INFO, logger="hf_accum.loss"):
+    with caplog.at_level(logging.INFO, logger="hf_accum.losses.token_loss"):
         assert probe_loss_kind(model.train(), inputs, labels) == kind
     assert f"loss layout of {model_cls.__name__}: {kind!r}" in caplog.text
     assert model.training  # the probe's eval mode is undone
@@ -79,7 +79,7 @@ def test_accum_trainer_places_a_custom_causal_lm_without_loss_kind(tmp_path, cap
     """Drop-in: no loss_kind=, a class name that says nothing, a forward without **kwargs -- exact."""
     scenario = Scenario("custom_module", lambda: TinyChat(tiny_causal_lm()), random_rows(16, seed=9),
                         PaddingCollator(PAD))
-    with caplog.at_level(logging.INFO, logger="hf_accum.loss"):
+    with caplog.at_level(logging.INFO, logger="hf_accum.losses.token_loss"):
         run = run_trainer(scenario, str(tmp_path), AccumTrainer)
     assert run.trainer.loss_kind == "causal_lm"
     assert "loss layout of TinyChat: 'causal_lm'" in caplog.text

@@ -1,6 +1,6 @@
 """MoE router losses in every front-end, and no silent drop of any term a model adds to its loss.
 
-The rule (hf_accum.micro_batch.MicroBatchLoss): micro-batch k (n_k targets, router loss aux_k) adds
+The rule (hf_accum.losses.micro_batch.MicroBatchLoss): micro-batch k (n_k targets, router loss aux_k) adds
 ``coef * aux_k * n_k`` to its loss sum, so an update minimizes ``CE mean + coef * sum_k (n_k / N) aux_k``.
 Each property is measured in float64 against the independent reference of hf_accum.verify, under
 :func:`hf_accum.testing.float64.float64_arithmetic` (the routers' float32 softmax would otherwise put a
@@ -20,8 +20,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from hf_accum import AccumTrainer
 from hf_accum.batching import PaddingCollator
-from hf_accum.micro_batch import MicroBatchLoss
-from hf_accum.model_loss import UnaccountedLossTerm
+from hf_accum.losses.micro_batch import MicroBatchLoss
+from hf_accum.losses.model_loss import UnaccountedLossTerm
 from hf_accum.testing import (
     PAD,
     Scenario,

@@ -54,7 +54,7 @@ def injecting(loss_sum_fn, injection, bad: set[int]):
 
 
 def loop_run(rows, injection=None, bad=frozenset(), **config):
-    from hf_accum.loss import token_loss_sum
+    from hf_accum.losses.token_loss import token_loss_sum
 
     accelerator = fresh_accelerator(ACCUMULATION)
     model = tiny_causal_lm(seed=0)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_accum.loss import IGNORE_INDEX
+from hf_accum.losses.token_loss import IGNORE_INDEX
 from hf_accum.recipe.data.encoding import encode_examples, end_of_turn_id, prompt_ids, stop_token_ids
 from hf_accum.recipe.data.formats import Example
 from hf_accum.recipe.data.metric import exact_match

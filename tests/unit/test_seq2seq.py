@@ -3,7 +3,7 @@ forward that trains refused (issue 36).
 
 Both front-ends call the model without ``labels``; an encoder-decoder whose batch has labels but no
 ``decoder_input_ids`` must get the decoder inputs it builds from its labels itself
-(:func:`hf_accum.model_loss.training_inputs`). Float64 without float32 islands (T5's layer norm computes its
+(:func:`hf_accum.losses.model_loss.training_inputs`). Float64 without float32 islands (T5's layer norm computes its
 variance in float32: :func:`hf_accum.testing.float64.float64_arithmetic`), K = 3 micro-batches of uneven target
 counts, every update against :class:`hf_accum.testing.seq2seq.Seq2SeqAuditor`, whose reference is the model's own
 ``forward(labels=...)`` loss on the update's joined batch. Negative controls: the forward without decoder inputs
@@ -21,14 +21,14 @@ from torch.utils.data import DataLoader
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.bart import modeling_bart
 
-import hf_accum.micro_batch as micro_batch_module
-import hf_accum.model_loss as model_loss_module
+import hf_accum.losses.micro_batch as micro_batch_module
+import hf_accum.losses.model_loss as model_loss_module
 from hf_accum import AccumTrainer
 from hf_accum.batching import PaddingCollator
 from hf_accum.errors import InputError
 from hf_accum.loop.evaluation import evaluate_loss
-from hf_accum.micro_batch import MicroBatchLoss
-from hf_accum.model_loss import DifferentTrainingForward, decoder_inputs_from_labels, training_inputs
+from hf_accum.losses.micro_batch import MicroBatchLoss
+from hf_accum.losses.model_loss import DifferentTrainingForward, decoder_inputs_from_labels, training_inputs
 from hf_accum.testing import PAD, Scenario, fresh_accelerator, random_rows, run_exact, run_trainer, tiny_causal_lm
 from hf_accum.testing.float64 import float64_arithmetic
 from hf_accum.testing.seq2seq import (

@@ -5,7 +5,7 @@
   ``argmax``) over the prediction targets, with soft-capped logits too, over any chunking; ties count
   the first maximum, as ``argmax`` does (a negative control shows the tie case is really exercised).
 * They are sums: over micro-batches they equal the big batch's (exactly for the counts).
-* The logits path's :func:`~hf_accum.micro_batch.logits_token_stats` gives the same numbers.
+* The logits path's :func:`~hf_accum.losses.micro_batch.logits_token_stats` gives the same numbers.
 * ``AccumSFTTrainer`` trains on the fused path (log line and state), with TRL's metrics logged, exact.
 """
 
@@ -30,7 +30,7 @@ from hf_accum.fused.loss import (
     TokenStats,
     linear_cross_entropy_sum,
 )
-from hf_accum.micro_batch import MicroBatchLoss, logits_token_stats
+from hf_accum.losses.micro_batch import MicroBatchLoss, logits_token_stats
 from hf_accum.testing import Scenario, run_trainer
 from hf_accum.testing.sft import sft_model_factory, sft_rows, sft_tokenizer
 

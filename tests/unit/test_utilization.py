@@ -19,10 +19,10 @@ from hf_accum import LoopConfig, train
 from hf_accum.accumulation import squared_sequence_lengths
 from hf_accum.batching import PackingCollator, PaddingCollator
 from hf_accum.loop import LoopConfigError
-from hf_accum.loss import count_targets
+from hf_accum.losses.micro_batch import MicroBatchLoss
+from hf_accum.losses.token_loss import count_targets
 from hf_accum.measure.peak_flops import PEAK_FLOPS_ENV, cpu_gemm_peak, device_peak_flops, gpu_peak_flops
 from hf_accum.measure.utilization import ModelFlops, UtilizationMeter, compute_dtype, summarize
-from hf_accum.micro_batch import MicroBatchLoss
 from hf_accum.records import UpdateLog
 from hf_accum.testing import PAD, Scenario, fresh_accelerator, random_rows, run_trainer, tiny_causal_lm
 

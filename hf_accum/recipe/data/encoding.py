@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from hf_accum.loss import IGNORE_INDEX
+from hf_accum.losses.token_loss import IGNORE_INDEX
 from hf_accum.recipe.data.formats import Example
 from hf_accum.recipe.data.reading import DataError
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from hf_accum.loss import IGNORE_INDEX
+from hf_accum.losses.token_loss import IGNORE_INDEX
 from hf_accum.recipe import modeling
 from hf_accum.recipe.data.encoding import prompt_ids, render
 from hf_accum.recipe.data.formats import PREFERENCE_FORMATS, Example

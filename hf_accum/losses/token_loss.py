@@ -25,8 +25,8 @@ how it is summed and counted):
   regression squared error (a target per label *element*, as transformers' mean counts them).
 
 A model whose class names no layout (a causal LM inside a custom ``nn.Module``) is placed by
-:func:`hf_accum.model_loss.probe_loss_kind`: its own loss on one micro-batch, compared with ours under each
-layout (the model's own loss, its extra terms and the probe live in :mod:`hf_accum.model_loss`).
+:func:`hf_accum.losses.model_loss.probe_loss_kind`: its own loss on one micro-batch, compared with ours under each
+layout (the model's own loss, its extra terms and the probe live in :mod:`hf_accum.losses.model_loss`).
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def infer_loss_kind(model: torch.nn.Module) -> LossKind:
     """Tell which target layout a model's head uses, from its class (PEFT/DDP wrappers removed).
 
     Raises ``ValueError`` for heads we cannot place: pass ``loss_kind`` explicitly, or let
-    :func:`hf_accum.model_loss.probe_loss_kind` compare the model's own loss with ours on a micro-batch.
+    :func:`hf_accum.losses.model_loss.probe_loss_kind` compare the model's own loss with ours on a micro-batch.
     """
     inner = unwrap_model(model)
     name, config = type(inner).__name__, getattr(inner, "config", None)

@@ -19,7 +19,9 @@ from hf_accum.fused.head import FusedCausalLMLoss
 from hf_accum.fused.loss import (
     TokenStats,
 )
-from hf_accum.loss import (
+from hf_accum.losses.model_loss import model_loss_terms, probe_model_loss, resolve_loss_kind, training_inputs
+from hf_accum.losses.sequence_norm import SequenceMeanLoss, check_normalization, refuse_custom_loss, sequence_weights
+from hf_accum.losses.token_loss import (
     IGNORE_INDEX,
     LossKind,
     aligned_targets,
@@ -31,15 +33,13 @@ from hf_accum.loss import (
     rows_per_chunk,
     token_loss_sum,
 )
-from hf_accum.model_loss import model_loss_terms, probe_model_loss, resolve_loss_kind, training_inputs
-from hf_accum.sequence_norm import SequenceMeanLoss, check_normalization, refuse_custom_loss, sequence_weights
 
 logger = logging.getLogger("hf_accum.fused.loss")
 
 
 # (outputs, labels, inputs) -> (summed loss, number of units). Must sum, never average. A loss of several terms
 # with different units returns 1-d tensors (one sum and one count per term, hf_accum.accumulation); such a loss
-# (or one whose unit is not the target token, e.g. hf_accum.preference.DPOPairLoss) also declares
+# (or one whose unit is not the target token, e.g. hf_accum.losses.preference.DPOPairLoss) also declares
 # ``term_names`` and ``count_units(labels, inputs)`` (the same counts from the labels alone, for the front-ends
 # that count a window before backward) and may name ``non_model_keys`` (batch keys kept out of the forward) and
 # ``run_forward(model, inputs, labels)`` (runs the model itself, e.g. with fused log-probs; its outputs go to the loss).
@@ -52,9 +52,9 @@ class MicroBatchLoss:
     """A run's forward and summed loss per micro-batch: ``(outputs, loss_sum, n_targets)``.
 
     * ``kind`` -- the target layout; None: from the model class, else probed on the first micro-batch
-      (:func:`hf_accum.model_loss.resolve_loss_kind`).
+      (:func:`hf_accum.losses.model_loss.resolve_loss_kind`).
     * ``loss_sum_fn(outputs, labels, inputs)`` -- the loss from the forward's outputs (the logits path);
-      None: :func:`hf_accum.loss.token_loss_sum`.
+      None: :func:`hf_accum.losses.token_loss.token_loss_sum`.
     * ``fused`` -- whether layouts that allow it (causal LMs) may use :class:`FusedCausalLMLoss` while
       training; ``outputs.logits`` then holds the loss, not logits. Pass False when ``loss_sum_fn``
       needs the logits (a custom loss).
@@ -62,17 +62,17 @@ class MicroBatchLoss:
       :attr:`last_token_stats`: inside the fused pass, else from the logits (per-token loss kinds).
     * ``normalization`` -- ``token`` (the loss sums its targets' losses and counts its targets) or ``sequence``
       (each target weighted by 1 / its sequence's targets, the count is the sequences:
-      :mod:`hf_accum.sequence_norm`); the weights go into the fused pass, or into the logits path's loss
-      (:class:`~hf_accum.sequence_norm.SequenceMeanLoss`, the default ``loss_sum_fn`` of that mode).
+      :mod:`hf_accum.losses.sequence_norm`); the weights go into the fused pass, or into the logits path's loss
+      (:class:`~hf_accum.losses.sequence_norm.SequenceMeanLoss`, the default ``loss_sum_fn`` of that mode).
 
     **The forward that trains** runs without ``labels`` (no model-side loss); an encoder-decoder whose batch has
     labels but no decoder inputs gets the ``decoder_input_ids`` it builds from them itself
-    (:func:`hf_accum.model_loss.training_inputs`), in training and evaluation alike. The probe below checks that
+    (:func:`hf_accum.losses.model_loss.training_inputs`), in training and evaluation alike. The probe below checks that
     this forward gives the model's own ``forward(labels=...)`` loss, for any model.
 
     **Terms the model adds to its own loss.** The first micro-batch is probed once
-    (:func:`hf_accum.model_loss.probe_model_loss`): the model's own ``forward(labels=...)`` loss must equal
-    the cross-entropy from its logits plus its known terms (:data:`hf_accum.model_loss.MODEL_LOSS_TERMS`, e.g.
+    (:func:`hf_accum.losses.model_loss.probe_model_loss`): the model's own ``forward(labels=...)`` loss must equal
+    the cross-entropy from its logits plus its known terms (:data:`hf_accum.losses.model_loss.MODEL_LOSS_TERMS`, e.g.
     a MoE router's ``router_aux_loss_coef * aux_loss``), else the run stops naming the model and the
     difference. While training, the known terms are added to the micro-batch's loss *sum* weighted by its
     target count: micro-batch ``k`` (``n_k`` targets, router loss ``aux_k``) adds ``coef * aux_k * n_k``.

@@ -14,8 +14,8 @@ holds one sequence per restart of its positions (wherever they do not increase).
 position ``i + 1`` is predicted from ``i``).
 
 The fused loss takes the weights per target row (:func:`hf_accum.fused.loss.linear_cross_entropy_sum`), so sequence
-mode keeps the fused path where token mode has it (:class:`hf_accum.micro_batch.MicroBatchLoss` computes the weights
-and the count); :class:`SequenceMeanLoss` is the logits path's loss (evaluation, DeepSpeed, heads not fused).
+mode keeps the fused path where token mode has it (:class:`hf_accum.losses.micro_batch.MicroBatchLoss` computes the
+weights and the count); :class:`SequenceMeanLoss` is the logits path's loss (evaluation, DeepSpeed, heads not fused).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_accum.accumulation import packed_sequence_starts
-from hf_accum.loss import IGNORE_INDEX, aligned_targets, compute_dtype
+from hf_accum.losses.token_loss import IGNORE_INDEX, aligned_targets, compute_dtype
 
 NORMALIZATIONS = ("token", "sequence")
 

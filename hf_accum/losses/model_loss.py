@@ -1,6 +1,6 @@
 """The model's own loss: which target layout it uses, which extra terms it adds, and the one probe that tells.
 
-:mod:`hf_accum.loss` sums the cross-entropy from logits; this module compares that sum with what a model's
+:mod:`hf_accum.losses.token_loss` sums the cross-entropy from logits; this module compares that sum with what a model's
 ``forward(labels=...)`` returns, once, on a small slice of the first micro-batch:
 
 * :func:`probe_loss_kind` / :func:`resolve_loss_kind` -- the layout of a head whose class names none (a causal LM
@@ -30,7 +30,7 @@ from typing import Any, Iterator
 import torch
 
 from hf_accum.errors import InputError
-from hf_accum.loss import (
+from hf_accum.losses.token_loss import (
     IGNORE_INDEX,
     LOSS_KIND_SPECS,
     LossKind,
@@ -43,7 +43,7 @@ from hf_accum.loss import (
     unwrap_model,
 )
 
-logger = logging.getLogger("hf_accum.loss")  # one log for what the loss layer decides
+logger = logging.getLogger("hf_accum.losses.token_loss")  # one log for what the loss layer decides
 
 # Relative agreement between a model's own loss and ours that identifies its target layout.
 PROBE_TOLERANCE = 1e-6

@@ -5,7 +5,7 @@ This module owns the math of one micro-batch of preference pairs, free of any tr
 * :func:`completion_logps` -- each row's summed log-probability of its completion (labels != -100 after the
   causal shift), in the logits' own dtype (float64 stays float64: the exactness tests need it; TRL's fused head
   accumulates in float32); :func:`fused_completion_logps` the same without the logits
-  (:mod:`hf_accum.fused.logprobs`, in :func:`hf_accum.loss.compute_dtype`: float64 stays float64);
+  (:mod:`hf_accum.fused.logprobs`, in :func:`hf_accum.losses.token_loss.compute_dtype`: float64 stays float64);
 * :func:`pair_losses` -- TRL 1.16's per-pair formulas (``trl/trainer/dpo_trainer.py``, ``_compute_loss``) for
   the loss types whose value depends on one pair only: ``sigmoid``, ``hinge``, ``ipo``, ``robust``;
 * :class:`DPOPairLoss` -- a ``loss_sum_fn`` for :func:`hf_accum.train` and the loss of
@@ -184,7 +184,8 @@ class DPOPairLoss:
         return torch.stack([torch.tensor(float(pairs), dtype=torch.float64, device=labels.device), chosen_targets])
 
     def run_forward(self, model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor) -> Any:
-        """The micro-batch's forward (:class:`~hf_accum.micro_batch.MicroBatchLoss` calls it): fused log-probs while
+        """The micro-batch's forward (:class:`~hf_accum.losses.micro_batch.MicroBatchLoss` calls it): fused log-probs
+        while
         training (kept for :meth:`__call__`), else the model's own forward (logits)."""
         self._fused_logps = None
         if self.fused is not None and model.training and torch.is_grad_enabled():
@@ -245,7 +246,7 @@ def _pair_count(labels: torch.Tensor) -> int:
     rows = int(labels.shape[0])
     if rows % 2:
         raise ValueError(f"a preference micro-batch holds chosen rows then rejected rows (2 x pairs); got {rows} "
-                         "rows (build it with hf_accum.preference.collate_pairs)")
+                         "rows (build it with hf_accum.losses.preference.collate_pairs)")
     return rows // 2
 
 
