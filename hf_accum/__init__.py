@@ -43,9 +43,9 @@ _LAZY = {
     "BatchPlan": "planning.schedule", "create_update_scheduler": "planning.schedule", "plan_global_batch":
     "planning.schedule", "planned_updates": "planning.schedule",
     # The trainers import transformers.Trainer (heavy) and TRL (optional).
-    "AccumTrainer": "trainer", "AccumSFTTrainer": "sft", "AccumDPOTrainer": "dpo",
-    "DPOPairLoss": "losses.preference", "collate_pairs": "losses.preference", "AccumGRPOTrainer": "grpo",
-    "AccumRewardTrainer": "reward",
+    "AccumTrainer": "trainer", "AccumSFTTrainer": "trainer.sft", "AccumDPOTrainer": "trainer.dpo",
+    "DPOPairLoss": "losses.preference", "collate_pairs": "losses.preference", "AccumGRPOTrainer": "trainer.grpo",
+    "AccumRewardTrainer": "trainer.reward",
 }
 # Front-ends refused by name, with the reason (docs/normalization.md): importing one raises it.
 _REFUSED = {

@@ -244,7 +244,7 @@ class DeviceSums:
     """Per-rank float64 sums of named columns, kept on the device and summed over ranks in one all-reduce.
 
     The one implementation of "add up numbers per micro-batch without a host sync, reduce once": the window
-    tally below and TRL's metric sums (:mod:`hf_accum.sft`) are both built on it. float64 keeps counts exact
+    tally below and TRL's metric sums (:mod:`hf_accum.trainer.sft`) are both built on it. float64 keeps counts exact
     to 2**53 and loss sums far beyond what one update holds.
     """
 
@@ -277,7 +277,7 @@ class LoggedMeans:
     """TRL's logged metrics made exact over the update: per-rank sums over units (``unit``: pairs, ...) of
     ``metrics`` (:class:`DeviceSums`: one all-reduce per update), their totals over all ranks since the last log
     line, and the per-unit means of those totals. ``extra`` columns (a token count) are summed, not averaged.
-    Shared by the preference trainers (:mod:`hf_accum.dpo`, :mod:`hf_accum.reward`)."""
+    Shared by the preference trainers (:mod:`hf_accum.trainer.dpo`, :mod:`hf_accum.trainer.reward`)."""
 
     def __init__(self, unit: str, metrics: Iterable[str], device: torch.device | str = "cpu",
                  extra: Iterable[str] = ()) -> None:

@@ -210,16 +210,16 @@ def reward_features(n: int, seed: int = 0, vocab: int = 46, eos: int = 5, margin
 def run_reward_loop(features: list[dict], tokenizer: Any, *, center_rewards_coefficient: float | None = None,
                     micro_batch: int = 2, accumulation: int = 3, even_batches: bool = True) -> dict:
     """``hf_accum.train(loss_sum_fn=RewardPairLoss(...))`` on TRL's reward collator (wrapped by
-    :class:`hf_accum.reward.RewardPairLabels`) under a :class:`PairAudit`: every update's error against the
+    :class:`hf_accum.trainer.reward.RewardPairLabels`) under a :class:`PairAudit`: every update's error against the
     reference (rank 0 audits every rank's windows), the pairs per update, the result."""
     from accelerate.utils import DataLoaderConfiguration
     from torch.utils.data import DataLoader
     from trl.trainer.reward_trainer import DataCollatorForPreference
 
     from hf_accum import LoopConfig, train
-    from hf_accum.reward import RewardPairLabels, RewardPairLoss
     from hf_accum.testing.data import map_style
     from hf_accum.testing.scenarios import fresh_accelerator
+    from hf_accum.trainer.reward import RewardPairLabels, RewardPairLoss
 
     accelerator = fresh_accelerator(accumulation, dataloader_config=DataLoaderConfiguration(even_batches=even_batches))
     model = reward_model(tokenizer)

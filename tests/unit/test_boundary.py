@@ -105,8 +105,8 @@ def test_the_trainer_takes_every_update_decision_from_the_boundary(skip_second_u
 def test_the_sft_trainer_is_the_trainer_boundary():
     import inspect
 
-    from hf_accum.sft import AccumSFTTrainer
     from hf_accum.trainer.core import AccumTrainer
+    from hf_accum.trainer.sft import AccumSFTTrainer
 
     # It adds TRL's metrics on the side of both hooks, and leaves counting and closing windows to AccumTrainer:
     # each override calls AccumTrainer's through super(), and nothing in it touches the boundary itself.

@@ -20,8 +20,8 @@ pytest.importorskip("trl")
 from trl import GRPOTrainer  # noqa: E402
 
 from hf_accum import AccumGRPOTrainer  # noqa: E402
-from hf_accum.grpo import SUPPORTED_LOSS_TYPES  # noqa: E402
 from hf_accum.testing.grpo_reference import build_trainer, trained_rows, update_errors  # noqa: E402
+from hf_accum.trainer.grpo import SUPPORTED_LOSS_TYPES  # noqa: E402
 
 EXACT = 1e-10
 
@@ -129,7 +129,7 @@ def test_settings_without_an_exact_rule_are_refused_before_loading(tmp_path, set
 
 
 def test_unknown_loss_type_names_the_supported_ones():
-    from hf_accum.grpo import refuse_inexact_settings
+    from hf_accum.trainer.grpo import refuse_inexact_settings
 
     class Args:
         loss_type = "aot"

@@ -19,7 +19,6 @@ from trl import RewardTrainer  # noqa: E402
 
 from hf_accum import AccumRewardTrainer  # noqa: E402
 from hf_accum.errors import InputError  # noqa: E402
-from hf_accum.reward import RewardPairLabels  # noqa: E402
 from hf_accum.testing.reward_reference import (  # noqa: E402
     reference_loss,
     reward_features,
@@ -29,6 +28,7 @@ from hf_accum.testing.reward_reference import (  # noqa: E402
     update_pairs,
 )
 from hf_accum.testing.sft import sft_tokenizer  # noqa: E402
+from hf_accum.trainer.reward import RewardPairLabels  # noqa: E402
 
 EXACT = 1e-10
 TOKENIZER = sft_tokenizer()
