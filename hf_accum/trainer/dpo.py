@@ -41,13 +41,9 @@ from typing import Any, Callable
 
 import torch
 
-from hf_accum.accumulation import LoggedMeans
 from hf_accum.compat import (
-    add_trl_train_tokens,
     evened_batches,
-    trl_metrics,
     trl_reference_context,
-    trl_train_tokens,
     trl_without_gradient_checkpointing,
 )
 from hf_accum.errors import InputError
@@ -61,7 +57,7 @@ from hf_accum.losses.preference import (
     completion_logps,
     fused_completion_logps,
 )
-from hf_accum.trainer import AccumTrainer
+from hf_accum.trainer.trl_metrics import MODES, ExactTrlMetrics, UnitMeans, current_mode
 
 try:
     from trl import DPOTrainer
@@ -124,7 +120,7 @@ def with_labels(batch: dict[str, Any], examples: list[dict] | None = None) -> di
     return batch
 
 
-class AccumDPOTrainer(AccumTrainer, DPOTrainer):  # type: ignore[misc]  # TRL types loss_is_scaled_for_ga as None
+class AccumDPOTrainer(ExactTrlMetrics, DPOTrainer):  # type: ignore[misc]  # TRL types loss_is_scaled_for_ga as None
     """``trl.DPOTrainer`` whose every update applies the exact big-batch gradient of the mean pair loss.
 
     Same constructor as ``DPOTrainer`` (model, ``ref_model``, ``DPOConfig``, datasets in TRL's preference formats,
@@ -135,15 +131,17 @@ class AccumDPOTrainer(AccumTrainer, DPOTrainer):  # type: ignore[misc]  # TRL ty
     (``accelerator_config={"even_batches": False}``) included. See the module docstring for what is refused.
     """
 
+    metric_tallies: dict[str, UnitMeans]
+    log_eval_tokens = False  # TRL's DPOTrainer logs num_tokens in training only
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         check_dpo_args(kwargs.get("args", args[2] if len(args) > 2 else None))
         # The reference's log-probs, fused as the policy's (TRL's precompute pass runs inside its constructor).
         self._reference_logps = FusedLogProbs() if kwargs.get("fused_loss", True) else None
         super().__init__(*args, **kwargs)
         self.data_collator = PairLabels(self.data_collator)
-        device = self.args.device
-        self._pair_metrics = {mode: LoggedMeans("pairs", _METRICS, device, extra=("tokens",))
-                              for mode in ("train", "eval")}
+        self.metric_tallies = {mode: UnitMeans("pairs", {name: name for name in _METRICS}, self.args.device)
+                               for mode in MODES}
 
     def _build_micro_batch_loss(self, loss_kind: Any, fused_loss: bool, normalization: str = "token") -> MicroBatchLoss:
         """Called by AccumTrainer's constructor: the pair loss of TRL's settings, its log-probs fused unless
@@ -192,42 +190,7 @@ class AccumDPOTrainer(AccumTrainer, DPOTrainer):  # type: ignore[misc]  # TRL ty
         result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         stats = self.dpo_loss.last_stats
         if stats is not None:
-            assert self.model is not None  # set by Trainer.__init__
-            mode = "train" if self.model.training else "eval"
             tokens = inputs["attention_mask"].sum() if "attention_mask" in inputs else inputs["input_ids"].numel()
-            self._pair_metrics[mode].add(**stats, tokens=tokens)
+            self.metric_tallies[current_mode(self)].add(**stats, tokens=tokens)
         return result
-
-    def get_train_dataloader(self) -> Any:
-        # Every (re)try of the training loop starts without half-counted metrics (AccumTrainer resets its tallies).
-        self._pair_metrics["train"].reset()
-        return super().get_train_dataloader()
-
-    def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        # The window's last micro-batch (as in AccumTrainer): one all-reduce for the metrics.
-        if num_items_in_batch is not None and self.accelerator.sync_gradients:
-            window = self._pair_metrics["train"].reduce(self.accelerator)
-            add_trl_train_tokens(self, int(window["tokens"]))
-        return loss
-
-    def evaluation_loop(self, dataloader: Any, description: str, prediction_loss_only: bool | None = None,
-                        ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> Any:
-        self._pair_metrics["eval"].reset()
-        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
-        self._pair_metrics["eval"].reduce(self.accelerator)  # every rank runs the evaluation loop
-        return output
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Hand TRL's ``log`` (which averages ``self._metrics[mode]``) one pair-weighted mean per metric."""
-        assert self.model is not None  # set by Trainer.__init__
-        mode = "train" if self.model.training else "eval"
-        metrics = self._pair_metrics[mode].take_means()
-        trl_logged = trl_metrics(self, mode)
-        trl_logged.clear()
-        if metrics:
-            trl_logged.update({name: [value] for name, value in metrics.items()})
-            if mode == "train":
-                trl_logged["num_tokens"] = [trl_train_tokens(self)]
-        super().log(logs, start_time)
 

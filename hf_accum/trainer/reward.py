@@ -31,7 +31,7 @@ What the composition repairs:
   -100 there, so the exact ``eval_loss`` counts it once) and takes the margins again from the examples in float64
   (TRL's collator builds them in float32);
 * the metrics: ``accuracy``, ``margin`` (``c - r``) and ``mean_reward`` are sums over pairs on each rank, summed
-  over ranks once per update (:class:`~hf_accum.accumulation.LoggedMeans`) and logged as pair means over the
+  over ranks once per update (:class:`~hf_accum.trainer.trl_metrics.UnitMeans`) and logged as pair means over the
   logged updates (``mean_reward``: over both rewards of every pair, as TRL's mean over all rewards);
   ``min_reward`` / ``max_reward`` are the extremes over the logged updates and all ranks; ``num_tokens`` counts
   the attended tokens of every rank.
@@ -44,11 +44,9 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.nn.functional as F
 
-from hf_accum.accumulation import LoggedMeans
-from hf_accum.compat import add_trl_train_tokens, trl_metrics, trl_train_tokens
 from hf_accum.errors import InputError
 from hf_accum.losses.micro_batch import MicroBatchLoss
-from hf_accum.trainer import AccumTrainer
+from hf_accum.trainer.trl_metrics import MODES, ExactTrlMetrics, UnitMeans, current_mode
 
 try:
     from trl import RewardTrainer
@@ -146,7 +144,7 @@ def with_pair_labels(batch: dict[str, Any], examples: list[dict] | None = None) 
     return batch
 
 
-class AccumRewardTrainer(AccumTrainer, RewardTrainer):  # type: ignore[misc]  # TRL types loss_is_scaled_for_ga
+class AccumRewardTrainer(ExactTrlMetrics, RewardTrainer):  # type: ignore[misc]  # TRL types loss_is_scaled_for_ga
     """``trl.RewardTrainer`` whose every update applies the exact big-batch gradient of the mean pair loss.
 
     Same constructor as ``RewardTrainer`` (a ``num_labels=1`` sequence-classification model or its name,
@@ -156,11 +154,12 @@ class AccumRewardTrainer(AccumTrainer, RewardTrainer):  # type: ignore[misc]  # 
     ``-log sigmoid(c - r - margin) + center_rewards_coefficient * (c + r)^2``; TRL's metrics are exact over the
     logged updates (module docstring)."""
 
+    metric_tallies: dict[str, _RewardMetrics]
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.data_collator = RewardPairLabels(self.data_collator)
-        device = self.args.device
-        self._pair_metrics = {mode: _RewardMetrics(device) for mode in ("train", "eval")}
+        self.metric_tallies = {mode: _RewardMetrics(self.args.device) for mode in MODES}
 
     def _build_micro_batch_loss(self, loss_kind: Any, fused_loss: bool, normalization: str = "token") -> MicroBatchLoss:
         """Called by AccumTrainer's constructor: the pair loss on the model's rewards (the logits path)."""
@@ -180,52 +179,18 @@ class AccumRewardTrainer(AccumTrainer, RewardTrainer):  # type: ignore[misc]  # 
         result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         stats = self.reward_loss.last_stats
         if stats is not None:
-            assert self.model is not None  # set by Trainer.__init__
-            mode = "train" if self.model.training else "eval"
             tokens = inputs["attention_mask"].sum() if "attention_mask" in inputs else inputs["input_ids"].numel()
-            self._pair_metrics[mode].add(stats, tokens)
+            self.metric_tallies[current_mode(self)].add(stats, tokens)
         return result
-
-    def get_train_dataloader(self) -> Any:
-        # Every (re)try of the training loop starts without half-counted metrics (AccumTrainer resets its tallies).
-        self._pair_metrics["train"].reset()
-        return super().get_train_dataloader()
-
-    def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        # The window's last micro-batch (as in AccumTrainer): the metrics' collectives, once per update.
-        if num_items_in_batch is not None and self.accelerator.sync_gradients:
-            add_trl_train_tokens(self, int(self._pair_metrics["train"].reduce(self.accelerator)))
-        return loss
-
-    def evaluation_loop(self, dataloader: Any, description: str, prediction_loss_only: bool | None = None,
-                        ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> Any:
-        self._pair_metrics["eval"].reset()
-        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
-        self._pair_metrics["eval"].reduce(self.accelerator)  # every rank runs the evaluation loop
-        return output
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Hand TRL's ``log`` (which averages ``self._metrics[mode]`` and prefixes ``eval_``) one exact value per
-        metric."""
-        assert self.model is not None  # set by Trainer.__init__
-        mode = "train" if self.model.training else "eval"
-        metrics = self._pair_metrics[mode].take()
-        trl_logged = trl_metrics(self, mode)
-        trl_logged.clear()
-        if metrics:
-            trl_logged.update({name: [value] for name, value in metrics.items()})
-            trl_logged["num_tokens"] = [trl_train_tokens(self)]
-        super().log(logs, start_time)
 
 
 class _RewardMetrics:
-    """TRL's reward metrics of one mode: pair means (:class:`~hf_accum.accumulation.LoggedMeans`) and the reward
+    """TRL's reward metrics of one mode: pair means (:class:`~hf_accum.trainer.trl_metrics.UnitMeans`) and the reward
     extremes ``(max, -min)``, per rank on the device until the update's end, then over all ranks since the last
     log line."""
 
     def __init__(self, device: torch.device | str) -> None:
-        self._means = LoggedMeans("pairs", _METRICS, device, extra=("tokens",))
+        self._means = UnitMeans("pairs", {name: name for name in _METRICS}, device)
         self._pending = torch.full((2,), -torch.inf, dtype=torch.float64, device=device)
         self._logged = torch.full((2,), -torch.inf, dtype=torch.float64)
 
@@ -237,7 +202,7 @@ class _RewardMetrics:
     def reduce(self, accelerator: Any) -> float:
         """Fold this rank's pending values, over all ranks, into the logged ones; returns the update's tokens on
         all ranks. Collectives (one sum, one gather of two numbers): every rank must call it."""
-        tokens = self._means.reduce(accelerator)["tokens"]
+        tokens = self._means.reduce(accelerator)
         gathered = accelerator.gather(self._pending.unsqueeze(0)).reshape(-1, 2)
         self._logged = torch.maximum(self._logged, gathered.amax(0).cpu())
         self._pending = torch.full_like(self._pending, -torch.inf)
@@ -245,7 +210,7 @@ class _RewardMetrics:
 
     def take(self) -> dict[str, float]:
         """TRL's metrics over the logged updates (then cleared); empty when no pair was seen."""
-        metrics = self._means.take_means()
+        metrics = self._means.take()
         if metrics:
             metrics.update(max_reward=float(self._logged[0]), min_reward=-float(self._logged[1]))
         self._logged.fill_(-torch.inf)

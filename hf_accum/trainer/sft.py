@@ -28,13 +28,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
-from transformers.trainer_utils import EvalLoopOutput
 
-from hf_accum.accumulation import DeviceSums, batch_shape_counts
-from hf_accum.compat import add_trl_train_tokens, trl_metrics, trl_train_tokens
+from hf_accum.accumulation import batch_shape_counts
 from hf_accum.losses.token_loss import unwrap_model
-from hf_accum.trainer import AccumTrainer
+from hf_accum.trainer.trl_metrics import MODES, ExactTrlMetrics, UnitMeans, current_mode
 
 try:
     from trl import SFTTrainer
@@ -45,11 +42,11 @@ except ImportError as error:  # TRL is an optional extra
 # smoothing from its one forward's logits, so the warning does not apply here.
 _NOT_APPLICABLE_WARNING = r"`label_smoothing_factor` is deprecated in `SFTTrainer`"
 
-# Per-rank sums kept for TRL's metrics, in this order.
-_STATS = ("targets", "entropy_sum", "top1_hits", "tokens")
+# TRL's metrics as per-target means: the summed column -> the name TRL logs.
+_TOKEN_METRICS = {"entropy_sum": "entropy", "top1_hits": "mean_token_accuracy"}
 
 
-class AccumSFTTrainer(AccumTrainer, SFTTrainer):  # type: ignore[misc]  # TRL types loss_is_scaled_for_ga as None
+class AccumSFTTrainer(ExactTrlMetrics, SFTTrainer):  # type: ignore[misc]  # TRL types loss_is_scaled_for_ga as None
     """``trl.SFTTrainer`` whose every update applies the exact big-batch gradient.
 
     Same constructor as ``SFTTrainer`` (model, ``SFTConfig``, datasets in TRL's formats,
@@ -61,6 +58,8 @@ class AccumSFTTrainer(AccumTrainer, SFTTrainer):  # type: ignore[misc]  # TRL ty
     (:class:`hf_accum.losses.micro_batch.MicroBatchLoss`) and logged as ``aux_loss``. Refused, because
     AccumTrainer's loss would silently drop it: ``loss_type="dft"``, as well as ``compute_loss_func``.
     """
+
+    metric_tallies: dict[str, UnitMeans]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         sft_args = kwargs.get("args", args[1] if len(args) > 1 else None)
@@ -74,7 +73,7 @@ class AccumSFTTrainer(AccumTrainer, SFTTrainer):  # type: ignore[misc]  # TRL ty
             warnings.filterwarnings("ignore", message=_NOT_APPLICABLE_WARNING, category=FutureWarning)
             super().__init__(*args, **kwargs)
         self._sync_router_coef()
-        self._stats = {"train": _TokenStats(self.args.device), "eval": _TokenStats(self.args.device)}
+        self.metric_tallies = {mode: UnitMeans("targets", _TOKEN_METRICS, self.args.device) for mode in MODES}
         self._micro_batch_loss.token_stats = True  # TRL's metrics, from the loss's own pass (fused or not)
 
     def _sync_router_coef(self) -> None:
@@ -92,70 +91,6 @@ class AccumSFTTrainer(AccumTrainer, SFTTrainer):  # type: ignore[misc]  # TRL ty
         stats = self._micro_batch_loss.last_token_stats
         if stats is not None:
             _, real_tokens, _ = batch_shape_counts(inputs)
-            mode = "train" if self.model is not None and self.model.training else "eval"
-            self._stats[mode].add(stats.targets, stats.entropy_sum, stats.top1_hits, real_tokens)
+            self.metric_tallies[current_mode(self)].add(targets=stats.targets, entropy_sum=stats.entropy_sum,
+                                                        top1_hits=stats.top1_hits, tokens=real_tokens)
         return result
-
-    def get_train_dataloader(self) -> DataLoader:
-        # Called at the start of every (re)try of the training loop: an auto_find_batch_size retry
-        # after an OOM must not inherit a half-counted window (AccumTrainer resets its tallies too).
-        self._stats["train"].reset()
-        return super().get_train_dataloader()
-
-    def training_step(self, model: nn.Module, inputs: dict[str, Any],
-                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        # The window's last micro-batch (as in AccumTrainer): one all-reduce for the metrics.
-        if num_items_in_batch is not None and self.accelerator.sync_gradients:
-            window = self._stats["train"].reduce(self.accelerator)
-            add_trl_train_tokens(self, int(window["tokens"]))  # TRL's running count, all ranks
-        return loss
-
-    def evaluation_loop(self, dataloader: DataLoader, description: str, prediction_loss_only: bool | None = None,
-                        ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> EvalLoopOutput:
-        self._stats["eval"].reset()
-        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
-        self._stats["eval"].reduce(self.accelerator)  # every rank runs the evaluation loop
-        return output
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Hand TRL's ``log`` (which averages ``self._metrics[mode]``) one token-weighted value per metric."""
-        mode = "train" if self.model is not None and self.model.training else "eval"
-        metrics = self._stats[mode].take_means()
-        if metrics:
-            trl_logged = trl_metrics(self, mode)
-            trl_logged.clear()
-            trl_logged.update({name: [value] for name, value in metrics.items()})
-            trl_logged["num_tokens"] = [trl_train_tokens(self)]
-        super().log(logs, start_time)
-
-
-class _TokenStats:
-    """Per-rank sums of TRL's metric inputs (:class:`hf_accum.accumulation.DeviceSums`: on the device, one
-    all-reduce per update), and the reduced totals since the last log line."""
-
-    def __init__(self, device: torch.device | str) -> None:
-        self._pending = DeviceSums(_STATS, device)
-        self._totals = torch.zeros(len(_STATS), dtype=torch.float64)
-
-    def add(self, targets: torch.Tensor, entropy_sum: torch.Tensor, top1_hits: torch.Tensor,
-            tokens: int | torch.Tensor) -> None:
-        self._pending.add(targets=targets, entropy_sum=entropy_sum, top1_hits=top1_hits, tokens=tokens)
-
-    def reduce(self, accelerator: Any) -> dict[str, float]:
-        """Fold this rank's pending sums, summed over all ranks, into the totals. A collective."""
-        reduced = self._pending.reduce(accelerator)
-        self._totals += torch.tensor([reduced[name] for name in _STATS], dtype=torch.float64)
-        return reduced
-
-    def take_means(self) -> dict[str, float]:
-        """TRL's per-target means over the totals (then cleared); empty when no target was seen."""
-        targets, entropy_sum, top1_hits, _ = self._totals.tolist()
-        self._totals.zero_()
-        if targets == 0:
-            return {}
-        return {"entropy": entropy_sum / targets, "mean_token_accuracy": top1_hits / targets}
-
-    def reset(self) -> None:
-        self._pending.reset()
-        self._totals.zero_()
