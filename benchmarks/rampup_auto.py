@@ -156,11 +156,11 @@ class EmbeddedTask:
     """The recipe's embedded default job's tokenizer, encoded rows and model builder (loaded once)."""
 
     def __init__(self, examples: int) -> None:
-        from hf_accum.recipe.config import load_recipe_config
+        from hf_accum.recipe.checks import load_recipe_config
         from hf_accum.recipe.data import load_tokenizer_and_data
 
         self.config = load_recipe_config([f"data.num_train_examples={examples}", "data.num_eval_examples=200"],
-                                         ["loop"])
+                                         ["loop"], ["sft"])
         self.tokenizer, self.data = load_tokenizer_and_data(self.config.model, self.config.data)
 
     def model(self, seed: int):

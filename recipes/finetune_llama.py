@@ -39,7 +39,8 @@ from hf_accum.control import NonFiniteLossError, TrainingStopped  # noqa: E402
 from hf_accum.distributed import (  # noqa: E402
     fsdp_unsharded_root, is_fsdp_sharded, is_partitioned, leave_process_group,
 )
-from hf_accum.recipe.config import load_recipe_config, valid_keys  # noqa: E402
+from hf_accum.recipe.checks import load_recipe_config  # noqa: E402
+from hf_accum.recipe.config import valid_keys  # noqa: E402
 from hf_accum.planning.auto_ramp import describe_auto_plan, is_auto  # noqa: E402
 from hf_accum.planning.schedule import BatchPlan  # noqa: E402
 from hf_accum.recipe.data import exact_match, load_tokenizer_and_data  # noqa: E402
@@ -201,7 +202,7 @@ def main(argv):
         print("\n".join(valid_keys(section)))
         return None
     # 1. Config: built-in defaults < YAML < command line; typed and validated, nothing loaded yet.
-    config = load_recipe_config(argv, engines=ENGINES)
+    config = load_recipe_config(argv, engines=ENGINES, objectives=OBJECTIVES)
     # One run per output directory: its lock (rank 0 takes it for every rank) before anything there is read
     # or written, held to the end; a full disk ends in one line naming the last good checkpoint.
     out = config.training["output_dir"]

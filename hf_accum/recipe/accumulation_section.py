@@ -1,6 +1,7 @@
-"""The size of the recipe's updates: the ``accumulation:`` section (:class:`AccumulationSection`, its keys) and,
-before anything loads, the batch keys resolved and the section checked (:func:`check_accumulation_section`, its
-``Section.validator``).
+"""The size of the recipe's updates: the ``accumulation:`` section (its keys:
+:class:`~hf_accum.recipe.config.sections.AccumulationSection`, declared in the config kit) and, before anything loads,
+the batch keys resolved and the section checked (:func:`check_accumulation_section`, run by
+:mod:`hf_accum.recipe.checks`).
 
 * :func:`resolve_batch`: ``training.gradient_accumulation_steps`` from ``global_batch_size`` (the higher layer wins
   when both are set, said in a note; set in one layer they must agree).
@@ -12,16 +13,13 @@ before anything loads, the batch keys resolved and the section checked (:func:`c
   update measures nothing (said, not refused).
 * ``normalization: token | sequence`` (:mod:`hf_accum.losses.sequence_norm`), both engines.
 
-The engines take the section as :meth:`AccumulationSection.loop_settings`; the loop's
+The engines take the section as :meth:`~hf_accum.recipe.config.sections.AccumulationSection.loop_settings`; the loop's
 :class:`~hf_accum.loop.LoopConfig` is built once, by :mod:`hf_accum.recipe.preflight`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from dataclasses import dataclass
-from typing import Any
 
 from hf_accum.errors import InputError
 from hf_accum.losses.sequence_norm import NORMALIZATIONS
@@ -30,42 +28,17 @@ from hf_accum.planning.auto_ramp import AutoRampSettings, BatchController, is_au
 from hf_accum.planning.planned_windows import refuse_planned_windows
 from hf_accum.planning.rampup import RampUp
 from hf_accum.planning.schedule import plan_global_batch
+from hf_accum.recipe.config.schema import RecipeConfig
+from hf_accum.recipe.config.sections import AccumulationSection
 
 _BUDGET = "accumulation.tokens_per_update"
-
-
-@dataclass
-class AccumulationSection:
-    """How updates are formed beyond a fixed K (checked by :func:`check_accumulation_section`)."""
-
-    rampup_batch_size: list[Any] | str | None = None
-    """``[start, increment, samples]``: Megatron's batch ramp-up towards the global batch (loop engine); ``auto``: the
-    batch grows from a minimum when the measured noise scale says it pays (:mod:`hf_accum.planning.auto_ramp`)."""
-    rampup_auto: dict[str, Any] | None = None
-    """With ``rampup_batch_size: auto``: the controller's settings (``min_batch_size``, ``margin``, ``release``,
-    ``patience``, ``min_updates``, ``growth``, ``lr_rule``: constant | sqrt | seesaw)."""
-    tokens_per_update: int | None = None
-    """Close an update once it holds this many targets on all ranks (loop engine); replaces the global batch."""
-    noise_scale: bool = False
-    """Track the gradient noise scale (metrics.json ``noise_scale``, ``grad_sq``, ``trace_cov``; the plot; an
-    end-of-run line on the batch size). Needs >= 2 micro-batches per update; not under DeepSpeed."""
-    normalization: str = "token"
-    """token: the update's loss is the mean over its target tokens; sequence: the mean over its sequences of each
-    sequence's mean token loss (long answers do not dominate; packed rows count each sequence)."""
-    peak_flops: float | None = None
-    """One device's peak FLOP/s for the compute dtype, the denominator of MFU; null: a GPU's data-sheet peak by
-    name, or a GEMM measured on the CPU (:mod:`hf_accum.measure.peak_flops`)."""
-
-    def loop_settings(self) -> dict[str, Any]:
-        """The :class:`~hf_accum.loop.LoopConfig` fields this section sets: all of them."""
-        return dataclasses.asdict(self)
 
 
 class AccumulationError(InputError):
     """A value of the ``accumulation`` section the engines cannot honour."""
 
 
-def resolve_batch(config: Any, world_size: int) -> None:
+def resolve_batch(config: RecipeConfig, world_size: int) -> None:
     """``training.gradient_accumulation_steps`` from ``global_batch_size``; errors and notes name each value's layer."""
     t, steps_key = config.training, "training.gradient_accumulation_steps"
     for key in ("per_device_train_batch_size", "gradient_accumulation_steps"):
@@ -94,7 +67,7 @@ def resolve_batch(config: Any, world_size: int) -> None:
     t["gradient_accumulation_steps"] = steps
 
 
-def check_accumulation_section(section: AccumulationSection, config: Any) -> None:
+def check_accumulation_section(section: AccumulationSection, config: RecipeConfig) -> None:
     """Values, the engine, the batch keys a token budget replaces (run after the batch arithmetic is resolved)."""
     t = config.training
     if section.normalization not in NORMALIZATIONS:
@@ -123,7 +96,7 @@ def check_accumulation_section(section: AccumulationSection, config: Any) -> Non
         _yield_batch_keys(config)
 
 
-def _check_auto_ramp(section: AccumulationSection, config: Any, micro: int, world: int) -> None:
+def _check_auto_ramp(section: AccumulationSection, config: RecipeConfig, micro: int, world: int) -> None:
     """``rampup_batch_size: auto``: the start batch on the resolved arithmetic; what its schedule over samples and
     its measurement exclude."""
     t = config.training
@@ -141,7 +114,7 @@ def _check_auto_ramp(section: AccumulationSection, config: Any, micro: int, worl
                                 "consumed samples; allowed: a fraction below 1 (of the run's samples)")
 
 
-def _yield_batch_keys(config: Any) -> None:
+def _yield_batch_keys(config: RecipeConfig) -> None:
     budget = config.accumulation.tokens_per_update
     for key, value in (("global_batch_size", config.global_batch_size),
                        ("training.gradient_accumulation_steps", config.training.get("gradient_accumulation_steps"))):

@@ -24,8 +24,10 @@ from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any, Callable
 
+from hf_accum.recipe.config.schema import RecipeConfig
+from hf_accum.recipe.config.sections import DPOSection
 from hf_accum.recipe.data.preference import load_preference_data
-from hf_accum.recipe.preference_section import DPOSection, PreferenceConfigError, check_dpo_section  # noqa: F401 -- one import path
+from hf_accum.recipe.preference_section import PreferenceConfigError, check_dpo_section  # noqa: F401 -- one import path
 
 METRIC = "pairwise accuracy"
 
@@ -68,7 +70,7 @@ def trl_settings(dpo: DPOSection) -> dict[str, Any]:
     return {"beta": dpo.beta, "loss_type": types, "loss_weights": weights, "label_smoothing": dpo.label_smoothing}
 
 
-def dpo_config(config: Any, args: Any) -> Any:
+def dpo_config(config: RecipeConfig, args: Any) -> Any:
     """TRL's ``DPOConfig``: every ``TrainingArguments`` value the recipe resolved (``args``: DPOConfig's own
     defaults, e.g. bf16 and learning_rate 1e-6, never apply), the ``dpo`` section and ``data.max_length``.
 
@@ -146,13 +148,13 @@ def train_dpo_with_loop(train_with_loop: Callable[..., Any], model: Any, tokeniz
 # ----------------------------------------------------------------------------------------------
 
 
-def pair_collator(config: Any, tokenizer: Any) -> Callable[..., Any]:
+def pair_collator(config: RecipeConfig, tokenizer: Any) -> Callable[..., Any]:
     from hf_accum.losses.preference import collate_pairs
 
     return partial(collate_pairs, pad_token_id=tokenizer.pad_token_id)
 
 
-def evaluate_pairs(model: Any, tokenizer: Any, data: Any, config: Any, args: Any,
+def evaluate_pairs(model: Any, tokenizer: Any, data: Any, config: RecipeConfig, args: Any,
                    when: str = "") -> dict[str, Any] | None:
     """The held-out pairwise accuracy, on the main process (None elsewhere, and without held-out pairs), with a
     progress bar (``when``: ``"before training"`` / ``"after training"``)."""

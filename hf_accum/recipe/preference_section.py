@@ -1,34 +1,16 @@
-"""The recipe's ``objective`` key and ``dpo:`` section (:class:`DPOSection`, its keys), checked before anything loads
-(:func:`check_dpo_section`, the section's ``validator``): allowed values, and what ``objective: dpo`` cannot run
-with (one line naming the key, exit 2). The DPO training itself is :mod:`hf_accum.recipe.preference`."""
+"""The recipe's ``dpo:`` section (:class:`~hf_accum.recipe.config.sections.DPOSection`, its keys, declared in the
+config kit), checked before anything loads (:func:`check_dpo_section`, run by :mod:`hf_accum.recipe.checks`): allowed
+values, and what ``objective: dpo`` cannot run with (one line naming the key, exit 2). The ``objective`` names are
+the recipe's objective table, checked by :func:`hf_accum.recipe.config.prepared`. The DPO training itself is
+:mod:`hf_accum.recipe.preference`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 from hf_accum.errors import InputError
 from hf_accum.losses.preference import PAIR_LOSS_TYPES
+from hf_accum.recipe.config.schema import RecipeConfig
+from hf_accum.recipe.config.sections import DPOSection
 from hf_accum.recipe.data.formats import FORMATS, PREFERENCE_FORMATS
-
-OBJECTIVES = ("sft", "dpo")
-"""What the recipe trains: ``sft`` (the default) or ``dpo`` (preference pairs)."""
-
-
-@dataclass
-class DPOSection:
-    """DPO's settings (``objective: dpo``), TRL's ``DPOConfig`` names: the trainer engine passes them to
-    ``DPOConfig``, the loop engine to ``hf_accum.losses.preference.DPOPairLoss``."""
-
-    beta: float = 0.1
-    """How far the policy may move from the reference (the base model: the adapter disabled); TRL's ``beta``."""
-    loss_type: str = "sigmoid"
-    """The per-pair loss: sigmoid (DPO) | ipo | hinge | robust; TRL's ``loss_type``."""
-    label_smoothing: float = 0.0
-    """The probability that a pair's preference is flipped (cDPO / robust DPO), in [0, 0.5)."""
-    sft_weight: float = 0.0
-    """Weight of an SFT term on the chosen answers (a token mean over the update's chosen tokens) added to the
-    pair loss; 0: none. TRL: ``loss_type=[<loss_type>, "sft"]``, ``loss_weights=[1, sft_weight]``."""
 
 
 class PreferenceConfigError(InputError):
@@ -36,14 +18,12 @@ class PreferenceConfigError(InputError):
 
 
 # ----------------------------------------------------------------------------------------------
-# The dpo section's check (its Section.validator)
+# The dpo section's check
 # ----------------------------------------------------------------------------------------------
 
 
-def check_dpo_section(dpo: DPOSection, config: Any) -> None:
-    """``objective`` and the ``dpo`` section: allowed values, and what DPO cannot run with (one line, exit 2)."""
-    if config.objective not in OBJECTIVES:
-        raise PreferenceConfigError(f"objective={config.objective!r}; allowed: {', '.join(OBJECTIVES)}")
+def check_dpo_section(dpo: DPOSection, config: RecipeConfig) -> None:
+    """The ``dpo`` section: allowed values, and what DPO cannot run with (one line, exit 2)."""
     if dpo.loss_type not in PAIR_LOSS_TYPES:
         whole = " (it depends on the whole batch: no accumulation reproduces it)" if "aot" in dpo.loss_type else ""
         raise PreferenceConfigError(f"dpo.loss_type={dpo.loss_type!r}{whole}; allowed: {', '.join(PAIR_LOSS_TYPES)} "
@@ -57,11 +37,11 @@ def check_dpo_section(dpo: DPOSection, config: Any) -> None:
         raise PreferenceConfigError(f"dpo.sft_weight={dpo.sft_weight} must be >= 0 (0: no SFT term)")
     if config.objective == "sft":
         _check_sft(dpo, config)
-    else:
+    elif config.objective == "dpo":
         _check_dpo_run(config)
 
 
-def _check_sft(dpo: DPOSection, config: Any) -> None:
+def _check_sft(dpo: DPOSection, config: RecipeConfig) -> None:
     if config.data.format in PREFERENCE_FORMATS:
         raise PreferenceConfigError(f"data.format={config.data.format} is preference data: it needs objective=dpo")
     if dpo != type(dpo)():  # any dpo key set
@@ -69,7 +49,7 @@ def _check_sft(dpo: DPOSection, config: Any) -> None:
 
 
 # What objective=dpo cannot run with yet: (is it set?, "key=value (why)").
-def _dpo_refusals(config: Any) -> list[tuple[bool, str]]:
+def _dpo_refusals(config: RecipeConfig) -> list[tuple[bool, str]]:
     t, acc = config.training, config.accumulation
     return [
         (config.data.format in FORMATS, f"data.format={config.data.format} (allowed with objective=dpo: auto, "
@@ -88,7 +68,7 @@ def _dpo_refusals(config: Any) -> list[tuple[bool, str]]:
     ]
 
 
-def _check_dpo_run(config: Any) -> None:
+def _check_dpo_run(config: RecipeConfig) -> None:
     for refused, what in _dpo_refusals(config):
         if refused:
             raise PreferenceConfigError(f"objective=dpo cannot run with {what}")

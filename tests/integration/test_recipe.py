@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from hf_accum.checkpointing.checkpoint import write_text_atomically
+from hf_accum.recipe import checks
 from hf_accum.recipe import config as recipe_config
 from hf_accum.recipe import outputs as run_outputs
 from hf_accum.recipe.testing import (
@@ -340,8 +341,8 @@ def test_qlora_without_bitsandbytes_fails_before_writing(tmp_path, capsys, monke
 def test_output_dir_of_a_different_run_is_left_alone(tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
-    previous = recipe_config.resolve(recipe_config.load_config(None, {"training.output_dir": str(out), "training.learning_rate": 1e-4}),
-                         ("loop", "trainer"))
+    previous = checks.resolve(recipe_config.load_config(None, {"training.output_dir": str(out), "training.learning_rate": 1e-4}),
+                              ("loop", "trainer"), ("sft", "dpo"))
     write_text_atomically(str(out / recipe_config.RESOLVED_CONFIG_NAME), previous.to_yaml())
     before = sorted(os.listdir(out))
     code = run_outputs.run_cli(load_script().main, [*SMALL, f"training.output_dir={out}"], bad_input=BAD_INPUT)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from hf_accum.losses.token_loss import IGNORE_INDEX
+from hf_accum.recipe import checks, embedded
 from hf_accum.recipe import config as recipe_config
-from hf_accum.recipe import embedded
 from hf_accum.recipe.data import DataError
 from hf_accum.recipe.data.preference import labelled, load_preference_data
 from hf_accum.recipe.data.splits import load_splits
@@ -167,7 +167,7 @@ def test_the_trainer_engine_gets_the_recipes_settings_and_the_same_token_ids(tmp
 
 
 def resolved(*argv):
-    return recipe_config.load_recipe_config(list(argv), engines=("loop", "trainer"))
+    return checks.load_recipe_config(list(argv), engines=("loop", "trainer"), objectives=("sft", "dpo"))
 
 
 @pytest.mark.parametrize("argv, message", [

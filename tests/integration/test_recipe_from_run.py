@@ -17,10 +17,12 @@ import os
 import pytest
 import torch
 
+from hf_accum.recipe import checks
 from hf_accum.recipe import config as recipe_config
 from hf_accum.recipe.testing import PYTHON, fails_cleanly, load_adapter, max_abs_diff, read_metrics, run_script
 
 ENGINES = ("loop", "trainer")
+OBJECTIVES = ("sft", "dpo")
 SFT = ("training.max_steps=4",)
 DPO = ("objective=dpo", "data.num_train_examples=64", "data.num_eval_examples=16", "training.max_steps=2",
        "training.per_device_train_batch_size=4", "global_batch_size=8", "training.logging_steps=1",
@@ -86,7 +88,7 @@ def test_the_loaded_adapter_holds_the_sft_runs_saved_weights(sft_run, tmp_path):
     saved = load_adapter(sft_run)
 
     def adapter_weights(*argv):
-        config = recipe_config.load_recipe_config([*DPO, f"training.output_dir={tmp_path / 'o'}", *argv], ENGINES)
+        config = checks.load_recipe_config([*DPO, f"training.output_dir={tmp_path / 'o'}", *argv], ENGINES, OBJECTIVES)
         model = build_model(config, load_tokenizer(config.model.name_or_path), seed=int(config.training.seed))
         assert any(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)  # trainable
         return get_peft_model_state_dict(model)

@@ -10,11 +10,13 @@ import pytest
 import yaml
 
 from hf_accum.errors import InputError
+from hf_accum.recipe import checks
 from hf_accum.recipe import config as recipe_config
 from hf_accum.recipe.adapter_source import check_adapter, find_adapter, provenance
 from hf_accum.recipe.command_line import parse_overrides
 
 ENGINES = ("loop", "trainer")
+OBJECTIVES = ("sft", "dpo")
 TINY = "hf_accum:tiny-llama"
 ADAPTER = {"base_model_name_or_path": None, "peft_type": "LORA", "r": 32, "lora_alpha": 64, "lora_dropout": 0.0,
            "target_modules": ["v_proj", "up_proj", "k_proj", "down_proj", "q_proj", "o_proj", "gate_proj"],
@@ -34,7 +36,7 @@ def fake_run(path, adapter=None, model=None, seed=0, with_adapter=True):
 
 def resolved(tmp_path, *argv):
     _, overrides = parse_overrides([*argv, f"training.output_dir={tmp_path / 'out'}"])  # as the command line
-    return recipe_config.resolve(recipe_config.load_config(None, overrides), ENGINES, world_size=1)
+    return checks.resolve(recipe_config.load_config(None, overrides), ENGINES, OBJECTIVES, world_size=1)
 
 
 def refusal(tmp_path, *argv) -> str:

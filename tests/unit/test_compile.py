@@ -163,10 +163,10 @@ def test_training_arguments_map_to_loop_config(tmp_path):
 def test_recipe_key_reaches_both_engines(tmp_path):
     """``training.torch_compile=true``: a TrainingArguments key (the trainer engine's), which the loop engine reads
     into LoopConfig (the recipe's LOOP_READS is LoopConfig.training_argument_names(): no "ignores" note)."""
-    from hf_accum.recipe.config import load_recipe_config
+    from hf_accum.recipe.checks import load_recipe_config
 
     config = load_recipe_config(["training.torch_compile=true", f"training.output_dir={tmp_path}"],
-                                engines=["loop", "trainer"])
+                                engines=["loop", "trainer"], objectives=["sft"])
     args = config.training_arguments()
     assert args.torch_compile is True
     assert LoopConfig.from_training_arguments(args, **config.accumulation.loop_settings()).compile is True

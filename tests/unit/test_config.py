@@ -14,10 +14,12 @@ import yaml
 
 from hf_accum.checkpointing.checkpoint import write_text_atomically
 from hf_accum.errors import InputError
+from hf_accum.recipe import checks
 from hf_accum.recipe import config as recipe_config
 from hf_accum.recipe import outputs as run_outputs
 
 ENGINES = ("loop", "trainer")  # the recipe's engine table (recipes/finetune_llama.py ENGINES)
+OBJECTIVES = ("sft", "dpo")  # its objective table (recipes/finetune_llama.py OBJECTIVES)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "recipes", "configs", "*.yaml")))
@@ -35,7 +37,7 @@ def resolved(argv, world_size=1, tmp_path=None):
     config = recipe_config.load_config(path, overrides)
     if tmp_path is not None:
         config.training.setdefault("output_dir", str(tmp_path / "out"))
-    return recipe_config.resolve(config, ENGINES, world_size=world_size)
+    return checks.resolve(config, ENGINES, OBJECTIVES, world_size=world_size)
 
 
 # -- overrides and precedence ------------------------------------------------------------------
@@ -115,7 +117,7 @@ def test_the_embedded_default_named_as_the_source_is_the_objectives_own():
     assert sft.source("training.lr_scheduler_type") == "embedded default (recipes/configs/cpu_default.yaml)"
     dpo = recipe_config.load_config(None, {"objective": "dpo"})
     assert dpo.source("dpo.sft_weight") == "embedded default (recipes/configs/cpu_dpo.yaml)"
-    resolved_dpo = recipe_config.load_recipe_config(["objective=dpo"], engines=ENGINES)
+    resolved_dpo = checks.load_recipe_config(["objective=dpo"], engines=ENGINES, objectives=OBJECTIVES)
     assert resolved_dpo.training["output_dir"] == os.path.join("outputs", "cpu_dpo")
 
 
@@ -221,7 +223,8 @@ def test_global_batch_contradicting_accumulation_in_one_layer_is_refused_naming_
     path = write_yaml(tmp_path, {"global_batch_size": 32, "training": {"per_device_train_batch_size": 8,
                                                                        "gradient_accumulation_steps": 3}})
     with pytest.raises(recipe_config.ConfigError, match=f"needs gradient_accumulation_steps=4.*both set in {path}"):
-        recipe_config.resolve(recipe_config.load_config(path, {"training.output_dir": str(tmp_path / "o")}), ENGINES, world_size=1)
+        checks.resolve(recipe_config.load_config(path, {"training.output_dir": str(tmp_path / "o")}), ENGINES, OBJECTIVES,
+                       world_size=1)
 
 
 def test_accumulation_below_one_is_refused(tmp_path):
@@ -437,7 +440,7 @@ def test_every_recipe_config_loads_and_validates(path, tmp_path, monkeypatch):
     config.training["use_cpu"] = config.training.get("use_cpu") or no_bf16_gpu
     config.training["output_dir"] = str(tmp_path / "out")
     world = 8 if "8b" in os.path.basename(path) else 1
-    config = recipe_config.resolve(config, ENGINES, world_size=world)
+    config = checks.resolve(config, ENGINES, OBJECTIVES, world_size=world)
     t = config.training
     assert t["per_device_train_batch_size"] * t["gradient_accumulation_steps"] * world == config.global_batch_size
     args = config.training_arguments()

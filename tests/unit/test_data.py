@@ -17,9 +17,9 @@ import torch
 from hf_accum import tiny
 from hf_accum.batching import PackingCollator, PaddingCollator
 from hf_accum.losses.token_loss import IGNORE_INDEX, count_targets
+from hf_accum.recipe import checks, embedded, modeling
 from hf_accum.recipe import config as recipe_config
 from hf_accum.recipe import data as data_module
-from hf_accum.recipe import embedded, modeling
 
 SAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 END = "<|end|>"  # the tiny chat template's end of turn: the last target of every answer
@@ -173,7 +173,7 @@ def prompts(examples) -> list[str]:
 
 def test_user_data_defaults_carve_a_seeded_disjoint_held_out_split(tmp_path):
     path = numbered_rows(tmp_path, 100)
-    recipe_config.resolve(recipe_config.build_config({"data": {"dataset": path}}), ("loop", "trainer"))  # the DataSection defaults fit a local file
+    checks.resolve(recipe_config.build_config({"data": {"dataset": path}}), ("loop", "trainer"), ("sft", "dpo"))  # the DataSection defaults fit a local file
     splits = data_module.load_splits(recipe_config.DataSection(dataset=path))
     train, held_out = prompts(splits.train), prompts(splits.held_out)
     assert len(held_out) == 5 and len(train) == 95  # eval_fraction 0.05 of 100
@@ -458,8 +458,8 @@ def test_a_save_to_disk_dataset_dict_trains_from_its_directory(tmp_path):
     directory = tmp_path / "saved_dict"
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:24]), "test": datasets.Dataset.from_list(rows[24:])}
                          ).save_to_disk(str(directory))
-    recipe_config.resolve(recipe_config.load_config(None, {"data.dataset": str(directory), "data.eval_split": "test"}),
-                          engines=["loop"], world_size=1)
+    checks.resolve(recipe_config.load_config(None, {"data.dataset": str(directory), "data.eval_split": "test"}),
+                   engines=["loop"], objectives=["sft"], world_size=1)
     tokenizer, data = data_module.load_tokenizer_and_data(
         recipe_config.ModelSection(), recipe_config.DataSection(dataset=str(directory), eval_split="test"))
     assert len(data.train.examples) == 24 and len(data.held_out.examples) == 6

@@ -1,7 +1,7 @@
 """Bad data, refused before any model is loaded: one line naming the file, the line (or row) and what
 is wrong. Nothing is trained on a bad row, nothing is silently dropped or turned into the string "None".
 
-The config-level checks (``hf_accum.recipe.config.resolve``) run before anything is read; the content checks
+The config-level checks (``hf_accum.recipe.checks.resolve``) run before anything is read; the content checks
 run in :func:`hf_accum.recipe.data.load_tokenizer_and_data`, which the recipe calls before building the model
 or creating the output directory."""
 
@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from hf_accum.recipe import checks
 from hf_accum.recipe import config as recipe_config
 from hf_accum.recipe import data as data_module
 
@@ -150,7 +151,8 @@ def test_undetectable_format_names_the_columns_and_the_formats(tmp_path):
 
 
 def resolve(tmp_path, **data):
-    return recipe_config.resolve(recipe_config.build_config({"data": data, "training": {"output_dir": str(tmp_path / "out")}}), ("loop", "trainer"))
+    return checks.resolve(recipe_config.build_config({"data": data, "training": {"output_dir": str(tmp_path / "out")}}),
+                          ("loop", "trainer"), ("sft", "dpo"))
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,9 @@ config (``hf-accum plan --config``); a top-level import there would load the kit
 The recipe kit itself may import anything in the library.
 
 The import graph of the whole package (library and kit) has no cycle: an edge is any import a module
-executes, at the top or lazily inside a function, plus a ``"package.module:name"`` string (a callable named
-for ``importlib``); only imports under ``if TYPE_CHECKING:`` are left out (they never run). The Trainer side
+makes, at the top, lazily inside a function, or under ``if TYPE_CHECKING:`` (it never runs, but a circle that
+only type checkers see is still two modules that each need the other: the lower one owns the shared type, or a
+``Protocol`` names what is used), plus a ``"package.module:name"`` string (a callable named for ``importlib``). The Trainer side
 (``hf_accum/trainer/``) never imports the loop package, and no module is longer than 500 lines.
 """
 
@@ -135,27 +136,15 @@ def package_modules() -> dict[str, Path]:
     return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
 
 
-def _type_checking_only(tree: ast.Module) -> set[int]:
-    """Nodes under ``if TYPE_CHECKING:`` (never executed, so no edge)."""
-    skipped: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skipped |= {id(inner) for statement in node.body for inner in ast.walk(statement)}
-    return skipped
-
-
 def module_imports(source: str, module: str, is_package: bool, known: set[str]) -> set[str]:
-    """The modules of ``known`` that ``source`` imports: top-level and function-level ``import`` /
-    ``from ... import`` (relative ones resolved; ``from pkg import sub`` is an edge to ``pkg.sub``, ``from
-    pkg import name`` one to ``pkg``), literal ``import_module``/``__import__`` calls and
+    """The modules of ``known`` that ``source`` imports: top-level, function-level and ``TYPE_CHECKING``
+    ``import`` / ``from ... import`` (relative ones resolved; ``from pkg import sub`` is an edge to ``pkg.sub``,
+    ``from pkg import name`` one to ``pkg``), literal ``import_module``/``__import__`` calls and
     ``"module:callable"`` strings."""
     tree = ast.parse(source)
-    skipped = _type_checking_only(tree)
     package = module if is_package else module.rpartition(".")[0]
     found: set[str] = set()
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
         if isinstance(node, ast.Import):
             found |= {_nearest_module(alias.name, known) for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -255,7 +244,7 @@ def test_the_import_graph_has_no_cycle():
     graph = import_graph()
     assert len(graph) > 40 and "hf_accum.checkpointing.checkpoint" in graph["hf_accum.checkpointing.loop_checkpoint"]  # the walk sees edges
     cycles = import_cycles(graph)
-    assert not cycles, "import cycles (lazy imports included), one per tangle of modules:\n" + "\n".join(
+    assert not cycles, "import cycles (lazy and TYPE_CHECKING imports included), one per tangle of modules:\n" + "\n".join(
         " -> ".join(cycle) for cycle in cycles)
 
 
@@ -267,6 +256,7 @@ def test_the_import_graph_has_no_cycle():
         "def f():\n    from . import b\n",
         "import importlib\nimportlib.import_module('hf_accum.b')\n",
         "CHECK = 'hf_accum.b:check'\n",
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from hf_accum.b import B\n",
     ],
 )
 def test_the_cycle_walk_finds_a_cycle_through_every_kind_of_import(importer):
@@ -276,10 +266,9 @@ def test_the_cycle_walk_finds_a_cycle_through_every_kind_of_import(importer):
     assert import_cycles(graph) == [["hf_accum.a", "hf_accum.b", "hf_accum.a"]]
 
 
-def test_the_cycle_walk_skips_type_checking_imports_and_logger_names():
+def test_the_cycle_walk_skips_logger_names():
     known = {"hf_accum", "hf_accum.a", "hf_accum.b"}
-    source = ("from typing import TYPE_CHECKING\nimport logging\nif TYPE_CHECKING:\n    from hf_accum.b import B\n"
-              "logger = logging.getLogger('hf_accum.b')\n")
+    source = "import logging\nlogger = logging.getLogger('hf_accum.b')\n"
     assert module_imports(source, "hf_accum.a", False, known) == set()
 
 

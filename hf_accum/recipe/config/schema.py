@@ -1,6 +1,10 @@
 """The shape of a recipe config: ONE section registry (the :class:`RecipeConfig` fields carrying a
 :class:`Section`), each key's type read from its class, values coerced by pydantic, and the saved copy.
 
+The schema knows each section's keys, types and documentation, never what a value means: the modules that own a
+meaning import the config and check it (:mod:`hf_accum.recipe.checks` runs their checks). So reading a config
+imports no component and no torch.
+
 Coercion (:func:`coerce`, a pydantic ``TypeAdapter`` per annotation): a value of the annotated type passes as is
 (strict mode); a string, as the command line gives, is converted (lax mode: ``"1e-4"`` -> 1e-4, ``"true"`` -> True);
 anything else is one line naming the key, the type expected and pydantic's reason.
@@ -16,17 +20,19 @@ import importlib
 import inspect
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import yaml
 from pydantic import PydanticSchemaGenerationError, TypeAdapter, ValidationError
 
-from hf_accum.recipe.accumulation_section import AccumulationSection, check_accumulation_section
 from hf_accum.recipe.command_line import ConfigError
-from hf_accum.recipe.config.sections import DataSection, ModelSection, TrainingSection
-from hf_accum.recipe.data import check_data_section
-from hf_accum.recipe.modeling import check_model_section, check_quantization_section
-from hf_accum.recipe.preference_section import DPOSection, check_dpo_section
+from hf_accum.recipe.config.sections import (
+    AccumulationSection,
+    DataSection,
+    DPOSection,
+    ModelSection,
+    TrainingSection,
+)
 
 RESOLVED_CONFIG_NAME = "resolved_config.yaml"
 BUILTIN, COMMAND_LINE = "built-in default", "command line"
@@ -39,14 +45,13 @@ class Section:
     """A config section. Its keys and types are the ``__init__`` parameters of ``kind``: a recipe dataclass (the
     section's value is an instance), or an HF class named ``"module:Class"``, imported when needed (the value stays a
     ``container`` mapping of the keys set). ``nullable``: ``null`` switches it off. ``fixed``: always passed to the
-    HF constructor. ``type_overrides``: keys read wider than the class declares. ``validator(value, config)``: the
-    check of what the values mean, owned by the module that owns that meaning."""
+    HF constructor. ``type_overrides``: keys read wider than the class declares. What the values mean is checked
+    by the module that owns that meaning (:mod:`hf_accum.recipe.checks`), not here."""
 
     kind: type | str
     nullable: bool = False
     fixed: dict[str, Any] = field(default_factory=dict)
     type_overrides: dict[str, Any] = field(default_factory=dict)
-    validator: Callable[[Any, Any], None] | None = None
     container: type[dict[str, Any]] = dict
 
     def cls(self) -> type:
@@ -88,19 +93,19 @@ class RecipeConfig:
     engine: str = "loop"
     """A name from the recipe's engine table: loop (hf_accum.train on Accelerate), trainer (AccumTrainer)."""
     objective: str = "sft"
-    """What is trained: sft (the answers' tokens) | dpo (preference pairs; the ``dpo`` section)."""
+    """A name from the recipe's objective table: sft (the answers' tokens) | dpo (preference pairs; the ``dpo``
+    section)."""
     global_batch_size: int | None = None
     """Sequences per optimizer update over all processes; derives gradient_accumulation_steps."""
     overwrite_output_dir: bool = False
     """Allow writing into an output dir that holds a *different* run."""
-    model: ModelSection = _section(ModelSection, validator=check_model_section)
-    data: DataSection = _section(DataSection, validator=check_data_section)
-    accumulation: AccumulationSection = _section(AccumulationSection, validator=check_accumulation_section)
-    dpo: DPOSection = _section(DPOSection, validator=check_dpo_section)
+    model: ModelSection = _section(ModelSection)
+    data: DataSection = _section(DataSection)
+    accumulation: AccumulationSection = _section(AccumulationSection)
+    dpo: DPOSection = _section(DPOSection)
     lora: dict[str, Any] | None = _section("peft:LoraConfig", {}, nullable=True, fixed={"task_type": "CAUSAL_LM"})
     """peft.LoraConfig fields; null = full fine-tuning."""
-    quantization: dict[str, Any] | None = _section("transformers:BitsAndBytesConfig", nullable=True,
-                                                   validator=check_quantization_section)
+    quantization: dict[str, Any] | None = _section("transformers:BitsAndBytesConfig", nullable=True)
     """transformers.BitsAndBytesConfig fields; null = unquantized."""
     training: TrainingSection = _section(
         "transformers:TrainingArguments", TrainingSection(), container=TrainingSection,

@@ -1,6 +1,10 @@
-"""The ``model`` and ``data`` sections (attribute docstrings are the keys' documentation) and the typed ``training``
-section (``TrainingArguments`` fields). The ``accumulation`` and ``dpo`` sections are declared beside their checks:
-:mod:`hf_accum.recipe.accumulation_section`, :mod:`hf_accum.recipe.preference_section`."""
+"""The recipe's own sections, their keys, types and documentation (attribute docstrings): ``model``, ``data``,
+``accumulation``, ``dpo``, and the typed ``training`` section (``TrainingArguments`` fields).
+
+What the values *mean* is checked by the module that owns the meaning, which imports its section from here (never
+the reverse: this kit imports no component, and no torch): :mod:`hf_accum.recipe.modeling`,
+:mod:`hf_accum.recipe.data`, :mod:`hf_accum.recipe.accumulation_section`, :mod:`hf_accum.recipe.preference_section`;
+:mod:`hf_accum.recipe.checks` runs those checks."""
 
 from __future__ import annotations
 
@@ -94,6 +98,51 @@ class DataSection:
                                        "prompt_column", "answer_column", "input_column", "text_column",
                                        "num_train_examples", "num_eval_examples")
     """Keys of one dataset (splits, columns, generated sizes): a new ``dataset`` drops the lower layers'."""
+
+
+@dataclass
+class AccumulationSection:
+    """How updates are formed beyond a fixed K (checked by
+    :func:`hf_accum.recipe.accumulation_section.check_accumulation_section`)."""
+
+    rampup_batch_size: list[Any] | str | None = None
+    """``[start, increment, samples]``: Megatron's batch ramp-up towards the global batch (loop engine); ``auto``: the
+    batch grows from a minimum when the measured noise scale says it pays (:mod:`hf_accum.planning.auto_ramp`)."""
+    rampup_auto: dict[str, Any] | None = None
+    """With ``rampup_batch_size: auto``: the controller's settings (``min_batch_size``, ``margin``, ``release``,
+    ``patience``, ``min_updates``, ``growth``, ``lr_rule``: constant | sqrt | seesaw)."""
+    tokens_per_update: int | None = None
+    """Close an update once it holds this many targets on all ranks (loop engine); replaces the global batch."""
+    noise_scale: bool = False
+    """Track the gradient noise scale (metrics.json ``noise_scale``, ``grad_sq``, ``trace_cov``; the plot; an
+    end-of-run line on the batch size). Needs >= 2 micro-batches per update; not under DeepSpeed."""
+    normalization: str = "token"
+    """token: the update's loss is the mean over its target tokens; sequence: the mean over its sequences of each
+    sequence's mean token loss (long answers do not dominate; packed rows count each sequence)."""
+    peak_flops: float | None = None
+    """One device's peak FLOP/s for the compute dtype, the denominator of MFU; null: a GPU's data-sheet peak by
+    name, or a GEMM measured on the CPU (:mod:`hf_accum.measure.peak_flops`)."""
+
+    def loop_settings(self) -> dict[str, Any]:
+        """The :class:`~hf_accum.loop.LoopConfig` fields this section sets: all of them."""
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class DPOSection:
+    """DPO's settings (``objective: dpo``), TRL's ``DPOConfig`` names: the trainer engine passes them to
+    ``DPOConfig``, the loop engine to ``hf_accum.losses.preference.DPOPairLoss`` (checked by
+    :func:`hf_accum.recipe.preference_section.check_dpo_section`)."""
+
+    beta: float = 0.1
+    """How far the policy may move from the reference (the base model: the adapter disabled); TRL's ``beta``."""
+    loss_type: str = "sigmoid"
+    """The per-pair loss: sigmoid (DPO) | ipo | hinge | robust; TRL's ``loss_type``."""
+    label_smoothing: float = 0.0
+    """The probability that a pair's preference is flipped (cDPO / robust DPO), in [0, 0.5)."""
+    sft_weight: float = 0.0
+    """Weight of an SFT term on the chosen answers (a token mean over the update's chosen tokens) added to the
+    pair loss; 0: none. TRL: ``loss_type=[<loss_type>, "sft"]``, ``loss_weights=[1, sft_weight]``."""
 
 
 class TrainingSection(dict[str, Any]):
