@@ -272,6 +272,41 @@ def test_the_cycle_walk_skips_logger_names():
     assert module_imports(source, "hf_accum.a", False, known) == set()
 
 
+# The recipe config kit points one way: the components (data, modeling, preference, the checks) import it, it
+# imports none of them. Its only other recipe modules: the argv parser and the embedded defaults' paths.
+CONFIG_KIT = "hf_accum.recipe.config"
+CONFIG_KIT_MAY_IMPORT = {"hf_accum.recipe", "hf_accum.recipe.command_line", "hf_accum.recipe.embedded"}
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module ``start`` imports, directly or through others (any kind of import)."""
+    seen: set[str] = set()
+    frontier = [start]
+    while frontier:
+        for name in graph[frontier.pop()] - seen:
+            seen.add(name)
+            frontier.append(name)
+    return seen
+
+
+def test_the_config_kit_imports_no_component_of_the_recipe():
+    graph = import_graph()
+    kit = [name for name in graph if name == CONFIG_KIT or name.startswith(CONFIG_KIT + ".")]
+    assert len(kit) >= 4 and "hf_accum.recipe.config.schema" in graph["hf_accum.recipe.preference_section"]
+    reached = set().union(*(reachable(graph, name) for name in kit))
+    components = sorted(name for name in reached if name.startswith("hf_accum.recipe.") and name not in kit
+                        and name not in CONFIG_KIT_MAY_IMPORT)
+    assert not components, f"the config kit imports components of the recipe: {components}"
+
+
+def test_the_component_walk_sees_a_kit_that_imports_a_component():
+    graph = {"hf_accum.recipe.config": {"hf_accum.recipe.config.schema"},
+             "hf_accum.recipe.config.schema": {"hf_accum.recipe.command_line"},
+             "hf_accum.recipe.command_line": {"hf_accum.recipe.data"}, "hf_accum.recipe.data": set()}
+    assert reachable(graph, "hf_accum.recipe.config") == {"hf_accum.recipe.config.schema",
+                                                          "hf_accum.recipe.command_line", "hf_accum.recipe.data"}
+
+
 def test_the_trainer_side_never_imports_the_loop_package():
     graph = import_graph()
     bad = {f"{module} -> {name}" for module, names in graph.items() if module.startswith("hf_accum.trainer")

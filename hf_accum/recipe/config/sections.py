@@ -164,6 +164,8 @@ class TrainingSection(dict[str, Any]):
     def __getattr__(self, name: str) -> Any:
         if name in self:
             return self[name]
+        if name.startswith("__"):  # copy's and pickle's probes (__deepcopy__, ...): no TrainingArguments import
+            raise AttributeError(name)
         if name not in training_defaults():
             raise AttributeError(f"TrainingArguments has no field {name!r}")
         return training_defaults()[name]
