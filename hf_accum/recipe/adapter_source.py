@@ -25,19 +25,17 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
 from hf_accum.errors import InputError
-
-if TYPE_CHECKING:
-    from hf_accum.recipe.config import RecipeConfig
+from hf_accum.recipe.config import RESOLVED_CONFIG_NAME, RecipeConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
 RUN_ADAPTER_DIR = "adapter"  # hf_accum.recipe.outputs.ADAPTER_DIR (not imported: outputs imports the config kit)
 RUN_MODEL_DIR = "model"
-RUN_CONFIG = "resolved_config.yaml"  # hf_accum.recipe.config.RESOLVED_CONFIG_NAME
+RUN_CONFIG = RESOLVED_CONFIG_NAME
 TINY_MODEL = "hf_accum:tiny-llama"
 # The adapter_config.json keys that define the adapter's shape and scale: the lora section takes them from it.
 ADAPTER_LORA_KEYS = ("r", "lora_alpha", "target_modules", "modules_to_save", "use_rslora", "use_dora", "bias",

@@ -14,12 +14,10 @@ Prompted the way the run trained: the chat template is the one saved with the ru
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hf_accum.errors import InputError
-
-if TYPE_CHECKING:
-    from hf_accum.recipe.config import RecipeConfig
+from hf_accum.recipe.config import RESOLVED_CONFIG_NAME, RecipeConfig, build_config, load_yaml
 
 # The trained model (a transformers model, maybe under a PEFT adapter) and its tokenizer are Any: generate()
 # and the tokenizer's calls are typed as unions that their arguments decide.
@@ -31,7 +29,6 @@ class RunDirError(InputError):
 
 def trained_model_dir(run_dir: str) -> tuple[str, bool]:
     """``(directory of the trained weights, whether it is a LoRA adapter)``, or :class:`RunDirError`."""
-    from hf_accum.recipe.config import RESOLVED_CONFIG_NAME
     from hf_accum.recipe.outputs import ADAPTER_DIR, MODEL_DIR
 
     if not os.path.isdir(run_dir):
@@ -50,11 +47,10 @@ def load_trained(run_dir: str) -> tuple[Any, Any, RecipeConfig]:
     """``(model, tokenizer, config)`` of a finished run: its base rebuilt or loaded, its adapter on top."""
     from transformers import AutoTokenizer
 
-    from hf_accum.recipe import config as C
     from hf_accum.recipe import modeling
 
     weights, is_adapter = trained_model_dir(run_dir)
-    config = C.build_config(C.load_yaml(os.path.join(run_dir, C.RESOLVED_CONFIG_NAME)))
+    config = build_config(load_yaml(os.path.join(run_dir, RESOLVED_CONFIG_NAME)))
     tokenizer = AutoTokenizer.from_pretrained(weights)  # saved with the run: the tiny one's data vocabulary too
     m = config.model
     if not is_adapter:

@@ -27,14 +27,13 @@ from hf_accum import gguf
 from hf_accum.compat import keep_4bit_training_layout
 from hf_accum.errors import InputError
 from hf_accum.recipe.adapter_source import check_adapter, find_adapter
+from hf_accum.recipe.config import ModelSection, RecipeConfig
 from hf_accum.recipe.embedded import TINY_MODEL, build_tiny_llama, recipe_tiny_config, tiny_tokenizer
 from hf_accum.startup import bitsandbytes_kept_out
 
 if TYPE_CHECKING:  # transformers and PEFT are imported where used
     from peft import LoraConfig
     from transformers import BitsAndBytesConfig, PreTrainedModel
-
-    from hf_accum.recipe.config import ModelSection, RecipeConfig
 
 # Tokenizers are Any (AutoTokenizer's, a GGUF file's or the tiny one; their calls are typed as unions). Loaded
 # models are Any where they may be a transformers model or PEFT's wrapper around one: both are used through
@@ -352,7 +351,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def check_model_section(model: ModelSection, config: RecipeConfig | None = None) -> None:
-    """The model section's own check (its ``Section.validator``): the model can be found and holds
+    """The model section's own check (run by :mod:`hf_accum.recipe.checks`): the model can be found and holds
     weights, and a tokenizer comes from it or from ``model.tokenizer``. A GGUF file holds both."""
     if config is not None:
         check_precision(config)

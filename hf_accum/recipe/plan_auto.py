@@ -41,7 +41,8 @@ def run_auto_plan(args: argparse.Namespace, processes: int) -> int:
     given_budget = parse_bytes(args.memory_budget) if args.memory_budget else None
     argv = _recipe_argv(args)
     watch = ProbeWatch(given_budget, announce=lambda line: print(line, flush=True))
-    # The config is read in a child too: the recipe's config kit imports torch.
+    # The config is read in a child too: the answers need torch (the device and its free memory) and the model
+    # check (hf_accum.recipe.modeling); reading the config alone would not (hf_accum.recipe.config imports no torch).
     setup = watch.resolve({"argv": argv, "max_length": args.max_length,
                            "global_batch_size": args.global_batch_size, "processes": processes})
     budget = given_budget or int(setup["default_budget"])

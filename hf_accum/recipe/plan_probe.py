@@ -27,6 +27,7 @@ import torch
 from hf_accum.measure.memory import default_budget, training_step_peak
 from hf_accum.measure.peak_memory import peak_rss_bytes
 from hf_accum.recipe.command_line import lean_start
+from hf_accum.recipe.config import RecipeConfig
 
 
 def resolve(spec: dict[str, Any]) -> dict[str, Any]:
@@ -52,7 +53,7 @@ def resolve(spec: dict[str, Any]) -> dict[str, Any]:
             "checkpointing": bool(modeling.checkpointing_requested(dict(training)))}
 
 
-def _per_process_batch(global_batch_size: int | None, config: Any, processes: int) -> int:
+def _per_process_batch(global_batch_size: int | None, config: RecipeConfig, processes: int) -> int:
     """Sequences per process per update: the target global batch over the processes (must divide)."""
     if global_batch_size is not None:
         global_batch = global_batch_size

@@ -1,7 +1,7 @@
 """Preflight: build what the run will build, on toy inputs, before any model loads -- so that every value PEFT,
 torch or transformers would refuse later (or accept and then train wrongly) is one line naming its key now.
 
-:func:`build_run_objects` (called by :func:`hf_accum.recipe.config.resolve`, once) builds, from the config:
+:func:`build_run_objects` (called by :func:`hf_accum.recipe.checks.resolve`, once) builds, from the config:
 ``TrainingArguments`` (FSDP asked in its non-deprecated form), the loop engine's
 :class:`~hf_accum.loop.LoopConfig` (with the ``accumulation`` section), the engine's optimizer on a one-element
 parameter (stepped with a zero and a unit gradient: it must stay finite), the LR scheduler (stepped over a short
@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import math
 import re
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
 from hf_accum.errors import InputError
+from hf_accum.recipe.config import RecipeConfig
 from hf_accum.recipe.launch import fsdp_request
-
-if TYPE_CHECKING:  # the config package runs this module (validation.resolve); it never imports the package back
-    from hf_accum.recipe.config.schema import RecipeConfig
 
 
 class PreflightError(InputError):

@@ -44,9 +44,10 @@ which reads, checks, splits and encodes everything before any model is loaded. W
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hf_accum.recipe import embedded, modeling
+from hf_accum.recipe.config import DataSection, ModelSection, RecipeConfig
 from hf_accum.recipe.data.encoding import (
     EncodedSplit,
     encode_examples,
@@ -74,9 +75,6 @@ from hf_accum.recipe.data.reading import (
 from hf_accum.recipe.data.splits import Splits, check_split_spec, load_splits
 from hf_accum.recipe.embedded import EMBEDDED_DATASET, SPECIAL_TOKENS, TINY_MODEL
 
-if TYPE_CHECKING:
-    from hf_accum.recipe.config import DataSection, ModelSection, RecipeConfig
-
 # Tokenizers are Any (transformers' or the tiny word-level one; their calls are typed as unions).
 
 __all__ = [
@@ -88,7 +86,7 @@ __all__ = [
 
 
 def check_data_section(data: DataSection, config: RecipeConfig | None = None) -> None:
-    """The data section's own check (its ``Section.validator``): what can be known without reading the
+    """The data section's own check (run by :mod:`hf_accum.recipe.checks`): what can be known without reading the
     data -- values, files, split names. Raises :class:`DataError` naming the key."""
     if data.format not in ("auto", *FORMATS, *PREFERENCE_FORMATS):
         raise DataError(f"data.format={data.format!r}; allowed: auto, {', '.join((*FORMATS, *PREFERENCE_FORMATS))}")

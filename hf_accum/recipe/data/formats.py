@@ -13,12 +13,10 @@ import json
 import math
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
+from hf_accum.recipe.config import DataSection
 from hf_accum.recipe.data.reading import DataError, RawRow
-
-if TYPE_CHECKING:
-    from hf_accum.recipe.config import DataSection
 
 FORMATS = ("chat", "prompt_completion", "alpaca", "text")
 # Preference data (objective: dpo), detected in this order; never picked for SFT. ``preference``: TRL's explicit

@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import Iterable, Sequence
 
+from hf_accum.recipe.config import DataSection
 from hf_accum.recipe.data.formats import (
     FORMATS,
     PREFERENCE_FORMATS,
@@ -35,9 +36,6 @@ from hf_accum.recipe.data.reading import (
     refuse_url,
 )
 from hf_accum.recipe.embedded import EMBEDDED_DATASET, synthetic_preference_splits, synthetic_splits
-
-if TYPE_CHECKING:
-    from hf_accum.recipe.config import DataSection
 
 # A row's identity inside its dataset: (unsliced split name, index).
 RowKey = tuple[str, int]
