@@ -3,6 +3,7 @@ and loading every YAML under recipes/ (configs and Accelerate launcher configs).
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -848,3 +849,21 @@ def test_the_real_model_configs_say_how_to_shorten_or_skip_the_held_out_scoring(
     assert "data.max_eval_examples" in header and "data.eval_before=false" in header
     config = recipe_config.load_config(path, {"data.max_eval_examples": 8, "data.eval_before": "false"})
     assert (config.data.max_eval_examples, config.data.eval_before) == (8, False)
+
+
+def test_a_section_that_refuses_a_value_when_built_is_a_config_error():
+    """A section dataclass may check its own values (``__post_init__``): its InputError reaches the user as the
+    one-line ConfigError of every other bad key (exit 2), raised while the config is read, before anything loads."""
+
+    @dataclasses.dataclass
+    class Budget:
+        tokens: int = 1
+
+        def __post_init__(self):
+            if self.tokens < 1:
+                raise InputError(f"budget.tokens={self.tokens} must be >= 1")
+
+    section = recipe_config.Section(Budget)
+    assert section.check("budget", {"tokens": "3"}) == Budget(3)  # coerced, then built
+    with pytest.raises(recipe_config.ConfigError, match=r"^budget.tokens=0 must be >= 1$"):
+        section.check("budget", {"tokens": 0})

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import yaml
 from pydantic import PydanticSchemaGenerationError, TypeAdapter, ValidationError
 
+from hf_accum.errors import InputError
 from hf_accum.recipe.command_line import ConfigError
 from hf_accum.recipe.config.sections import (
     AccumulationSection,
@@ -70,7 +71,14 @@ class Section:
         if not isinstance(raw if raw is not None else {}, dict):
             raise ConfigError(f"{name} must be a mapping of {self.cls().__name__} fields, got {raw!r}")
         values = checked(f"{name}.", raw or {}, self.types())
-        return self.kind(**values) if isinstance(self.kind, type) else self.container(values)
+        if not isinstance(self.kind, type):
+            return self.container(values)
+        try:
+            return self.kind(**values)
+        except ConfigError:
+            raise
+        except InputError as exc:  # a section that checks its own values when built: still a config error
+            raise ConfigError(str(exc)) from exc
 
     def build(self, name: str, values: dict[str, Any] | None, **changes: Any) -> Any:
         """The HF object; its own refusal (TypeError/ValueError) becomes a ConfigError naming the section."""
