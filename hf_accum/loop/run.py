@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass
 from itertools import islice
-from typing import Any, Callable, Iterable, Iterator, cast
+from typing import Any, Callable, Iterable, Iterator, TypedDict, cast
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
+from typing_extensions import Unpack
 
 from hf_accum.boundary import UpdateBoundary
 from hf_accum.checkpointing.run_lock import locks_output_dir
@@ -39,6 +41,34 @@ from hf_accum.records import TrainResult, UpdateLog
 logger = logging.getLogger("hf_accum.loop")
 
 
+class TrainOptions(TypedDict, total=False):
+    """:func:`train`'s optional keyword arguments (its docstring says what each does)."""
+
+    lr_scheduler: Any
+    loss_sum_fn: LossSumFn | None
+    on_update: Callable[[UpdateLog], None] | None
+    eval_dataloader: Any
+    resume_from_checkpoint: str | bool | None
+    control: TrainingControl | None
+
+
+@dataclass
+class _Run:
+    """One :func:`train` call's collaborators, built by :func:`_start`."""
+
+    model: torch.nn.Module
+    accelerator: Accelerator
+    config: LoopConfig
+    plan: RunPlan
+    stepper: Stepper
+    supervisor: Supervisor
+    meter: UtilizationMeter
+    progress: Any
+    control: TrainingControl
+    options: TrainOptions
+    result: TrainResult
+
+
 @locks_output_dir(  # one run per output directory (hf_accum.checkpointing.run_lock), for the whole call
     lambda a: ((a["config"] or LoopConfig()).output_dir, a["accelerator"].is_main_process), "LoopConfig.output_dir"
 )
@@ -48,15 +78,11 @@ def train(
     train_dataloader: Any,
     accelerator: Accelerator,
     config: LoopConfig | None = None,
-    lr_scheduler: Any = None,
-    loss_sum_fn: LossSumFn | None = None,
-    on_update: Callable[[UpdateLog], None] | None = None,
-    eval_dataloader: Any = None,
-    resume_from_checkpoint: str | bool | None = None,
-    control: TrainingControl | None = None,
+    **options: Unpack[TrainOptions],
 ) -> TrainResult:
     """Train with exact accumulation. ``model``, ``optimizer`` and ``train_dataloader`` must come
     from ``accelerator.prepare``; the accumulation steps K are ``accelerator.gradient_accumulation_steps``.
+    The options (keywords, :class:`TrainOptions`):
 
     ``lr_scheduler``: leave None to get ``config.lr_scheduler_type`` over the planned number of
     updates, or pass a factory ``(optimizer, total_updates) -> scheduler`` (do not ``prepare`` it).
@@ -64,6 +90,7 @@ def train(
     cross-entropy (the same signature as ``AccumTrainer.loss_sum_and_count``; ``inputs`` are the forward's
     inputs, labels removed); it must return a *sum* over targets, never a mean. It receives real logits:
     the run then takes the logits path instead of the fused loss (logged).
+    ``on_update``: called with every update's :class:`~hf_accum.records.UpdateLog`.
     ``eval_dataloader`` (one disjoint shard per rank, see :func:`evaluate_loss`): with
     ``config.eval_strategy``, each evaluated update carries the exact per-token held-out loss
     (``UpdateLog.eval_loss``; summed over every batch and rank, then divided once).
@@ -72,20 +99,33 @@ def train(
     model, optimizer, dataloader and config as the interrupted run. ``control``: request a checkpoint or a
     stop from a callback or another thread (:class:`hf_accum.control.TrainingControl`).
     """
-    config = (config or LoopConfig()).validate()
-    check_supported(accelerator, train_dataloader)
+    run = _start(model, optimizer, train_dataloader, accelerator, (config or LoopConfig()).validate(), options)
+    remaining = max(0, run.plan.total_updates - len(run.result.updates))
+    run.meter.start()
+    with _cache_disabled(run.model), run.stepper.running(), \
+            StopSignals(run.control, run.config.accumulation.stop_on_signals), contextlib.closing(run.progress):
+        # The one exit: islice stops pulling updates once the planned number is reached.
+        for epoch, consumed, step in islice(_updates(run.stepper, run.supervisor, train_dataloader, run.result),
+                                            remaining):
+            _close_update(run, epoch, consumed, step)
+    return _finish(run)
+
+
+def _start(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataloader: Any, accelerator: Accelerator,
+           config: LoopConfig, options: TrainOptions) -> _Run:
+    """Every collaborator of the run, in order, and the resumed state (if any) loaded."""
+    check_supported(accelerator, dataloader)
     model = _compiled(model, config, accelerator)
     set_find_unused_parameters(model, config.ddp_find_unused_parameters, accelerator.is_main_process)
-    plan = RunPlan.of(train_dataloader, accelerator, config, model)
-    scheduler = _scheduler(plan, config, optimizer, lr_scheduler, accelerator)
-    control = control or TrainingControl()
-    micro_batch_loss = _micro_batch_loss(model, config, loss_sum_fn, accelerator)
+    plan = RunPlan.of(dataloader, accelerator, config, model)
+    scheduler = _scheduler(plan, config, optimizer, options.get("lr_scheduler"), accelerator)
+    control = options.get("control") or TrainingControl()
+    micro_batch_loss = _micro_batch_loss(model, config, options.get("loss_sum_fn"))
     stepper = build_stepper(model, optimizer, scheduler, accelerator, config, micro_batch_loss,
                             _boundary(accelerator, config, control, micro_batch_loss.extra_terms))
-    checkpointer, resume_path = build_checkpointer(config, accelerator, resume_from_checkpoint, model, optimizer,
-                                                   scheduler, train_dataloader, plan)
+    checkpointer, resume_path = build_checkpointer(config, accelerator, options.get("resume_from_checkpoint"), model,
+                                                   optimizer, scheduler, dataloader, plan)
     result = TrainResult(batch_plan=plan.batch)
-    meter = _utilization(model, accelerator, config, micro_batch_loss, stepper)
     supervisor = Supervisor(config, accelerator, stepper, result, plan, checkpointer)
     progress = tqdm(total=plan.total_updates, desc="updates",
                     disable=config.disable_tqdm or not accelerator.is_main_process)
@@ -93,31 +133,38 @@ def train(
         supervisor.resume(resume_path, progress)
     keep_4bit_training_layout(model)  # held-out forwards must not repack 4-bit weights (hf_accum.compat)
     model.train()
-    remaining = max(0, plan.total_updates - len(result.updates))
-    meter.start()
-    with _cache_disabled(model), stepper.running(), StopSignals(control, config.stop_on_signals), \
-            contextlib.closing(progress):
-        # The one exit: islice stops pulling updates once the planned number is reached.
-        for epoch, consumed, step in islice(_updates(stepper, supervisor, train_dataloader, result), remaining):
-            update = stepper.boundary.record(
-                step.decision, step=len(result.updates) + 1, learning_rate=step.learning_rate,
-                epoch=epoch + (consumed / plan.micro_batches if plan.micro_batches else 0.0), grad_norm=step.grad_norm,
-                noise=step.noise,
-            )
-            meter.observe(update)  # its time, FLOP/s and MFU (evaluation and checkpoints count in the next one)
-            if plan.auto is not None:  # the next window's size, decided before checkpoint and report
-                update.batch_change = _observe(plan, update, accelerator)
-            # The auto ramp's last update is known when it closes (total_updates is only its upper bound).
-            total = update.step if plan.auto is not None and plan.auto.ends_run(epoch, consumed) else plan.total_updates
-            if evaluation_due(config, update.step, total, consumed == plan.micro_batches):
-                update.eval_loss = evaluate_loss(model, eval_dataloader, accelerator, stepper.loss)
-            result.updates.append(update)
-            checkpoint = supervisor.after_update(update, step.decision, epoch, consumed)
-            _report(update, progress, accelerator, on_update)
-            supervisor.halt_if_decided(update, step.decision, checkpoint)
-    result.noise_scale_advice = stepper.boundary.noise_advice(result.updates)
-    result.utilization = summarize(result.updates, meter.peak, accelerator.num_processes)
-    if result.noise_scale_advice and accelerator.is_main_process:
+    return _Run(model, accelerator, config, plan, stepper, supervisor,
+                _utilization(model, accelerator, config, micro_batch_loss, stepper), progress, control, options, result)
+
+
+def _close_update(run: _Run, epoch: int, consumed: int, step: Step) -> None:
+    """The boundary's record of one update, then the controller, evaluation, checkpoint, report and halt."""
+    plan, result = run.plan, run.result
+    update = run.stepper.boundary.record(
+        step.decision, step=len(result.updates) + 1, learning_rate=step.learning_rate,
+        epoch=epoch + (consumed / plan.micro_batches if plan.micro_batches else 0.0), grad_norm=step.grad_norm,
+        noise=step.noise,
+    )
+    run.meter.observe(update)  # its time, FLOP/s and MFU (evaluation and checkpoints count in the next one)
+    if plan.auto is not None:  # the next window's size, decided before checkpoint and report
+        update.batch_change = _observe(plan, update, run.accelerator)
+    # The auto ramp's last update is known when it closes (total_updates is only its upper bound).
+    total = update.step if plan.auto is not None and plan.auto.ends_run(epoch, consumed) else plan.total_updates
+    if evaluation_due(run.config, update.step, total, consumed == plan.micro_batches):
+        update.eval_loss = evaluate_loss(run.model, run.options.get("eval_dataloader"), run.accelerator,
+                                         run.stepper.loss)
+    result.updates.append(update)
+    checkpoint = run.supervisor.after_update(update, step.decision, epoch, consumed)
+    _report(update, run.progress, run.accelerator, run.options.get("on_update"))
+    run.supervisor.halt_if_decided(update, step.decision, checkpoint)
+
+
+def _finish(run: _Run) -> TrainResult:
+    """The run's end: the noise-scale advice and the utilization summary."""
+    result = run.result
+    result.noise_scale_advice = run.stepper.boundary.noise_advice(result.updates)
+    result.utilization = summarize(result.updates, run.meter.peak, run.accelerator.num_processes)
+    if result.noise_scale_advice and run.accelerator.is_main_process:
         logger.info("%s", result.noise_scale_advice)
     return result
 
@@ -170,10 +217,11 @@ def _observe(plan: RunPlan, update: UpdateLog, accelerator: Accelerator) -> str 
 
 def _boundary(accelerator: Accelerator, config: LoopConfig, control: TrainingControl,
               extra_terms: tuple[str, ...] = ()) -> UpdateBoundary:
-    return UpdateBoundary(accelerator, control, NonFiniteGuard(config.max_consecutive_nonfinite), logger,
+    settings = config.accumulation
+    return UpdateBoundary(accelerator, control, NonFiniteGuard(settings.max_consecutive_nonfinite), logger,
                           count_source="loss_sum_fn", steps_in_backward=is_deepspeed(accelerator),
-                          noise_scale=config.noise_scale, extra_terms=extra_terms,
-                          noise_micro_batches=config.noise_scale_micro_batches)
+                          noise_scale=settings.noise_scale, extra_terms=extra_terms,
+                          noise_micro_batches=settings.noise_scale_micro_batches)
 
 
 def _utilization(model: torch.nn.Module, accelerator: Accelerator, config: LoopConfig,
@@ -182,25 +230,26 @@ def _utilization(model: torch.nn.Module, accelerator: Accelerator, config: LoopC
     :mod:`hf_accum.measure.peak_flops`)."""
     return meter_run(stepper.boundary, model, micro_batch_loss.term_names[0], device=accelerator.device,
                      mixed_precision=accelerator.mixed_precision, world_size=accelerator.num_processes,
-                     configured=config.peak_flops, key="LoopConfig.peak_flops")
+                     configured=config.accumulation.peak_flops, key="LoopConfig.peak_flops")
 
 
-def _micro_batch_loss(model: torch.nn.Module, config: LoopConfig, loss_sum_fn: LossSumFn | None,
-                      accelerator: Accelerator) -> MicroBatchLoss:
+def _micro_batch_loss(model: torch.nn.Module, config: LoopConfig, loss_sum_fn: LossSumFn | None) -> MicroBatchLoss:
     """Forward + summed loss per micro-batch: fused for causal LMs unless a custom loss needs the logits.
     Under DeepSpeed the engine owns the (ZeRO-3: partitioned) head weight: the logits path there."""
-    refuse_custom_loss(config.normalization, "a custom loss_sum_fn" if loss_sum_fn else None,
+    settings = config.accumulation
+    refuse_custom_loss(settings.normalization, "a custom loss_sum_fn" if loss_sum_fn else None,
                        "LoopConfig.normalization", LoopConfigError)
     unit = getattr(loss_sum_fn, "term_names", ("target",))[0]
-    if config.tokens_per_update and unit != "target":
-        raise LoopConfigError(f"LoopConfig.tokens_per_update={config.tokens_per_update}: a token budget counts target "
-                              f"tokens, but loss_sum_fn counts {unit}s; use fixed windows (tokens_per_update=None)")
-    if loss_sum_fn is not None and config.fused_loss:
+    if settings.tokens_per_update and unit != "target":
+        raise LoopConfigError(f"LoopConfig.tokens_per_update={settings.tokens_per_update}: a token budget counts "
+                              f"target tokens, but loss_sum_fn counts {unit}s; use fixed windows (tokens_per_update="
+                              "None)")
+    if loss_sum_fn is not None and settings.fused_loss:
         logger.info("a custom loss_sum_fn receives the logits: this run takes the logits path, not the fused loss")
     return MicroBatchLoss(
-        config.loss_kind, config.label_smoothing, model_problem_type(model), loss_sum_fn,
-        fused=config.fused_loss and loss_sum_fn is None,
-        normalization=config.normalization,
+        settings.loss_kind, config.label_smoothing, model_problem_type(model), loss_sum_fn,
+        fused=settings.fused_loss and loss_sum_fn is None,
+        normalization=settings.normalization,
     )
 
 

@@ -27,17 +27,9 @@ import torch.nn.functional as F
 
 from hf_accum.accumulation import packed_sequence_starts
 from hf_accum.losses.token_loss import IGNORE_INDEX, aligned_targets, compute_dtype
+from hf_accum.settings import NORMALIZATIONS, check_normalization  # noqa: F401  (re-exported)
 
-NORMALIZATIONS = ("token", "sequence")
-
-
-def check_normalization(value: Any, key: str, loss_kind: str | None = "causal_lm") -> None:
-    """One line naming ``key`` and what it allows; sequence mode is for causal LMs (token targets)."""
-    if value not in NORMALIZATIONS:
-        raise ValueError(f"{key}={value!r}; allowed: {', '.join(repr(n) for n in NORMALIZATIONS)}")
-    if value == "sequence" and loss_kind not in (None, "causal_lm"):
-        raise ValueError(f"{key}='sequence' needs loss_kind 'causal_lm' (got {loss_kind!r}); a sequence head's "
-                         "loss is already one term per sequence: use 'token'")
+# The setting's values and check are declared with the setting (hf_accum.settings); re-exported for this module's users.
 
 
 def refuse_custom_loss(normalization: str, custom: str | None, where: str,

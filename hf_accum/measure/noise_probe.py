@@ -34,8 +34,8 @@ from typing import Callable, Iterable
 
 import torch
 
-MICRO_BATCH_MODES = ("every", "first")
-"""Which micro-batches are the noise scale's small batches (module docstring)."""
+# Which micro-batches are the small batches: the values and their check are the setting's (re-exported).
+from hf_accum.settings import MICRO_BATCH_MODES, check_micro_batch_mode  # noqa: F401
 
 NOT_UNDER_DEEPSPEED = (
     "noise_scale=True is not available under DeepSpeed: the engine keeps the micro-batch gradients in its own "
@@ -64,13 +64,6 @@ def small_batch_grad_sq(buffers: Iterable[torch.Tensor | None], scale: float, n_
     ``scale * grad(its summed loss)``; its per-target mean gradient is that over ``scale * n_targets``.
     0 when it has no target (the estimator then ignores it: ``b = 0``)."""
     return micro_batch_grad_sq(squared_norm(buffers, device), scale, n_targets, device)
-
-
-def check_micro_batch_mode(value: object, where: str) -> str:
-    """``value`` if it is one of :data:`MICRO_BATCH_MODES`, else a ValueError naming ``where`` and the choices."""
-    if value not in MICRO_BATCH_MODES:
-        raise ValueError(f"{where}={value!r}; allowed: {', '.join(MICRO_BATCH_MODES)}")
-    return str(value)
 
 
 class GradientInPartsError(RuntimeError):

@@ -43,6 +43,8 @@ from typing import Any, TypeGuard
 
 import torch
 
+from hf_accum.settings import check_peak_flops  # noqa: F401  (the setting's check, re-exported)
+
 logger = logging.getLogger(__name__)
 
 PEAK_FLOPS_ENV = "HF_ACCUM_PEAK_FLOPS"
@@ -370,11 +372,3 @@ def half_precision_slowdown(device: torch.device | str, dtype: torch.dtype) -> s
             f"({half.flops / 1e9:,.1f} vs {full.flops / 1e9:,.1f} GFLOP/s per core; {half.source}): float32 "
             f"compute would be ~{full.flops / half.flops:,.0f}x faster on the matmuls")
 
-
-def check_peak_flops(value: object, key: str) -> str | None:
-    """Why ``value`` cannot be a configured peak (None: it can): a number > 0 (FLOP/s per device) or None."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
-        return f"{key}={value!r} must be None or a number of FLOP/s per device > 0 (e.g. 989e12)"
-    return None
