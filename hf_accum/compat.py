@@ -224,6 +224,23 @@ def evened_batches(accelerator: Any) -> contextlib.AbstractContextManager[None]:
             accelerator.even_batches = previous
 
     return context()
+
+
+def trl_precompute_model(trainer: Any) -> Any:
+    """The model TRL 1.16's ``DPOTrainer._precompute_ref_logps`` scores the reference with: ``ref_model``, else the
+    policy -- under DeepSpeed without ``ref_model`` (before ``train`` prepares the policy) one inference engine,
+    built once and kept in ``_precompute_engine`` for the later passes (eval, ``evaluate``)."""
+    if trainer.ref_model is not None:
+        return trainer.ref_model
+    if not trainer.is_deepspeed_enabled:
+        return trainer.model
+    if trainer._precompute_engine is None:
+        from trl.models import prepare_deepspeed
+
+        trainer._precompute_engine = prepare_deepspeed(trainer.model, trainer.accelerator)
+    return trainer._precompute_engine
+
+
 # GRPOTrainer (TRL 1.16, trl/trainer/grpo_trainer.py) -- AccumGRPOTrainer's private touches.
 
 

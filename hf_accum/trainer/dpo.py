@@ -25,6 +25,10 @@ What the composition has to repair:
   float32 and float64 for a float64 model), for the policy, the live reference and the precomputed reference
   alike; ``fused_loss=False`` (or a head that cannot be fused) takes the logits in the model's own dtype
   (:func:`hf_accum.losses.preference.completion_logps`). Both are exact to rounding on float64 models;
+* the precomputed reference log-probs (``precompute_ref_log_probs=True``): TRL 1.16 hands them from rank 0 to the
+  other ranks through a ``datasets`` cache file, which a dataset built in memory keeps in each process's own
+  temporary directory (``FileNotFoundError`` on rank 1); here every rank gathers them all and keeps them in memory
+  (:meth:`AccumDPOTrainer._precompute_ref_logps`), on any number of processes, uneven ranks included;
 * the metrics: ``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins``,
   ``logps/chosen``, ``logps/rejected`` are sums over pairs on each rank, all-reduced once per update and
   logged as pair-weighted means over the logged updates (exact over the update like the loss); ``num_tokens``
@@ -43,6 +47,7 @@ import torch
 
 from hf_accum.compat import (
     evened_batches,
+    trl_precompute_model,
     trl_reference_context,
     trl_without_gradient_checkpointing,
 )
@@ -170,10 +175,43 @@ class AccumDPOTrainer(ExactTrlMetrics, DPOTrainer):  # type: ignore[misc]  # TRL
         return logps.chunk(2, dim=0)
 
     def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
-        """TRL's precompute pass, with even batches across ranks: its all-gather needs them (``even_batches=False``
-        would crash it); it drops the repeated rows, so every example gets its own reference log-probs."""
+        """TRL's precompute pass (``precompute_ref_log_probs=True``; TRL calls it for the train and eval datasets and
+        in ``evaluate``), its result kept in memory on every process: ``dataset`` with the columns
+        ``ref_chosen_logps`` / ``ref_rejected_logps`` (float64).
+
+        TRL 1.16 has rank 0 write the values to a ``datasets`` cache file that the other ranks then read. A dataset
+        built in memory has no cache directory: each process names a random file in a temporary directory of its
+        own, and every rank but 0 fails (``FileNotFoundError``). Here each rank scores its share of the rows, all
+        ranks gather every row's values, and each adds them to its own copy of the dataset: no file, on any number
+        of processes, for datasets in memory or on disk alike (the price: no reuse across runs)."""
+        from datasets import IterableDataset
+
+        if isinstance(dataset, IterableDataset):
+            return super()._precompute_ref_logps(dataset, name, batch_size)  # TRL's refusal, in its words
+        chosen, rejected = self._gathered_reference_logps(dataset, name, batch_size)
+        return dataset.add_column(REFERENCE_KEYS[0], chosen).add_column(REFERENCE_KEYS[1], rejected)
+
+    def _gathered_reference_logps(self, dataset: Any, name: str, batch_size: int) -> tuple[list[float], list[float]]:
+        """Every row's reference log-probs ``(chosen, rejected)`` in row order, on every rank. The rows are dealt
+        out with even batches: ``gather_for_metrics`` needs batches of one size on every rank
+        (``even_batches=False`` would crash it), and drops the rows repeated to even them out."""
+        from accelerate.utils import tqdm
+        from torch.utils.data import DataLoader
+
+        model = trl_precompute_model(self)
+        chosen: list[float] = []
+        rejected: list[float] = []
         with evened_batches(self.accelerator):
-            return super()._precompute_ref_logps(dataset, name, batch_size)
+            loader = self.accelerator.prepare(DataLoader(
+                dataset, batch_size=batch_size, collate_fn=self.data_collator, shuffle=False,
+                num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory))
+            for batch in tqdm(loader, desc=f"Computing reference log probs for {name} dataset",
+                              disable=self.args.disable_tqdm):
+                batch_chosen, batch_rejected = self.accelerator.gather_for_metrics(
+                    self.compute_ref_log_probs(model, batch))
+                chosen += batch_chosen.double().tolist()
+                rejected += batch_rejected.double().tolist()
+        return chosen, rejected
 
     def _with_reference(self, inputs: dict[str, Any]) -> dict[str, Any]:
         if all(key in inputs for key in REFERENCE_KEYS):

@@ -125,6 +125,29 @@ def test_logged_loss_is_the_update_mean(runs, name):
         assert all(0 < log["sft_loss"] < log["loss"] for log in run["logs"])
 
 
+def test_precomputed_reference_is_kept_in_memory(runs):
+    """The precompute pass adds each row's reference log-probs as float64 columns of the dataset in memory: no cache
+    file, which a dataset built in memory would keep in a temporary directory of this process's own (TRL 1.16: the
+    hand-off from rank 0 to the other ranks, FileNotFoundError there; the 2-process case is in
+    tests/distributed/test_dpo_precompute_ddp.py). Values against each sequence scored alone by the initial model."""
+    from hf_accum.testing.dpo_reference import dpo_model, sequence_logp
+
+    dataset = runs("sigmoid_precomputed")["trainer"].train_dataset
+    stock = runs("sigmoid_precomputed", DPOTrainer)["trainer"].train_dataset
+    assert stock.cache_files  # the negative control: TRL hands the values over through a file
+    assert dataset.cache_files == []
+    assert {dataset.features[key].dtype for key in ("ref_chosen_logps", "ref_rejected_logps")} == {"float64"}
+    initial, worst = dpo_model(TOKENIZER), 0.0
+    with torch.no_grad():
+        for row in dataset:
+            for side in ("chosen", "rejected"):
+                ids = torch.tensor(row["prompt_ids"] + row[f"{side}_ids"])
+                completion = torch.tensor([False] * len(row["prompt_ids"]) + [True] * len(row[f"{side}_ids"]))
+                expected = float(sequence_logp(initial, ids, completion)[0])
+                worst = max(worst, abs(row[f"ref_{side}_logps"] - expected) / abs(expected))
+    assert len(dataset) == len(ROWS) and worst < EXACT, worst
+
+
 @pytest.mark.parametrize("loss_type", ["aot", "aot_unpaired", "apo_zero"])
 def test_batch_level_loss_types_are_refused(tmp_path, loss_type):
     args = DPOConfig(output_dir=str(tmp_path), loss_type=[loss_type], report_to="none", bf16=False)
