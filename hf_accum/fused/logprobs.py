@@ -53,8 +53,9 @@ def target_logps(hidden: torch.Tensor, head: LinearHead, targets: torch.Tensor, 
     ``softmax(head.model_logits(hidden) / temperature)``, in the loss dtype; differentiable in the hidden states
     and the head's tensors (the entropy too)."""
     rows = logps_chunk_rows(head.weight.shape[0], head.weight, entropy, chunk_bytes)
+    options = _LogProbOptions(head.lora_scale, head.transform, float(temperature), rows, entropy)
     logps, entropies = _TargetLogProbs.apply(hidden, targets, head.weight, head.bias, head.lora_a, head.lora_b,
-                                             head.lora_scale, head.transform, float(temperature), rows, entropy)
+                                             options)
     return logps, (entropies if entropy else None)
 
 
@@ -68,6 +69,17 @@ def _model_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if temperature != 1.0:
         y = y / temperature  # as the full-logits path divides (not a multiplication by 1 / T)
     return y, tanh, low_rank_input
+
+
+@dataclasses.dataclass(frozen=True)
+class _LogProbOptions:
+    """What :class:`_TargetLogProbs` takes besides the tensors it differentiates (one argument of ``apply``)."""
+
+    lora_scale: float
+    transform: LogitTransform
+    temperature: float
+    chunk_rows: int
+    with_entropy: bool
 
 
 class _TargetLogProbs(torch.autograd.Function):
@@ -84,8 +96,9 @@ class _TargetLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None,
-                lora_scale: float, transform: LogitTransform, temperature: float, chunk_rows: int,
-                with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                options: _LogProbOptions) -> tuple[torch.Tensor, torch.Tensor]:
+        lora_scale, transform, temperature = options.lora_scale, options.transform, options.temperature
+        chunk_rows, with_entropy = options.chunk_rows, options.with_entropy
         ctx.set_materialize_grads(False)
         loss_dtype = compute_dtype(weight.dtype)
         count = hidden.shape[0]
@@ -104,7 +117,7 @@ class _TargetLogProbs(torch.autograd.Function):
                 entropies[start:end] = -(log_p.exp() * log_p).sum(1)
             del y
         ctx.save_for_backward(hidden, targets, weight, bias, lora_a, lora_b, lse, entropies)
-        ctx.options = (lora_scale, transform, temperature, chunk_rows)
+        ctx.options = options
         device_type = hidden.device.type
         ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
         return logps, entropies
@@ -113,23 +126,28 @@ class _TargetLogProbs(torch.autograd.Function):
     def backward(ctx: Any, grad_logps: torch.Tensor | None,
                  grad_entropy: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         hidden, targets, weight, bias, lora_a, lora_b, lse, entropies = ctx.saved_tensors
-        lora_scale, transform, temperature, chunk_rows = ctx.options
+        options = ctx.options
         device_type, autocast, autocast_dtype = ctx.autocast
         with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast):
             sums = GradientSums(hidden, weight, bias, lora_a, lora_b, ctx.needs_input_grad)
             if grad_logps is not None or grad_entropy is not None:
-                _backward_chunks(sums, hidden, targets, weight, bias, lora_a, lora_b, lse, entropies, grad_logps,
-                                 grad_entropy, lora_scale, transform, temperature, chunk_rows)
+                head = LinearHead(weight, bias, lora_a, lora_b, options.lora_scale, options.transform)
+                _backward_chunks(sums, hidden, targets, head, (lse, entropies), (grad_logps, grad_entropy),
+                                 options)
         one = torch.ones((), dtype=lse.dtype, device=lse.device)
-        return (sums.hidden_grad(one), None, *sums.head_grads(one), None, None, None, None, None)
+        return (sums.hidden_grad(one), None, *sums.head_grads(one), None)
 
 
-def _backward_chunks(sums: GradientSums, hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor,
-                     bias: torch.Tensor | None, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None,
-                     lse: torch.Tensor, entropies: torch.Tensor, grad_logps: torch.Tensor | None,
-                     grad_entropy: torch.Tensor | None, lora_scale: float, transform: LogitTransform,
-                     temperature: float, chunk_rows: int) -> None:
-    """Each chunk's logit gradient, recomputed, into ``sums``."""
+def _backward_chunks(sums: GradientSums, hidden: torch.Tensor, targets: torch.Tensor, head: LinearHead,
+                     saved: tuple[torch.Tensor, torch.Tensor],
+                     grads: tuple[torch.Tensor | None, torch.Tensor | None], options: _LogProbOptions) -> None:
+    """Each chunk's logit gradient, recomputed, into ``sums``: ``saved`` is the forward's ``(lse, entropies)``,
+    ``grads`` the incoming ``(grad_logps, grad_entropy)``."""
+    lse, entropies = saved
+    grad_logps, grad_entropy = grads
+    weight, bias, lora_a, lora_b = head.weight, head.bias, head.lora_a, head.lora_b
+    lora_scale, transform = head.lora_scale, head.transform
+    temperature, chunk_rows = options.temperature, options.chunk_rows
     loss_dtype = lse.dtype
     for start in range(0, hidden.shape[0], chunk_rows):
         end = min(start + chunk_rows, hidden.shape[0])

@@ -222,9 +222,9 @@ def linear_cross_entropy_sum(
         return _liger_loss_sum(flat_hidden, head, flat_targets, label_smoothing)
     fast = _takes_fast_path(flat_hidden, head.weight, head.lora_a, head.transform)
     chunk_rows = rows_per_chunk(head.weight.shape[0], head.weight, head.transform, fast, chunk_bytes)
+    options = _ChunkOptions(head.lora_scale, label_smoothing, chunk_rows, head.transform, stats, flat_weights)
     return _LinearCrossEntropySum.apply(
-        flat_hidden, flat_targets, head.weight, head.bias, head.lora_a, head.lora_b, head.lora_scale,
-        label_smoothing, chunk_rows, head.transform, stats, flat_weights,
+        flat_hidden, flat_targets, head.weight, head.bias, head.lora_a, head.lora_b, options,
     )
 
 
@@ -243,6 +243,20 @@ def rows_per_chunk(vocab: int, weight: torch.Tensor, transform: LogitTransform, 
     if rows >= GEMM_ROW_TILE:
         rows -= rows % GEMM_ROW_TILE
     return rows
+
+
+@dataclass(frozen=True)
+class _ChunkOptions:
+    """What :class:`_LinearCrossEntropySum` takes besides the tensors it differentiates (one argument of
+    ``apply``): the LoRA scale, the label smoothing, the rows per chunk, the logit transform, the
+    :class:`TokenStats` to add to (or ``None``) and the per-row weights (constants, or ``None``)."""
+
+    lora_scale: float
+    label_smoothing: float
+    chunk_rows: int
+    transform: LogitTransform
+    stats: TokenStats | None
+    row_weights: torch.Tensor | None
 
 
 class _LinearCrossEntropySum(torch.autograd.Function):
@@ -266,8 +280,9 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None,
-                lora_scale: float, label_smoothing: float, chunk_rows: int, transform: LogitTransform,
-                stats: TokenStats | None, row_weights: torch.Tensor | None) -> torch.Tensor:
+                options: _ChunkOptions) -> torch.Tensor:
+        lora_scale, label_smoothing, chunk_rows = options.lora_scale, options.label_smoothing, options.chunk_rows
+        transform, stats, row_weights = options.transform, options.stats, options.row_weights
         needs = ctx.needs_input_grad
         rows = targets.ne(IGNORE_INDEX).nonzero().squeeze(1)
         accumulators = GradientSums(hidden, weight, bias, lora_a, lora_b, needs)
@@ -309,8 +324,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                 "the fused linear cross-entropy frees its gradients after one backward; retain_graph=True "
                 "is not supported (use the logits path: fused_loss=False)"
             )
-        return (sums.hidden_grad(grad_total), None, *sums.head_grads(grad_total), None, None, None, None, None,
-                None)
+        return (sums.hidden_grad(grad_total), None, *sums.head_grads(grad_total), None)
 
 
 def _takes_fast_path(hidden: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor | None,

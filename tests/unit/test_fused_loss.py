@@ -184,7 +184,7 @@ def test_the_default_chunk_of_a_cpu_head_in_the_loss_dtype_holds_at_least_384_ro
     taken = []
     apply = fused_loss._LinearCrossEntropySum.apply
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fused_loss._LinearCrossEntropySum, "apply", lambda *args: taken.append(args[8]) or apply(*args))
+        patch.setattr(fused_loss._LinearCrossEntropySum, "apply", lambda *args: taken.append(args[6].chunk_rows) or apply(*args))
         loss = linear_cross_entropy_sum(h, head, targets)
     assert taken == [384]
     reference = F.cross_entropy(head.logits(h), targets, reduction="sum")
