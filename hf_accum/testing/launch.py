@@ -1,5 +1,6 @@
 """Launch a worker script on 2 real CPU processes (gloo), or on 2 "nodes" of this host, and read back its
-JSON report.
+JSON report; a worker running a job table (:mod:`hf_accum.testing.jobs`) holds many checks, each test reading
+its job's entry with :func:`job_report`.
 
 torchrun, not ``accelerate launch --cpu --num_processes 2`` (which silently starts ONE process);
 ``--standalone`` picks a free rendezvous port (``--master_port 0`` would hand port 0 itself to the
@@ -16,7 +17,9 @@ import subprocess
 import sys
 import time
 import warnings
-from typing import Any, Sequence
+from typing import Any, Iterator, Mapping, Sequence
+
+from hf_accum.testing.jobs import JOB_ERROR
 
 # What a gloo process prints when it aborts at interpreter exit with its process group still up (see
 # hf_accum.distributed.leave_process_group, which every worker calls to prevent it).
@@ -40,6 +43,36 @@ def run_torchrun(worker: str, out_path: str | os.PathLike[str], nproc: int = 2, 
     assert completed.returncode == 0, completed.stderr[-4000:]
     with open(out_path) as handle:
         return json.load(handle)
+
+
+def job_report(family: dict[str, Any], name: str) -> Any:
+    """Job ``name``'s entry of a job-table report (:mod:`hf_accum.testing.jobs`), with the launch's
+    ``world_size``; fails with the job's traceback when the job raised in the worker."""
+    if name not in family:
+        raise AssertionError(f"job {name!r} is not in the report (jobs: {sorted(family)})")
+    entry = family[name]
+    if name == "world_size":
+        return entry
+    if isinstance(entry, dict) and JOB_ERROR in entry:
+        raise AssertionError(f"job {name!r} raised in the worker:\n{entry[JOB_ERROR]}")
+    return {**entry, "world_size": family["world_size"]} if isinstance(entry, dict) else entry
+
+
+class JobReports(Mapping[str, Any]):
+    """A job-table report read job by job: ``reports[name]`` is :func:`job_report` of that job, so a job that
+    raised fails only the tests reading it."""
+
+    def __init__(self, family: dict[str, Any]) -> None:
+        self.family = family
+
+    def __getitem__(self, name: str) -> Any:
+        return job_report(self.family, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.family)
+
+    def __len__(self) -> int:
+        return len(self.family)
 
 
 def run_torchrun_nodes(

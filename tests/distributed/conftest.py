@@ -1,4 +1,7 @@
-"""Fixtures the distributed tests share."""
+"""Fixtures the distributed tests share: one torchrun launch per family of checks (loop DDP, Trainer + TRL, FSDP2,
+DeepSpeed), each running a job table (hf_accum/testing/jobs.py), made on first use and read by every test of the
+family through ``job_report(family, job)``. Process start-up (torch, transformers, accelerate, TRL, DeepSpeed
+imports in 2 processes) costs more than most checks, so it is paid once per family."""
 
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ import pytest
 
 from hf_accum.recipe.testing import TEN_UPDATES, TORCHRUN_2, run_script
 from hf_accum.testing.launch import run_torchrun
+
+HERE = os.path.dirname(__file__)
 
 
 @pytest.fixture(scope="session")
@@ -36,3 +41,27 @@ def deepspeed_report(tmp_path_factory) -> dict[str, Any]:
     start-up in 2 processes (~25 CPU-s) dominates a launch, so it is paid once. Read only."""
     worker = os.path.join(os.path.dirname(__file__), "deepspeed_worker.py")
     return run_torchrun(worker, tmp_path_factory.mktemp("zero") / "report.json", timeout=900)
+
+
+@pytest.fixture(scope="session")
+def loop_ddp_family(tmp_path_factory) -> dict[str, Any]:
+    """ONE launch of loop_ddp_worker.py: the loop engine under DDP (exactness, windows, fused loss, per-sequence
+    normalization, noise scale, MoE and encoder-decoders, compile). Read only."""
+    return run_torchrun(os.path.join(HERE, "loop_ddp_worker.py"), tmp_path_factory.mktemp("loop_ddp") / "report.json",
+                        timeout=1800)
+
+
+@pytest.fixture(scope="session")
+def trainer_ddp_family(tmp_path_factory) -> dict[str, Any]:
+    """ONE launch of trainer_ddp_worker.py: AccumTrainer and the TRL drop-ins (SFT, DPO, GRPO, reward) under DDP,
+    with the stock trainers as negative controls. Read only."""
+    return run_torchrun(os.path.join(HERE, "trainer_ddp_worker.py"),
+                        tmp_path_factory.mktemp("trainer_ddp") / "report.json", timeout=1800)
+
+
+@pytest.fixture(scope="session")
+def fsdp_family(tmp_path_factory) -> dict[str, Any]:
+    """ONE launch of fsdp_worker.py: the loop engine under Accelerate's FSDP2 and AccumTrainer under Trainer's own
+    FSDP2. Read only."""
+    return run_torchrun(os.path.join(HERE, "fsdp_worker.py"), tmp_path_factory.mktemp("fsdp") / "report.json",
+                        timeout=1800)

@@ -1,5 +1,8 @@
-"""torchrun worker (2 CPU processes, gloo): the loop engine under FSDP2 (``fully_shard`` through Accelerate,
-:func:`hf_accum.fsdp.fsdp_accelerator`), all runs in one launch. Rank 0 writes a JSON report to ``argv[1]``.
+"""torchrun worker, the FSDP2 family (2 CPU processes, gloo): the loop engine under FSDP2 (``fully_shard`` through
+Accelerate, :func:`hf_accum.fsdp.fsdp_accelerator`) and AccumTrainer under Trainer's own FSDP2
+(``TrainingArguments(fsdp="full_shard")``), all in ONE launch as a job table (:mod:`hf_accum.testing.jobs`). Rank 0
+writes ``{job: result}`` to ``argv[1]``; tests/distributed/test_fsdp.py and test_trainer_fsdp.py read their jobs
+(conftest.py, ``fsdp_family``).
 
 * exactness in float64 (full fine-tuning, LoRA, activation checkpointing): SGD (lr 6, no momentum) on a
   linear schedule, uneven lengths, prompt masking, rank 0 holding ~10x the tokens of rank 1, short last
@@ -8,7 +11,10 @@
 * the naive loop (the model's mean loss per micro-batch, Accelerate's 1/K) under FSDP2: the negative control;
 * clipping: FSDP2 and DDP runs with an active ``max_grad_norm`` log the same global norms and end with the
   same weights (a per-shard norm would differ);
-* bf16 compute with fp32 master weights and fp32 gradient reduction against DDP's bf16 autocast run.
+* bf16 compute with fp32 master weights and fp32 gradient reduction against DDP's bf16 autocast run;
+* ``trainer_*``: AccumTrainer given ``fsdp="full_shard"`` (full fine-tuning, LoRA; where Accelerate alone would
+  silently train DDP), every update's delta against the big batch in float64; the stock Trainer given the same
+  arguments (it runs DDP on CPU): the negative control; FSDP1 refused.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from hf_accum.startup import keep_bitsandbytes_out
 
 keep_bitsandbytes_out()  # first: no job here quantizes, and PEFT imports bitsandbytes (~1.5 CPU-s) if it can
 
-import json
+import logging
 import os
 import sys
 
@@ -25,7 +31,9 @@ import torch
 import torch.distributed as dist
 from accelerate.state import AcceleratorState, GradientState
 from torch.utils.data import DataLoader
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
+from hf_accum import AccumTrainer
 from hf_accum.batching import PaddingCollator
 from hf_accum.distributed import gathered_state_dict, leave_process_group
 from hf_accum.fsdp import fsdp2_plugin, fsdp_accelerator
@@ -33,6 +41,7 @@ from hf_accum.loop import LoopConfig, train
 from hf_accum.planning.schedule import create_update_scheduler
 from hf_accum.testing import PAD, big_batch_learning_rates, random_rows, tiny_causal_lm
 from hf_accum.testing.deltas import DeltaRecorder, delta_errors
+from hf_accum.testing.jobs import run_job_table
 from hf_accum.testing.logs import CapturedLog
 
 MICRO_BATCH, ACCUMULATION, EXAMPLES, EPOCHS = 2, 3, 28, 2
@@ -290,30 +299,104 @@ def movement_difference(run: dict, reference: dict) -> float:
     return (diff / norm) ** 0.5
 
 
-def main(report_path: str) -> None:
-    dist.init_process_group("gloo")
-    report = {"world_size": dist.get_world_size()}
-    report["full"] = exact_run("full")
-    report["lora"] = exact_run("lora")
-    report["lora_head"] = exact_run("lora_head")
-    report["logits_path"] = exact_run("full", fused_loss=False)
-    report["dpo_fused_logprobs"] = dpo_fused_run()
-    report["grpo_fused_logprobs"] = grpo_fused_run()
-    report["checkpointing"] = exact_run("full", checkpointing=True)
-    report["naive"] = exact_run("full", naive=True)
+# -- AccumTrainer under Trainer's own FSDP2 ----------------------------------------------------------------
+
+
+class _RecordUpdates(TrainerCallback):
+    def __init__(self, recorder: DeltaRecorder) -> None:
+        self.recorder = recorder
+        self.trainer = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.recorder.record_update(self.trainer.model)  # a collective: every rank
+
+
+def fsdp_args(output_dir: str, **overrides) -> TrainingArguments:
+    values = dict(
+        output_dir=output_dir, per_device_train_batch_size=MICRO_BATCH, gradient_accumulation_steps=ACCUMULATION,
+        num_train_epochs=EPOCHS, learning_rate=LR, optim="sgd", weight_decay=0.0, lr_scheduler_type="linear",
+        max_grad_norm=0.0, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
+        remove_unused_columns=False, train_sampling_strategy="sequential", disable_tqdm=True,
+        dataloader_num_workers=0, seed=0, fsdp="full_shard",
+        fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": LAYER},
+    )
+    values.update(overrides)
+    return TrainingArguments(**values)
+
+
+def trainer_exact_run(out_dir: str, kind: str, trainer_cls=AccumTrainer, **overrides) -> dict:
+    """SGD deltas vs the big batch (float64) of a Trainer given ``fsdp="full_shard"``; ``kind``: full or lora."""
+    reset_accelerate()
+    factory = model_factory(kind)
+    model = factory()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    recorder = DeltaRecorder(PaddingCollator(PAD))
+    recorder.watch(model)
+    callback = _RecordUpdates(recorder)
+    fused_log = CapturedLog()  # what the fused loss decided: inside the FSDP2-gathered head's forward
+    try:
+        trainer = trainer_cls(model=model, args=fsdp_args(os.path.join(out_dir, kind), **overrides),
+                              train_dataset=examples(), data_collator=recorder.collate, callbacks=[callback])
+        callback.trainer = trainer
+        trainer.train()
+    finally:
+        fused_lines = fused_log.remove()
+    expected = big_batch_learning_rates(LR, UPDATES, 0, "linear")
+    errors = delta_errors(factory, initial, recorder, expected, pad_token_id=PAD) if dist.get_rank() == 0 else []
+    return {"errors": errors, "updates": len(recorder.weights), "is_fsdp_enabled": trainer.is_fsdp_enabled,
+            "distributed_type": trainer.accelerator.distributed_type.value, "fused_log": fused_lines,
+            "all_dtensor": all(type(p).__name__ == "DTensor" for p in trainer.model.parameters())}
+
+
+def refused_fsdp1(out_dir: str) -> str:
+    reset_accelerate()
+    try:
+        AccumTrainer(model=tiny_causal_lm(), args=fsdp_args(out_dir, fsdp_config={"version": 1}),
+                     train_dataset=examples(), data_collator=PaddingCollator(PAD))
+    except Exception as error:  # noqa: BLE001 -- the message is the report
+        return f"{type(error).__name__}: {error}"
+    return ""
+
+
+# -- the job table ----------------------------------------------------------------------------------------
+
+
+def clip(out_dir: str) -> dict:
     clip_ddp, clip_fsdp = clipped_run("ddp"), clipped_run("fsdp")
-    report["clip"] = {"ddp_norms": clip_ddp["grad_norms"], "fsdp_norms": clip_fsdp["grad_norms"],
-                      "weight_difference": weight_difference(clip_fsdp["weights"], clip_ddp["weights"])}
+    return {"ddp_norms": clip_ddp["grad_norms"], "fsdp_norms": clip_fsdp["grad_norms"],
+            "weight_difference": weight_difference(clip_fsdp["weights"], clip_ddp["weights"])}
+
+
+def bf16(out_dir: str) -> dict:
     bf16_ddp, bf16_fsdp = bf16_run("ddp"), bf16_run("fsdp")
-    report["bf16"] = {"ddp_losses": bf16_ddp["losses"], "fsdp_losses": bf16_fsdp["losses"],
-                      "movement_difference": movement_difference(bf16_fsdp, bf16_ddp),
-                      "master_weights_fp32": bf16_fsdp["master_weights_fp32"]}
-    if dist.get_rank() == 0:
-        with open(report_path, "w") as handle:
-            json.dump(report, handle)
+    return {"ddp_losses": bf16_ddp["losses"], "fsdp_losses": bf16_fsdp["losses"],
+            "movement_difference": movement_difference(bf16_fsdp, bf16_ddp),
+            "master_weights_fp32": bf16_fsdp["master_weights_fp32"]}
+
+
+JOBS = {
+    "full": lambda out_dir: exact_run("full"),
+    "lora": lambda out_dir: exact_run("lora"),
+    "lora_head": lambda out_dir: exact_run("lora_head"),
+    "logits_path": lambda out_dir: exact_run("full", fused_loss=False),
+    "dpo_fused_logprobs": lambda out_dir: dpo_fused_run(),
+    "grpo_fused_logprobs": lambda out_dir: grpo_fused_run(),
+    "checkpointing": lambda out_dir: exact_run("full", checkpointing=True),
+    "naive": lambda out_dir: exact_run("full", naive=True),
+    "clip": clip,
+    "bf16": bf16,
+    # Trainer's own FSDP2 (``TrainingArguments(fsdp="full_shard")``); the stock Trainer given the same arguments
+    # runs DDP on CPU (``average_tokens_across_devices=False``): the negative control.
+    "trainer_full": lambda out_dir: trainer_exact_run(out_dir, "full"),
+    "trainer_lora": lambda out_dir: trainer_exact_run(out_dir, "lora"),
+    "trainer_stock": lambda out_dir: trainer_exact_run(out_dir, "full", Trainer, average_tokens_across_devices=False),
+    "trainer_fsdp1": refused_fsdp1,
+}
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main(sys.argv[1])
-    leave_process_group()  # gloo may abort at exit otherwise: see its docstring
+    logging.getLogger("transformers.trainer").setLevel(logging.WARNING)
+    dist.init_process_group("gloo")
+    run_job_table(JOBS, sys.argv[1])
+    leave_process_group()  # a no-op after run_job_table, which left the group

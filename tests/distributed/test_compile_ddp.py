@@ -3,18 +3,14 @@ float64 big-batch gradient over all ranks (1e-10), one gradient all-reduce per u
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from hf_accum.testing.launch import run_torchrun
-
-HERE = os.path.dirname(__file__)
+from hf_accum.testing.launch import job_report
 
 
 @pytest.mark.slow
-def test_compiled_ddp_gradient_equals_big_batch(tmp_path):
-    report = run_torchrun(os.path.join(HERE, "compile_ddp_worker.py"), tmp_path / "report.json")
+def test_compiled_ddp_gradient_equals_big_batch(loop_ddp_family):
+    report = job_report(loop_ddp_family, "compile")  # the loop DDP family's one launch (conftest.py)
     assert report["world_size"] == 2
     assert report["compiled_blocks"] == 2
     assert report["updates"] == 3 and max(report["errors"]) < 1e-10, report["errors"]

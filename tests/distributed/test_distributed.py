@@ -313,10 +313,34 @@ def test_every_torchrun_worker_leaves_its_process_group():
     with it: CI failed that way. Every worker script the tests launch under torchrun ends by leaving it."""
     workers = sorted([*glob.glob(os.path.join(ROOT, "tests", "distributed", "*worker*.py")),
                       *glob.glob(os.path.join(ROOT, "hf_accum", "testing", "cases", "*worker*.py"))])
-    assert len(workers) >= 10
+    assert len(workers) >= 8  # one per family (loop DDP, Trainer + TRL, FSDP2, DeepSpeed) and the story workers
     missing = [os.path.basename(path) for path in workers
                if "leave_process_group()" not in open(path).read().split('if __name__ == "__main__":')[-1]]
     assert not missing, f"workers that exit with the process group up: {missing}"
+
+
+def test_a_job_that_raises_fails_only_its_own_tests(tmp_path):
+    """The job table (hf_accum/testing/jobs.py) records a job's exception and runs the next one; reading that job
+    fails with its traceback, the other jobs read normally. In this process: no process group, world size 1."""
+    from hf_accum.testing.jobs import run_job_table
+    from hf_accum.testing.launch import JobReports, job_report
+
+    def broken(out_dir):
+        raise ValueError("normalized by K")
+
+    ran = []
+    jobs = {"first": lambda out_dir: {"errors": [0.0]}, "broken": broken,
+            "after": lambda out_dir: ran.append(os.path.isdir(out_dir)) or {"errors": [1e-16]}}
+    out = tmp_path / "report.json"
+    run_job_table(jobs, str(out))
+    family = json.loads(out.read_text())
+    assert ran == [True] and family["world_size"] == 1
+    assert job_report(family, "first") == {"errors": [0.0], "world_size": 1}
+    assert JobReports(family)["after"]["errors"] == [1e-16]
+    with pytest.raises(AssertionError, match="job 'broken' raised in the worker:(.|\n)*ValueError: normalized by K"):
+        JobReports(family)["broken"]
+    with pytest.raises(AssertionError, match="job 'missing' is not in the report"):
+        job_report(family, "missing")
 
 
 ABORTING_WORKER = """

@@ -1,27 +1,23 @@
 """DPO on 2 real CPU processes (torchrun, gloo) whose ranks hold different numbers of pairs
 (``even_batches=False``): AccumDPOTrainer and the loop with DPOPairLoss exact over both ranks (the pair
 metrics too); stock ``DPOTrainer`` with ``even_batches=True`` (a repeated pair) as the negative control.
-One torchrun launch (tests/distributed/dpo_ddp_worker.py)."""
+One torchrun launch (job ``dpo`` of tests/distributed/trainer_ddp_worker.py)."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 
 pytest.importorskip("trl")
 
-from hf_accum.testing.launch import run_torchrun  # noqa: E402
+from hf_accum.testing.launch import job_report  # noqa: E402
 
-HERE = os.path.dirname(__file__)
 EXACT = 1e-10
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    return run_torchrun(os.path.join(HERE, "dpo_ddp_worker.py"), tmp_path_factory.mktemp("dpo_ddp") / "report.json",
-                        timeout=600)
+def report(trainer_ddp_family):
+    return job_report(trainer_ddp_family, "dpo")  # the Trainer + TRL family's one launch (conftest.py)
 
 
 @pytest.mark.parametrize("name", ["accum_sigmoid", "accum_sigmoid_sft", "accum_sigmoid_sft_precomputed"])

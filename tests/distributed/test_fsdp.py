@@ -2,27 +2,23 @@
 (:func:`hf_accum.fsdp.fsdp_accelerator`). Every update equals the big-batch update in float64 (full
 fine-tuning, LoRA, activation checkpointing), gradients are reduce-scattered once per update, clipping
 takes the global norm, bf16 compute with fp32 master weights trains like DDP's bf16 run; the naive loop
-fails the same check. All runs share one launch (tests/distributed/fsdp_worker.py)."""
+fails the same check. All runs share the FSDP2 family's one launch (tests/distributed/fsdp_worker.py)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from hf_accum.testing.launch import run_torchrun
+from hf_accum.testing.launch import JobReports
 from hf_accum.testing.logs import fused_on
 
-HERE = os.path.dirname(__file__)
 pytestmark = pytest.mark.slow
 EXACT_RUNS = ["full", "lora", "lora_head", "checkpointing", "logits_path"]
 FUSED_RUNS = ["full", "lora", "lora_head", "checkpointing"]  # the fused loss inside the gathered head's forward
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    return run_torchrun(os.path.join(HERE, "fsdp_worker.py"), tmp_path_factory.mktemp("fsdp") / "report.json",
-                        timeout=900)
+def report(fsdp_family):
+    return JobReports(fsdp_family)  # the FSDP2 family's one launch (conftest.py); a job that raised fails its tests
 
 
 @pytest.mark.parametrize("name", EXACT_RUNS)

@@ -1,22 +1,19 @@
 """The fused loss on 2 real CPU processes (torchrun, gloo): exact over ranks with very different token
 counts, one gradient all-reduce per update as on the logits path, and working with Trainer's default
-``find_unused_parameters=True`` (see tests/distributed/fused_ddp_worker.py)."""
+``find_unused_parameters=True`` (job ``fused`` of tests/distributed/loop_ddp_worker.py)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from hf_accum.testing.launch import run_torchrun
+from hf_accum.testing.launch import job_report
 
-HERE = os.path.dirname(__file__)
 EXACT = 1e-10
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    return run_torchrun(os.path.join(HERE, "fused_ddp_worker.py"), tmp_path_factory.mktemp("fused_ddp") / "report.json")
+def report(loop_ddp_family):
+    return job_report(loop_ddp_family, "fused")  # the loop DDP family's one launch (conftest.py)
 
 
 @pytest.mark.slow

@@ -1,27 +1,23 @@
 """AccumGRPOTrainer on 2 real CPU processes (torchrun, gloo) whose ranks hold several-fold different completion
 token counts: every loss unit (tokens, completions, completions x length, sequence sums) exact over both ranks,
 a short last window included; stock ``trl.GRPOTrainer`` (dapo, bnpo) as the negative control. One torchrun launch
-(tests/grpo_ddp_worker.py)."""
+(job ``grpo`` of tests/distributed/trainer_ddp_worker.py)."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 
 pytest.importorskip("trl")
 
-from hf_accum.testing.launch import run_torchrun  # noqa: E402
+from hf_accum.testing.launch import job_report  # noqa: E402
 
-HERE = os.path.dirname(__file__)
 EXACT = 1e-10
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    return run_torchrun(os.path.join(HERE, "grpo_ddp_worker.py"), tmp_path_factory.mktemp("grpo_ddp") / "report.json",
-                        timeout=600)
+def report(trainer_ddp_family):
+    return job_report(trainer_ddp_family, "grpo")  # the Trainer + TRL family's one launch (conftest.py)
 
 
 def test_two_processes_with_uneven_counts(report):

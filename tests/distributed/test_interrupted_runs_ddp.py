@@ -26,7 +26,7 @@ from hf_accum.checkpointing.checkpoint import ResumeMismatchError, latest_comple
 from hf_accum.checkpointing.run_lock import LOCK_NAME
 from hf_accum.testing import cases
 from hf_accum.testing.interruptions import assert_same_run, parse_args, read_records, run_dir, stitched
-from hf_accum.testing.launch import torchrun
+from hf_accum.testing.launch import job_report, torchrun
 
 WORKERS = {engine: cases.script(f"{engine}_resume_worker.py") for engine in ("loop", "trainer")}
 # Collator calls per rank from the start of epoch 2 (after update 3, the short window) to inside update 4.
@@ -39,12 +39,11 @@ def names(out) -> list[str]:
 
 
 @pytest.fixture(scope="module", params=["loop", "trainer"])
-def story(request, tmp_path_factory):
+def story(request, tmp_path_factory, loop_ddp_family):
     engine = request.param
     worker = WORKERS[engine]
-    reference_out = tmp_path_factory.mktemp(f"{engine}_ddp_reference")
-    completed = torchrun(worker, [str(reference_out), "ref"], timeout=600)
-    assert completed.returncode == 0, completed.stderr[-3000:]
+    # The uninterrupted run: job resume_references of the loop DDP family's one launch (conftest.py).
+    reference_out = job_report(loop_ddp_family, "resume_references")[engine]
 
     out = tmp_path_factory.mktemp(f"{engine}_ddp_story")
     kill_call = RANDOM.choice(ACROSS_THE_EPOCH_BOUNDARY)

@@ -5,19 +5,18 @@ gradient trains exactly without any DDP argument from the user, where plain DDP 
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 
 from hf_accum.testing import big_batch_learning_rates
-from hf_accum.testing.launch import run_torchrun
-
-HERE = os.path.dirname(__file__)
+from hf_accum.testing.launch import job_report
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    return run_torchrun(os.path.join(HERE, "loop_ddp_worker.py"), tmp_path_factory.mktemp("ddp") / "report.json")
+def report(loop_ddp_family):
+    """Jobs loop_ddp, llava and llava_plain_ddp of the loop DDP family's one launch (conftest.py)."""
+    return {**job_report(loop_ddp_family, "loop_ddp"), "llava": job_report(loop_ddp_family, "llava"),
+            "llava_plain_ddp": job_report(loop_ddp_family, "llava_plain_ddp")}
 
 
 @pytest.mark.slow

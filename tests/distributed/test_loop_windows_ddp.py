@@ -3,21 +3,17 @@ gradient all-reduce per update, Megatron's batches, token windows closed on the 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from hf_accum.testing import big_batch_learning_rates
-from hf_accum.testing.launch import run_torchrun
+from hf_accum.testing.launch import job_report
 
-HERE = os.path.dirname(__file__)
 BUDGET = 120
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    return run_torchrun(os.path.join(HERE, "loop_windows_ddp_worker.py"),
-                        tmp_path_factory.mktemp("ddp_windows") / "report.json")
+def report(loop_ddp_family):
+    return job_report(loop_ddp_family, "loop_windows")  # the loop DDP family's one launch (conftest.py)
 
 
 @pytest.mark.slow

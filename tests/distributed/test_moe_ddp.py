@@ -1,25 +1,21 @@
 """What a model's own loss holds beyond our cross-entropy, on 2 real CPU processes (torchrun, gloo): the MoE router
-loss, and encoder-decoders building their decoder inputs from the labels. See tests/distributed/moe_ddp_worker.py."""
+loss, and encoder-decoders building their decoder inputs from the labels. Job ``moe`` of tests/distributed/loop_ddp_worker.py."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 
 from hf_accum.testing.cases.seq2seq_ddp_case import SEQ2SEQ_DDP_JOBS
-from hf_accum.testing.launch import run_torchrun
+from hf_accum.testing.launch import job_report
 from hf_accum.testing.models import MOE_FAMILIES
 
-HERE = os.path.dirname(__file__)
 EXACT = 1e-10
 FRONT_ENDS = ("loop_fused", "loop_logits", "trainer_fused", "trainer_logits")
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    path = tmp_path_factory.mktemp("moe_ddp") / "report.json"
-    return run_torchrun(os.path.join(HERE, "moe_ddp_worker.py"), path, timeout=600)
+def report(loop_ddp_family):
+    return job_report(loop_ddp_family, "moe")  # the loop DDP family's one launch (conftest.py)
 
 
 @pytest.mark.slow

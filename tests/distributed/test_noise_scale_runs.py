@@ -9,16 +9,14 @@ short real run reports a finite positive noise scale for most updates after the 
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 
 from hf_accum.loop import LoopConfig, LoopConfigError
-from hf_accum.testing.launch import run_torchrun
+from hf_accum.testing.launch import job_report
 from hf_accum.testing.noise_reference import expected_estimates, relative_errors, run_engine, scenario
 
 EXACT = 1e-10
-HERE = os.path.dirname(__file__)
 
 
 def _mostly_positive(scales: list, skip: int = 4, share: float = 0.7) -> bool:
@@ -84,9 +82,8 @@ def test_loop_config_rejects_a_non_bool():
 
 
 @pytest.fixture(scope="module")
-def ddp_report(tmp_path_factory):
-    return run_torchrun(os.path.join(HERE, "noise_scale_ddp_worker.py"), tmp_path_factory.mktemp("ns") / "r.json",
-                        timeout=600)
+def ddp_report(loop_ddp_family):
+    return job_report(loop_ddp_family, "noise_scale")  # the loop DDP family's one launch (conftest.py)
 
 
 @pytest.mark.slow

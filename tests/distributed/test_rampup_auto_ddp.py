@@ -3,19 +3,14 @@ gradient all-reduce per update, and every rank taking the same decisions (they r
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from hf_accum.testing.launch import run_torchrun
-
-HERE = os.path.dirname(__file__)
+from hf_accum.testing.launch import job_report
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    return run_torchrun(os.path.join(HERE, "rampup_auto_ddp_worker.py"),
-                        tmp_path_factory.mktemp("auto_ramp_ddp") / "report.json")
+def report(loop_ddp_family):
+    return job_report(loop_ddp_family, "rampup_auto")  # the loop DDP family's one launch (conftest.py)
 
 
 @pytest.mark.slow

@@ -2,27 +2,23 @@
 (``even_batches=False``): AccumRewardTrainer and the loop with RewardPairLoss exact over both ranks (the trainer's
 loss and metrics too), the trainer's evaluation counting every pair once when Accelerate repeats some to even out
 the ranks; stock ``RewardTrainer`` with ``even_batches=True`` (a repeated pair) as the negative control. One torchrun launch
-(tests/distributed/reward_ddp_worker.py)."""
+(job ``reward`` of tests/distributed/trainer_ddp_worker.py)."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 
 pytest.importorskip("trl")
 
-from hf_accum.testing.launch import run_torchrun  # noqa: E402
+from hf_accum.testing.launch import job_report  # noqa: E402
 
-HERE = os.path.dirname(__file__)
 EXACT = 1e-10
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    return run_torchrun(os.path.join(HERE, "reward_ddp_worker.py"),
-                        tmp_path_factory.mktemp("reward_ddp") / "report.json", timeout=600)
+def report(trainer_ddp_family):
+    return job_report(trainer_ddp_family, "reward")  # the Trainer + TRL family's one launch (conftest.py)
 
 
 @pytest.mark.parametrize("name", ["accum_bradley_terry", "accum_margin_centering"])

@@ -5,7 +5,6 @@ masking, a short last window and 2 ranks, in both engines; the token mode fails 
 from __future__ import annotations
 
 import logging
-import os
 
 import pytest
 import torch
@@ -13,11 +12,10 @@ import torch
 from hf_accum.batching import PackingCollator, PaddingCollator
 from hf_accum.loop import LoopConfig, LoopConfigError
 from hf_accum.testing import PAD, random_rows
-from hf_accum.testing.launch import run_torchrun
+from hf_accum.testing.launch import job_report
 from hf_accum.testing.sequence_reference import run
 
 EXACT = 1e-10
-HERE = os.path.dirname(__file__)
 # 18 rows of 3..40 tokens (masked prompts), micro-batch 2, K=4: windows of 4, 4 and a short 1.
 CASES = {
     "padding_prompt_masking_short_window": (lambda: PaddingCollator(PAD), random_rows(18, seed=31, prompt_masking=True),
@@ -61,9 +59,8 @@ def test_bad_values_are_refused_in_one_line():
 
 
 @pytest.fixture(scope="module")
-def ddp_report(tmp_path_factory):
-    return run_torchrun(os.path.join(HERE, "sequence_ddp_worker.py"), tmp_path_factory.mktemp("seq") / "r.json",
-                        timeout=600)
+def ddp_report(loop_ddp_family):
+    return job_report(loop_ddp_family, "sequence")  # the loop DDP family's one launch (conftest.py)
 
 
 @pytest.mark.slow

@@ -1,26 +1,23 @@
 """AccumSFTTrainer on 2 real CPU processes (torchrun, gloo) whose ranks hold ~10x different token
 counts: exact with ``average_tokens_across_devices`` True and False, TRL's metrics summed over both
 ranks; stock TRL ``SFTTrainer`` with False is the negative control. One torchrun launch
-(tests/distributed/sft_ddp_worker.py)."""
+(job ``sft`` of tests/distributed/trainer_ddp_worker.py)."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 
 pytest.importorskip("trl")
 
-from hf_accum.testing.launch import run_torchrun  # noqa: E402
+from hf_accum.testing.launch import job_report  # noqa: E402
 
-HERE = os.path.dirname(__file__)
 EXACT = 1e-10
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    return run_torchrun(os.path.join(HERE, "sft_ddp_worker.py"), tmp_path_factory.mktemp("sft_ddp") / "report.json")
+def report(trainer_ddp_family):
+    return job_report(trainer_ddp_family, "sft")  # the Trainer + TRL family's one launch (conftest.py)
 
 
 def test_two_processes_really_started(report):

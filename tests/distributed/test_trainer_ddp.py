@@ -1,24 +1,21 @@
 """AccumTrainer on 2 real CPU processes (torchrun, gloo) whose ranks hold ~10x different token counts:
 exact with ``average_tokens_across_devices`` True and False; stock Trainer with False is the
-negative control. All runs share one torchrun launch (tests/distributed/trainer_ddp_worker.py)."""
+negative control. Job ``trainer_ddp`` of the family launch (tests/distributed/trainer_ddp_worker.py)."""
 
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 
 from hf_accum.testing.cases.trainer_ddp_case import ACCUMULATION, EPOCHS, EXAMPLES, MICRO_BATCH, scenario
-from hf_accum.testing.launch import run_torchrun
-
-HERE = os.path.dirname(__file__)
+from hf_accum.testing.launch import job_report
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    """Launch with torchrun: `accelerate launch --cpu --num_processes 2` silently starts ONE process."""
-    return run_torchrun(os.path.join(HERE, "trainer_ddp_worker.py"), tmp_path_factory.mktemp("trainer_ddp") / "report.json")
+def report(trainer_ddp_family):
+    """Launched with torchrun (`accelerate launch --cpu --num_processes 2` silently starts ONE process)."""
+    return job_report(trainer_ddp_family, "trainer_ddp")  # the Trainer + TRL family's one launch (conftest.py)
 
 
 @pytest.mark.slow

@@ -1,26 +1,24 @@
 """AccumTrainer under Trainer's own FSDP2 (``TrainingArguments(fsdp="full_shard")``) on 2 real CPU processes
 (torchrun, gloo), where Accelerate alone would silently train DDP: every update equals the big-batch update in
 float64 (full fine-tuning and LoRA, prompt masking, ~10x uneven per-rank tokens, short last windows); the stock
-Trainer given the same arguments runs DDP on CPU and is not exact; FSDP1 is refused. One launch
-(tests/distributed/trainer_fsdp_worker.py)."""
+Trainer given the same arguments runs DDP on CPU and is not exact; FSDP1 is refused. Jobs ``trainer_*`` of the
+FSDP2 family's one launch (tests/distributed/fsdp_worker.py)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from hf_accum.testing.launch import run_torchrun
+from hf_accum.testing.launch import job_report
 from hf_accum.testing.logs import fused_on
 
-HERE = os.path.dirname(__file__)
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    return run_torchrun(os.path.join(HERE, "trainer_fsdp_worker.py"),
-                        tmp_path_factory.mktemp("trainer_fsdp") / "report.json", timeout=900)
+def report(fsdp_family):
+    """Jobs trainer_* of the FSDP2 family's one launch (conftest.py)."""
+    jobs = {"full": "trainer_full", "lora": "trainer_lora", "stock": "trainer_stock", "fsdp1": "trainer_fsdp1"}
+    return {"world_size": fsdp_family["world_size"], **{name: job_report(fsdp_family, job) for name, job in jobs.items()}}
 
 
 @pytest.mark.parametrize("name", ["full", "lora"])
@@ -34,7 +32,7 @@ def test_accum_trainer_updates_equal_the_big_batch_updates_under_fsdp2(report, n
 
 @pytest.mark.parametrize("name", ["full", "lora"])
 def test_accum_trainer_fuses_the_loss_under_fsdp2(report, name):
-    assert fused_on(report[f"{name}_fused_log"], "FSDP2"), report[f"{name}_fused_log"]
+    assert fused_on(report[name]["fused_log"], "FSDP2"), report[name]["fused_log"]
 
 
 def test_stock_trainer_silently_runs_ddp_on_cpu_and_is_not_exact(report):

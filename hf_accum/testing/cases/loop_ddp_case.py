@@ -1,5 +1,5 @@
-"""The data and the all-reduce counter of the 2-process loop workers (tests/distributed/loop_ddp_worker.py,
-fused_ddp_worker.py and loop_windows_ddp_worker.py share them): ranks with very different token counts."""
+"""The data and the all-reduce counter of the loop DDP family's jobs (tests/distributed/loop_ddp_worker.py): ranks
+with very different token counts."""
 
 from __future__ import annotations
 

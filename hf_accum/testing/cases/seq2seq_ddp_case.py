@@ -1,7 +1,8 @@
-"""The 2-process encoder-decoder jobs (tests/distributed/moe_ddp_worker.py runs them, tests/distributed/
-test_moe_ddp.py checks each): ``(family, lengths, batch, front end)``. T5 and BART (the two ways a model builds
-its decoder inputs: ``_shift_right`` and ``shift_tokens_right``) in every combination; the other families with
-labels-only batches of unequal lengths (the collator ``DataCollatorForSeq2Seq`` without ``model=`` gives)."""
+"""The 2-process encoder-decoder jobs (job ``moe`` of tests/distributed/loop_ddp_worker.py runs them,
+tests/distributed/test_moe_ddp.py checks each): ``(family, lengths, batch, front end)``. T5 and BART (the two
+ways a model builds its decoder inputs: ``_shift_right`` and ``shift_tokens_right``) in every combination; the other
+families with labels-only batches of unequal lengths (the collator ``DataCollatorForSeq2Seq`` without ``model=``
+gives)."""
 
 from __future__ import annotations
 
