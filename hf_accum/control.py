@@ -31,12 +31,9 @@ from typing import Any
 
 from hf_accum.distributed import is_main_process
 from hf_accum.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED  # noqa: F401  (re-exported)
+from hf_accum.settings import DEFAULT_MAX_CONSECUTIVE_NONFINITE  # the setting's default, declared with it
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MAX_CONSECUTIVE_NONFINITE = 5
-"""Skipped inf/NaN updates in a row before the run stops: an isolated bad micro-batch is survivable, five
-consecutive updates mean the run has diverged."""
 
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 

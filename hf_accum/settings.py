@@ -31,6 +31,8 @@ from hf_accum.errors import InputError
 from hf_accum.planning.auto_ramp import AutoRampError, AutoRampSettings, is_auto
 
 DEFAULT_MAX_CONSECUTIVE_NONFINITE = 5
+"""Skipped inf/NaN updates in a row before the run stops: an isolated bad micro-batch is survivable, five
+consecutive updates mean the run has diverged."""
 NORMALIZATIONS = ("token", "sequence")
 """``normalization``: the unit an update's loss is the mean over (:mod:`hf_accum.losses.sequence_norm`)."""
 MICRO_BATCH_MODES = ("every", "first")

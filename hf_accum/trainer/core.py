@@ -44,18 +44,18 @@ from hf_accum.compat import (
     trainer_learning_rate,
 )
 from hf_accum.compile import compile_blocks
-from hf_accum.control import DEFAULT_MAX_CONSECUTIVE_NONFINITE, NonFiniteGuard, StopSignals, TrainingControl
+from hf_accum.control import StopSignals, TrainingControl
 from hf_accum.losses.micro_batch import MicroBatchLoss
 from hf_accum.losses.model_loss import resolve_loss_kind
-from hf_accum.losses.sequence_norm import check_normalization, refuse_custom_loss
+from hf_accum.losses.sequence_norm import refuse_custom_loss
 from hf_accum.losses.token_loss import LossKind, infer_loss_kind, model_problem_type, token_loss_sum
-from hf_accum.measure.noise_probe import NOT_UNDER_DEEPSPEED, NOT_UNDER_FSDP, check_micro_batch_mode
+from hf_accum.measure.noise_probe import NOT_UNDER_DEEPSPEED, NOT_UNDER_FSDP
 from hf_accum.measure.noise_scale import NoiseScaleTracker
-from hf_accum.measure.peak_flops import check_peak_flops
 from hf_accum.measure.utilization import meter_run, summarize
 from hf_accum.planning.planned_windows import refuse_planned_windows
 from hf_accum.planning.schedule import BatchPlan
 from hf_accum.records import UpdateLog
+from hf_accum.settings import AccumulationSettings
 from hf_accum.trainer.batch_plan import BatchPlanner
 from hf_accum.trainer.callbacks import BoundaryActions
 from hf_accum.trainer.checkpoints import TrainerCheckpoints
@@ -72,13 +72,11 @@ check_trainer_hooks(Trainer)
 class AccumTrainer(Trainer):
     """``transformers.Trainer`` with exact gradient accumulation for every model and rank setting.
 
-    Same constructor and ``TrainingArguments`` as ``Trainer``, plus ``loss_kind`` (``"causal_lm"``,
-    ``"token"`` or ``"sequence"``; when omitted, inferred from the model class, else from the model's
-    own loss on the first micro-batch), ``fused_loss`` (causal LMs: the loss from the hidden states and
-    the output layer, never the full logits; default True), ``fp32_grad_accumulation`` (bf16/fp16
-    weights sum their micro-batch gradients in fp32; default True, single process),
-    ``max_consecutive_nonfinite`` (default 5), ``stop_on_signals`` (default True) and ``on_update``
-    (called with every update's :class:`~hf_accum.records.UpdateLog`; all of them are in ``updates``).
+    Same constructor and ``TrainingArguments`` as ``Trainer``, plus ``accumulation``, an
+    :class:`~hf_accum.settings.AccumulationSettings` (loss kind, fused loss, fp32 gradient sums, normalization,
+    noise scale, peak FLOP/s, the inf/NaN limit, stop signals; its fields may also be given flat:
+    ``AccumTrainer(..., fused_loss=False)``), and ``on_update`` (called with every update's
+    :class:`~hf_accum.records.UpdateLog`; all of them are in ``updates``).
 
     ``TrainingArguments(torch_compile=True)`` compiles the model's repeated blocks in place
     (:mod:`hf_accum.compile`; with ``torch_compile_backend`` / ``torch_compile_mode``), not the whole model: the
@@ -110,58 +108,33 @@ class AccumTrainer(Trainer):
     # compute_loss returns the window-normalized loss; Trainer must not divide by K again.
     loss_is_scaled_for_ga = True
 
-    def __init__(
-        self,
-        *args: Any,
-        loss_kind: LossKind | None = None,
-        on_update: Callable[[UpdateLog], None] | None = None,
-        fused_loss: bool = True,
-        fp32_grad_accumulation: bool = True,
-        max_consecutive_nonfinite: int = DEFAULT_MAX_CONSECUTIVE_NONFINITE,
-        stop_on_signals: bool = True,
-        rampup_batch_size: list[int] | None = None,
-        tokens_per_update: int | None = None,
-        noise_scale: bool = False,
-        normalization: str = "token",
-        noise_scale_micro_batches: str = "every",
-        peak_flops: float | None = None,
-        **kwargs: Any,
-    ) -> None:
-        refuse_planned_windows("AccumTrainer: ", rampup_batch_size, tokens_per_update)  # the loop engine has them
-        guard = NonFiniteGuard(max_consecutive_nonfinite)  # validates before the heavy set-up
-        check_normalization(normalization, "AccumTrainer(normalization)", loss_kind)
-        if not isinstance(noise_scale, bool):
-            raise ValueError(f"AccumTrainer(noise_scale={noise_scale!r}): must be True or False")
-        check_micro_batch_mode(noise_scale_micro_batches, "AccumTrainer(noise_scale_micro_batches)")
-        if (problem := check_peak_flops(peak_flops, "AccumTrainer(peak_flops)")) is not None:
-            raise ValueError(problem)
-        self._peak_flops = peak_flops
+    def __init__(self, *args: Any, accumulation: AccumulationSettings | None = None,
+                 on_update: Callable[[UpdateLog], None] | None = None, **kwargs: Any) -> None:
+        # The settings are checked before the heavy set-up (flat keyword arguments: the thin adapter).
+        self.accumulation = AccumulationSettings.adapt(accumulation, kwargs, "AccumTrainer({})")
+        """This trainer's :class:`~hf_accum.settings.AccumulationSettings`."""
+        refuse_planned_windows("AccumTrainer: ", self.accumulation.rampup_batch_size,
+                               self.accumulation.tokens_per_update)  # the loop engine has them
         super().__init__(*args, **kwargs)
         _refuse_unverifiable_settings(self)
         if self.args.torch_compile:  # the blocks, in place (hf_accum.compile); Accelerate compiles nothing
             assert self.model is not None  # set by Trainer.__init__
             compile_blocks(self.model, self.args.torch_compile_backend, self.args.torch_compile_mode)
-        if noise_scale and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
-            reason = NOT_UNDER_DEEPSPEED if self.is_deepspeed_enabled else NOT_UNDER_FSDP
-            raise ValueError(f"AccumTrainer(noise_scale=True): {reason}")
         assert self.model is not None  # Trainer.__init__ holds the model (or model_init's)
         # Read once: the head's problem type does not change during a run (sequence heads only).
         self._problem_type = model_problem_type(self.model)
-        self._micro_batch_loss = self._build_micro_batch_loss(loss_kind, fused_loss, normalization)
+        settings = self.accumulation
+        self._micro_batch_loss = self._build_micro_batch_loss(settings.loss_kind, settings.fused_loss,
+                                                              settings.normalization)
         # We compute the loss ourselves, so the model never sees labels or num_items_in_batch:
         # this also stops Trainer's own (rank-local when average_tokens_across_devices=False) count.
         self.model_accepts_loss_kwargs = False
         self.run_control = TrainingControl()  # request_checkpoint() / request_stop(), from callbacks or threads
+        _refuse_unmeasured_noise_scale(self)
         extra_terms = self._micro_batch_loss.extra_terms
-        if noise_scale and extra_terms:
-            raise ValueError(f"AccumTrainer(noise_scale=True): not measured for a loss of several terms "
-                             f"{self._micro_batch_loss.term_names}")
-        self._window = TrainerWindow(self.accelerator, self.run_control, guard, self.is_deepspeed_enabled,
-                                     self.is_fsdp_enabled, noise_scale=noise_scale,
-                                     clips=bool(self.args.max_grad_norm and self.args.max_grad_norm > 0),
-                                     normalization=normalization, extra_terms=extra_terms,
-                                     unit=self._micro_batch_loss.term_names[0],
-                                     noise_micro_batches=noise_scale_micro_batches)
+        clips = bool(self.args.max_grad_norm and self.args.max_grad_norm > 0)
+        self._window = TrainerWindow(self.accelerator, self.run_control, settings, self.is_deepspeed_enabled,
+                                     self.is_fsdp_enabled, clips, extra_terms, self._micro_batch_loss.term_names[0])
         self.noise_scale_advice: str | None = None
         """With ``noise_scale=True``: the end-of-run line on the batch size (also logged)."""
         self.utilization: dict[str, Any] | None = None
@@ -172,8 +145,7 @@ class AccumTrainer(Trainer):
         self._checkpoints = TrainerCheckpoints(self)
         self._planner = BatchPlanner(self)
         self._eval_tally = WindowTally(device=self.args.device, extra_terms=extra_terms)  # the exact eval_loss
-        self._stop_on_signals = stop_on_signals
-        self.add_callback(BoundaryActions(self._window, fp32_grad_accumulation, lambda: self.model))
+        self.add_callback(BoundaryActions(self._window, settings.fp32_grad_accumulation, lambda: self.model))
 
     @property
     def updates(self) -> list[UpdateLog]:
@@ -364,10 +336,10 @@ class AccumTrainer(Trainer):
         self._records.meter = meter_run(
             self._window.boundary, self.model, self._micro_batch_loss.term_names[0], device=self.args.device,
             mixed_precision=self.accelerator.mixed_precision, world_size=self.args.world_size,
-            configured=self._peak_flops, key="AccumTrainer(peak_flops)",
+            configured=self.accumulation.peak_flops, key="AccumTrainer(peak_flops)",
         )
         keep_4bit_training_layout(self.model)  # evaluations must not repack 4-bit weights (hf_accum.compat)
-        with StopSignals(self.run_control, self._stop_on_signals):
+        with StopSignals(self.run_control, self.accumulation.stop_on_signals):
             output = super().train(checkpoint, *args, **kwargs)
         self._checkpoints.raise_if_halted(self._window.halting, self._window.boundary.guard)
         self.noise_scale_advice = self._window.boundary.noise_advice(self.updates)
@@ -399,6 +371,18 @@ def _refuse_unverifiable_settings(trainer: AccumTrainer) -> None:
     if trainer.args.world_size > 1 and not trainer.args.average_tokens_across_devices:
         logger.info("average_tokens_across_devices=False is ignored: AccumTrainer always normalizes by the "
                     "target count summed over all ranks (the only exact mean under DDP)")
+
+
+def _refuse_unmeasured_noise_scale(trainer: AccumTrainer) -> None:
+    """``noise_scale`` where the micro-batch gradients cannot be read, or of a loss of several terms."""
+    if not trainer.accumulation.noise_scale:
+        return
+    if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+        reason = NOT_UNDER_DEEPSPEED if trainer.is_deepspeed_enabled else NOT_UNDER_FSDP
+        raise ValueError(f"AccumTrainer(noise_scale=True): {reason}")
+    if trainer._micro_batch_loss.extra_terms:
+        raise ValueError(f"AccumTrainer(noise_scale=True): not measured for a loss of several terms "
+                         f"{trainer._micro_batch_loss.term_names}")
 
 
 def _labels(batch: dict[str, Any]) -> torch.Tensor:

@@ -142,7 +142,9 @@ class AccumDPOTrainer(ExactTrlMetrics, DPOTrainer):  # type: ignore[misc]  # TRL
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         check_dpo_args(kwargs.get("args", args[2] if len(args) > 2 else None))
         # The reference's log-probs, fused as the policy's (TRL's precompute pass runs inside its constructor).
-        self._reference_logps = FusedLogProbs() if kwargs.get("fused_loss", True) else None
+        settings = kwargs.get("accumulation")  # AccumulationSettings, or the flat fused_loss (AccumTrainer's adapter)
+        fused = settings.fused_loss if settings is not None else kwargs.get("fused_loss", True)
+        self._reference_logps = FusedLogProbs() if fused else None
         super().__init__(*args, **kwargs)
         self.data_collator = PairLabels(self.data_collator)
         self.metric_tallies = {mode: UnitMeans("pairs", {name: name for name in _METRICS}, self.args.device)

@@ -29,6 +29,7 @@ from hf_accum.accumulation import (
 from hf_accum.boundary import Decision, UnitCounter, UpdateBoundary, count_window_units, discard_window_
 from hf_accum.control import NonFiniteGuard, TrainingControl
 from hf_accum.measure.noise_probe import MicroBatchGradNorms, micro_batch_grad_sq, small_batch_grad_sq, squared_norm
+from hf_accum.settings import AccumulationSettings
 
 logger = logging.getLogger("hf_accum.trainer")
 
@@ -43,23 +44,23 @@ class TrainerWindow:
     """One run's window state: the target count of the window in flight, the boundary, the fp32 sums of
     low-precision weights, and the totals the logs report."""
 
-    def __init__(self, accelerator: Any, control: TrainingControl, guard: NonFiniteGuard, deepspeed: bool,
-                 fsdp: bool, noise_scale: bool = False, clips: bool = True, normalization: str = "token",
-                 extra_terms: tuple[str, ...] = (), unit: str = "target", noise_micro_batches: str = "every") -> None:
+    def __init__(self, accelerator: Any, control: TrainingControl, settings: AccumulationSettings, deepspeed: bool,
+                 fsdp: bool, clips: bool = True, extra_terms: tuple[str, ...] = (), unit: str = "target") -> None:
         self.accelerator = accelerator
         self.deepspeed = deepspeed
         self.fsdp = fsdp
         self.boundary = UpdateBoundary(
-            accelerator, control, guard, logger, count_source="loss_sum_and_count", steps_in_backward=deepspeed,
-            no_targets_note=_DEEPSPEED_NO_TARGETS if deepspeed else "", noise_scale=noise_scale,
-            extra_terms=extra_terms, noise_micro_batches=noise_micro_batches,
+            accelerator, control, NonFiniteGuard(settings.max_consecutive_nonfinite), logger,
+            count_source="loss_sum_and_count", steps_in_backward=deepspeed,
+            no_targets_note=_DEEPSPEED_NO_TARGETS if deepspeed else "", noise_scale=settings.noise_scale,
+            extra_terms=extra_terms, noise_micro_batches=settings.noise_scale_micro_batches,
         )
         self.micro_norms: MicroBatchGradNorms | None = None
         """Noise scale from every micro-batch: the hooks measuring each backward's own gradient."""
         self.clips = clips
-        self.normalization = normalization
-        """``token`` or ``sequence``: the unit the window is counted in (:mod:`hf_accum.losses.sequence_norm`)."""
         """Trainer clips (``max_grad_norm`` > 0), so its norm before clipping is the noise scale's big batch."""
+        self.normalization = settings.normalization
+        """``token`` or ``sequence``: the unit the window is counted in (:mod:`hf_accum.losses.sequence_norm`)."""
         self.first_pending = False
         """Noise scale: the window's first micro-batch has not been measured yet."""
         self.micro_batch_targets: torch.Tensor | int = 0
