@@ -1,7 +1,9 @@
 """The recipe kit: what ``recipes/finetune_llama.py`` needs around the library.
 
 * :mod:`~hf_accum.recipe.config` -- the typed config: sections, schema (one section registry), layers with
-  sources, one validation pass (each section's own check lives with the module that owns it);
+  sources; it imports none of the modules below and no torch (they import it);
+* :mod:`~hf_accum.recipe.checks` -- one validation pass before anything loads (each section's own check lives with
+  the module that owns it; the engine and objective names are the recipe's tables, passed in);
 * :mod:`~hf_accum.recipe.preflight` -- the run's objects built from the config on toy inputs, before loading;
 * :mod:`~hf_accum.recipe.data` -- the user's rows: reading, formats, splits, encoding, the exact-match metric;
 * :mod:`~hf_accum.recipe.modeling` -- loading the model and tokenizer, LoRA/QLoRA, checkpointing;
