@@ -112,7 +112,7 @@ def train_with_loop(model, tokenizer, data, collator, args, record, resume, laun
     # Checkpoints every save_steps updates into output_dir (and on SIGTERM/SIGUSR1); resume exactly.
     result = train(
         model, optimizer, loader, accelerator,
-        LoopConfig.from_training_arguments(args, **record.config.accumulation.loop_settings()), on_update=on_update,
+        LoopConfig.from_training_arguments(args, accumulation=record.config.accumulation), on_update=on_update,
         eval_dataloader=eval_loader, resume_from_checkpoint=resume, loss_sum_fn=loss_sum_fn,
     )
     for tracker in accelerator.trackers:  # not end_training(): it destroys the process group, and the
@@ -129,8 +129,7 @@ def train_with_trainer(model, tokenizer, data, collator, args, record, resume, l
     trainer = AccumTrainer(
         model=model, args=args, train_dataset=data.train.examples, data_collator=collator, processing_class=tokenizer,
         eval_dataset=data.held_out.examples if data.held_out else None,
-        noise_scale=record.config.accumulation.noise_scale, normalization=record.config.accumulation.normalization,
-        peak_flops=record.config.accumulation.peak_flops,
+        accumulation=record.config.accumulation,  # the recipe's section is AccumTrainer's settings (hf_accum.settings)
     )
     check_engine(trainer.accelerator, launch)  # what was asked is what runs (DeepSpeed, processes)
     trainer.train(resume_from_checkpoint=resume)

@@ -1,7 +1,7 @@
-"""The size of the recipe's updates: the ``accumulation:`` section (its keys:
-:class:`~hf_accum.recipe.config.sections.AccumulationSection`, declared in the config kit) and, before anything loads,
-the batch keys resolved and the section checked (:func:`check_accumulation_section`, run by
-:mod:`hf_accum.recipe.checks`).
+"""The size of the recipe's updates: the ``accumulation:`` section (its keys are the fields of
+:class:`hf_accum.settings.AccumulationSettings`, each value checked when the section is built) and, before anything
+loads, the batch keys resolved and what the section needs of the rest of the run checked
+(:func:`check_accumulation_section`, run by :mod:`hf_accum.recipe.checks`).
 
 * :func:`resolve_batch`: ``training.gradient_accumulation_steps`` from ``global_batch_size`` (the higher layer wins
   when both are set, said in a note; set in one layer they must agree).
@@ -11,10 +11,10 @@ the batch keys resolved and the section checked (:func:`check_accumulation_secti
   becomes 1); one given in the same layer or above is a conflict.
 * ``noise_scale: true``: refused under DeepSpeed (its engine keeps the micro-batch gradients); one micro-batch per
   update measures nothing (said, not refused).
-* ``normalization: token | sequence`` (:mod:`hf_accum.losses.sequence_norm`), both engines.
+* ``loss_kind``: the recipe trains causal LMs (null or causal_lm).
 
-The engines take the section as :meth:`~hf_accum.recipe.config.sections.AccumulationSection.loop_settings`; the loop's
-:class:`~hf_accum.loop.LoopConfig` is built once, by :mod:`hf_accum.recipe.preflight`.
+Both engines take the section object itself: ``LoopConfig.from_training_arguments(args, accumulation=section)``
+(built once, by :mod:`hf_accum.recipe.preflight`) and ``AccumTrainer(..., accumulation=section)``.
 """
 
 from __future__ import annotations
@@ -22,14 +22,12 @@ from __future__ import annotations
 import os
 
 from hf_accum.errors import InputError
-from hf_accum.losses.sequence_norm import NORMALIZATIONS
-from hf_accum.measure.peak_flops import check_peak_flops
-from hf_accum.planning.auto_ramp import AutoRampSettings, BatchController, is_auto
+from hf_accum.planning.auto_ramp import AutoRampSettings, BatchController
 from hf_accum.planning.planned_windows import refuse_planned_windows
 from hf_accum.planning.rampup import RampUp
 from hf_accum.planning.schedule import plan_global_batch
 from hf_accum.recipe.config.schema import RecipeConfig
-from hf_accum.recipe.config.sections import AccumulationSection
+from hf_accum.settings import AccumulationSettings
 
 _BUDGET = "accumulation.tokens_per_update"
 
@@ -67,36 +65,33 @@ def resolve_batch(config: RecipeConfig, world_size: int) -> None:
     t["gradient_accumulation_steps"] = steps
 
 
-def check_accumulation_section(section: AccumulationSection, config: RecipeConfig) -> None:
-    """Values, the engine, the batch keys a token budget replaces (run after the batch arithmetic is resolved)."""
+def check_accumulation_section(section: AccumulationSettings, config: RecipeConfig) -> None:
+    """What the section needs of the rest of the run: the engine, DeepSpeed, the resolved batch arithmetic, the batch
+    keys a token budget replaces (run after the batch arithmetic is resolved). Each value on its own was checked
+    when the section was built (:meth:`hf_accum.settings.AccumulationSettings.validate`)."""
     t = config.training
-    if section.normalization not in NORMALIZATIONS:
-        raise AccumulationError(f"accumulation.normalization={section.normalization!r}; allowed: "
-                                f"{', '.join(NORMALIZATIONS)}")
-    if (problem := check_peak_flops(section.peak_flops, "accumulation.peak_flops")) is not None:
-        raise AccumulationError(problem)
-    if section.noise_scale and t.get("deepspeed"):
-        raise AccumulationError("accumulation.noise_scale=true is not available with training.deepspeed (the engine "
-                                "keeps the micro-batch gradients); allowed: false, or drop training.deepspeed")
-    if section.noise_scale and t.gradient_accumulation_steps == 1:
-        config.notes.append("accumulation.noise_scale=true with one micro-batch per update and process: only "
-                            "updates spanning several micro-batches are measured")
+    if section.loss_kind not in (None, "causal_lm"):
+        raise AccumulationError(f"accumulation.loss_kind={section.loss_kind!r}: the recipe trains causal LMs; "
+                                "allowed: null (inferred), causal_lm")
     if config.engine != "loop":
         refuse_planned_windows("accumulation.", section.rampup_batch_size, section.tokens_per_update)
     micro, world = t.per_device_train_batch_size, int(os.environ.get("WORLD_SIZE", "1"))
-    if is_auto(section.rampup_batch_size):
+    if section.auto_ramp:  # before the noise scale's own refusals: the ramp turned it on
         _check_auto_ramp(section, config, micro, world)
-    elif section.rampup_batch_size is not None:  # the nearest valid values when it does not fit the batch
-        if not isinstance(section.rampup_batch_size, (list, tuple)):
-            raise AccumulationError(f"accumulation.rampup_batch_size={section.rampup_batch_size!r}; allowed: "
-                                    "[start, increment, samples], auto, null")
-        RampUp.from_list(list(section.rampup_batch_size), micro * t.gradient_accumulation_steps * world, micro, world,
+    elif isinstance(section.rampup_batch_size, list):  # the nearest valid values when it does not fit the batch
+        RampUp.from_list(section.rampup_batch_size, micro * t.gradient_accumulation_steps * world, micro, world,
                          key="accumulation.rampup_batch_size")
+    if section.noise_scale and t.get("deepspeed"):
+        raise AccumulationError("accumulation.noise_scale=true is not available with training.deepspeed (the engine "
+                                "keeps the micro-batch gradients); allowed: false, or drop training.deepspeed")
+    if section.noise_scale and t.gradient_accumulation_steps == 1 and not section.auto_ramp:
+        config.notes.append("accumulation.noise_scale=true with one micro-batch per update and process: only "
+                            "updates spanning several micro-batches are measured")
     if section.tokens_per_update is not None:
         _yield_batch_keys(config)
 
 
-def _check_auto_ramp(section: AccumulationSection, config: RecipeConfig, micro: int, world: int) -> None:
+def _check_auto_ramp(section: AccumulationSettings, config: RecipeConfig, micro: int, world: int) -> None:
     """``rampup_batch_size: auto``: the start batch on the resolved arithmetic; what its schedule over samples and
     its measurement exclude."""
     t = config.training

@@ -106,7 +106,7 @@ def train_dpo_with_trainer(model: Any, tokenizer: Any, data: Any, collator: Any,
         model=model, args=dpo_config(record.config, args), processing_class=tokenizer,
         train_dataset=Dataset.from_list(data.train.as_conversations()),
         eval_dataset=Dataset.from_list(data.held_out.as_conversations()) if data.held_out else None,
-        peak_flops=record.config.accumulation.peak_flops,
+        accumulation=record.config.accumulation,  # the recipe's section is the trainer's settings (hf_accum.settings)
     )
     if "ref" in getattr(trainer.model, "peft_config", {}):
         # TRL copies an already-wrapped model's adapter as a "ref" adapter; the recipe's reference is the base model

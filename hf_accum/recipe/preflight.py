@@ -134,11 +134,11 @@ def _check_step_intervals(config: RecipeConfig) -> None:
 def _loop_config(config: RecipeConfig, args: Any) -> Any:
     from hf_accum.loop import LoopConfig, LoopConfigError
 
-    try:
-        return LoopConfig.from_training_arguments(args, **config.accumulation.loop_settings())
+    try:  # the loop holds the section itself (hf_accum.settings)
+        return LoopConfig.from_training_arguments(args, accumulation=config.accumulation)
     except LoopConfigError as error:  # name the recipe's key: accumulation.* for the section's, else training.*
         message = str(error).replace("LoopConfig.label_smoothing", "training.label_smoothing_factor")
-        for key in config.accumulation.loop_settings():
+        for key in config.accumulation.names():
             message = message.replace(f"LoopConfig.{key}", f"accumulation.{key}")
         message = message.replace("LoopConfig.", "training.")
         found = re.search(r"(accumulation|training)\.\w+", message)

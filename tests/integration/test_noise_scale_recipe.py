@@ -53,4 +53,4 @@ def test_recipe_trains_with_sequence_normalization(engine, tmp_path, monkeypatch
 
 def test_normalization_must_be_token_or_sequence(tmp_path, capsys):
     err = fails_cleanly(["accumulation.normalization=row"], tmp_path / "out", capsys)
-    assert "accumulation.normalization='row'; allowed: token, sequence" in err.strip().splitlines()[-1]
+    assert "accumulation.normalization='row'; allowed: 'token', 'sequence'" in err.strip().splitlines()[-1]

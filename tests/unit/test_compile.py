@@ -169,7 +169,7 @@ def test_recipe_key_reaches_both_engines(tmp_path):
                                 engines=["loop", "trainer"], objectives=["sft"])
     args = config.training_arguments()
     assert args.torch_compile is True
-    assert LoopConfig.from_training_arguments(args, **config.accumulation.loop_settings()).compile is True
+    assert LoopConfig.from_training_arguments(args, accumulation=config.accumulation).compile is True
 
 
 @pytest.mark.parametrize("field, value, message", [

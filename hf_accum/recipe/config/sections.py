@@ -13,6 +13,8 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from hf_accum.settings import AccumulationSettings
+
 
 @dataclass
 class ModelSection:
@@ -100,32 +102,11 @@ class DataSection:
     """Keys of one dataset (splits, columns, generated sizes): a new ``dataset`` drops the lower layers'."""
 
 
-@dataclass
-class AccumulationSection:
-    """How updates are formed beyond a fixed K (checked by
-    :func:`hf_accum.recipe.accumulation_section.check_accumulation_section`)."""
-
-    rampup_batch_size: list[Any] | str | None = None
-    """``[start, increment, samples]``: Megatron's batch ramp-up towards the global batch (loop engine); ``auto``: the
-    batch grows from a minimum when the measured noise scale says it pays (:mod:`hf_accum.planning.auto_ramp`)."""
-    rampup_auto: dict[str, Any] | None = None
-    """With ``rampup_batch_size: auto``: the controller's settings (``min_batch_size``, ``margin``, ``release``,
-    ``patience``, ``min_updates``, ``growth``, ``lr_rule``: constant | sqrt | seesaw)."""
-    tokens_per_update: int | None = None
-    """Close an update once it holds this many targets on all ranks (loop engine); replaces the global batch."""
-    noise_scale: bool = False
-    """Track the gradient noise scale (metrics.json ``noise_scale``, ``grad_sq``, ``trace_cov``; the plot; an
-    end-of-run line on the batch size). Needs >= 2 micro-batches per update; not under DeepSpeed."""
-    normalization: str = "token"
-    """token: the update's loss is the mean over its target tokens; sequence: the mean over its sequences of each
-    sequence's mean token loss (long answers do not dominate; packed rows count each sequence)."""
-    peak_flops: float | None = None
-    """One device's peak FLOP/s for the compute dtype, the denominator of MFU; null: a GPU's data-sheet peak by
-    name, or a GEMM measured on the CPU (:mod:`hf_accum.measure.peak_flops`)."""
-
-    def loop_settings(self) -> dict[str, Any]:
-        """The :class:`~hf_accum.loop.LoopConfig` fields this section sets: all of them."""
-        return dataclasses.asdict(self)
+AccumulationSection = AccumulationSettings
+"""``accumulation``: the accumulation settings themselves (:class:`hf_accum.settings.AccumulationSettings`: its
+fields are the keys, declared once for the loop, AccumTrainer and the recipe; each value checked when the section is
+built). What they need of the rest of the run is checked by
+:func:`hf_accum.recipe.accumulation_section.check_accumulation_section`."""
 
 
 @dataclass
