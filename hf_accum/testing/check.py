@@ -242,17 +242,7 @@ def _checked_model(model: str, layers: int | None = None,
             return _as_trained(tiny_causal_lm(), settings, freeze_vocabulary=False)
 
         return _CheckedModel(tiny, VOCAB, PAD, False, "the built-in tiny Llama", settings=settings)
-    model = _gguf_as_directory(model)
-    if not os.path.isdir(model):
-        raise InputError(
-            f"--model {model!r}: not 'tiny' and not a directory (nothing is downloaded; pass a local model)"
-        )
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(model, local_files_only=True)
-    except (OSError, ValueError) as error:
-        raise InputError(f"--model {model!r}: not a loadable local model directory ({_first_line(error)})") from None
+    model, config = _local_config(model)
     name = f"{model} ({type(config).__name__})"
     found = model_kind(config)
     if found is None:
@@ -270,6 +260,42 @@ def _checked_model(model: str, layers: int | None = None,
     # Bounded and full fine-tuning: the vocabulary-sized matrices (a 262144 x 640 embedding is 1.3 GB in
     # float64, and its gradient twice more) run in every forward but are not audited; --full audits them.
     freeze_vocabulary = layers is not None and settings.full_fine_tuning
+    load = _loader((model, config, name), found, int(total_layers or 0), settings, freeze_vocabulary)
+    coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+    # MoE checkpoints ship with output_router_logits=False (inference); fine-tuning turns it on, so does the check.
+    # (Causal LMs only: the seq2seq and VLM references are the model's own loss, router term included.)
+    router_loss = kind == CAUSAL and hasattr(config, "output_router_logits") and coef != 0.0
+    if router_loss:
+        config.output_router_logits = True
+    vocab_size = getattr(text_config(config), "vocab_size", None)
+    if not vocab_size:
+        raise ModelCannotRun(f"{name}: its config names no vocab_size (the check trains a language model)")
+    pad = _pad_token_id(model, config, int(vocab_size))
+    return _CheckedModel(load, int(vocab_size), int(pad), router_loss, name, config, kept, settings, freeze_vocabulary,
+                         kind, model_class)
+
+
+def _local_config(model: str) -> tuple[str, Any]:
+    """``(directory, config)`` of a ``--model`` that is not 'tiny': a local directory (a GGUF converted to one)."""
+    model = _gguf_as_directory(model)
+    if not os.path.isdir(model):
+        raise InputError(
+            f"--model {model!r}: not 'tiny' and not a directory (nothing is downloaded; pass a local model)"
+        )
+    from transformers import AutoConfig
+
+    try:
+        return model, AutoConfig.from_pretrained(model, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise InputError(f"--model {model!r}: not a loadable local model directory ({_first_line(error)})") from None
+
+
+def _loader(source: tuple[str, Any, str], found: tuple[str, Any], total_layers: int, settings: FineTuneSettings,
+            freeze_vocabulary: bool) -> Callable[[], torch.nn.Module]:
+    """What loads the checked model in float64 as it trains: ``source`` is its ``(directory, config, name)``,
+    ``found`` its ``(kind, model class)`` and ``total_layers`` the layer count of its weights file."""
+    model, config, name = source
+    kind, model_class = found
 
     def load() -> torch.nn.Module:
         try:
@@ -283,25 +309,14 @@ def _checked_model(model: str, layers: int | None = None,
                 )
             if info.get("mismatched_keys"):
                 load_sliced_weights(loaded, model, info["mismatched_keys"], text_config(config).num_hidden_layers,
-                                    int(total_layers or 0), name)
+                                    total_layers, name)
         except ValueError as error:
             raise ModelCannotRun(f"{name}: not a {kind} transformers can build ({_first_line(error)})") from None
         except CannotCut as error:
             raise ModelCannotRun(str(error)) from None
         return _as_trained(loaded, settings, freeze_vocabulary)
 
-    coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
-    # MoE checkpoints ship with output_router_logits=False (inference); fine-tuning turns it on, so does the check.
-    # (Causal LMs only: the seq2seq and VLM references are the model's own loss, router term included.)
-    router_loss = kind == CAUSAL and hasattr(config, "output_router_logits") and coef != 0.0
-    if router_loss:
-        config.output_router_logits = True
-    vocab_size = getattr(text_config(config), "vocab_size", None)
-    if not vocab_size:
-        raise ModelCannotRun(f"{name}: its config names no vocab_size (the check trains a language model)")
-    pad = _pad_token_id(model, config, int(vocab_size))
-    return _CheckedModel(load, int(vocab_size), int(pad), router_loss, name, config, kept, settings, freeze_vocabulary,
-                         kind, model_class)
+    return load
 
 
 def _as_trained(model: torch.nn.Module, settings: FineTuneSettings, freeze_vocabulary: bool) -> torch.nn.Module:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -248,32 +249,87 @@ def reference_logp_fn(initial: torch.nn.Module, peft: str | bool = False) -> Cal
     return ref_logp
 
 
-def run_dpo_trainer(trainer_cls: Any, rows: Any, tokenizer: Any, out_dir: str, *, micro_batch: int = 2,
-                    accumulation: int = 3, loss_type: tuple[str, ...] | list[str] = ("sigmoid",),
-                    loss_weights: list[float] | None = None, beta: float = 0.5, label_smoothing: float = 0.0,
-                    precompute: bool = False, peft: str | bool = False, even_batches: bool = True,
-                    logging_steps: int = 1, trainer_kwargs: dict | None = None) -> dict:
+@dataclass(frozen=True)
+class DPOTrainerRun:
+    """The options of :func:`run_dpo_trainer` (its keyword arguments): the batching, the DPO loss, how the reference
+    is formed (``precompute``: TRL's precomputed log-probs; ``peft``: ``"new"`` / ``"existing"`` adapter, see
+    :func:`dpo_model`) and ``trainer_kwargs``, more constructor arguments (e.g. AccumDPOTrainer's
+    ``fused_loss=False``)."""
+
+    micro_batch: int = 2
+    accumulation: int = 3
+    loss_type: tuple[str, ...] | list[str] = ("sigmoid",)
+    loss_weights: list[float] | None = None
+    beta: float = 0.5
+    label_smoothing: float = 0.0
+    precompute: bool = False
+    peft: str | bool = False
+    even_batches: bool = True
+    logging_steps: int = 1
+    trainer_kwargs: dict | None = None
+
+
+def run_dpo_trainer(trainer_cls: Any, rows: Any, tokenizer: Any, out_dir: str, **options: Any) -> dict:
     """Train ``rows`` once with ``trainer_cls`` (``AccumDPOTrainer`` or TRL's ``DPOTrainer``) under a
     :class:`PairAudit`; return the errors of every update against the reference, the logs, the trainer.
-    ``trainer_kwargs``: more constructor arguments (e.g. AccumDPOTrainer's ``fused_loss=False``)."""
-    extra = dict(trainer_kwargs or {})
+    ``options``: the fields of :class:`DPOTrainerRun` (an unknown one is a ``TypeError``)."""
     import copy
 
+    run = DPOTrainerRun(**options)
+    model = dpo_model(tokenizer, run.peft)
+    initial = copy.deepcopy(model)
+    audit = PairAudit()
+    trainer, holder = _audited_dpo_trainer(trainer_cls, (model, initial), rows, tokenizer,
+                                           _dpo_config(out_dir, run), run, audit)
+    trainer.data_collator = audit.wrap(trainer.data_collator)
+    trainer.train()
+    if dist.is_initialized() and dist.get_rank() != 0:  # every rank's windows are on rank 0: it audits
+        return {"errors": [], "logs": [], "metrics": [], "pairs": [], "trainer": trainer}
+    weighted = list(zip(run.loss_type, run.loss_weights or [1.0] * len(run.loss_type)))
+    types = {t: w for t, w in weighted if t != "sft"}
+    sft_weight = sum(w for t, w in weighted if t == "sft")
+    ref_logp = reference_logp_fn(initial, run.peft)
+    LOSSES.clear()
+    errors = audit_errors(audit, holder, ref_logp, beta=run.beta, loss_types=types, sft_weight=sft_weight,
+                          label_smoothing=run.label_smoothing)
+    metrics = []
+    for window, state in zip(audit.windows, audit.weights):
+        with torch.no_grad():
+            params = dict(holder.named_parameters())
+            for name, value in state.items():
+                params[name].copy_(value)
+        metrics.append(reference_metrics(holder, window, ref_logp, run.beta))
+    logs = [log for log in trainer.state.log_history if "loss" in log and "train_loss" not in log]
+    pairs = [sum(batch["input_ids"].shape[0] // 2 for batch in window) for window in audit.windows]
+    return {"errors": errors, "logs": logs, "metrics": metrics, "pairs": pairs, "trainer": trainer,
+            "losses": list(LOSSES)}
+
+
+def _dpo_config(out_dir: str, run: DPOTrainerRun) -> Any:
+    """TRL's ``DPOConfig`` of one audited run: plain SGD-sized steps on CPU, every update logged, nothing saved."""
     from trl import DPOConfig
 
-    model = dpo_model(tokenizer, peft)
-    initial = copy.deepcopy(model)
-    args = DPOConfig(
-        output_dir=out_dir, per_device_train_batch_size=micro_batch, gradient_accumulation_steps=accumulation,
+    return DPOConfig(
+        output_dir=out_dir, per_device_train_batch_size=run.micro_batch, gradient_accumulation_steps=run.accumulation,
         learning_rate=0.05, lr_scheduler_type="constant", max_grad_norm=0.0, bf16=False, report_to="none",
-        logging_steps=logging_steps, save_strategy="no", num_train_epochs=1, beta=beta, loss_type=list(loss_type),
-        loss_weights=loss_weights, label_smoothing=label_smoothing, precompute_ref_log_probs=precompute,
-        activation_checkpointing=False, gradient_checkpointing=False, disable_tqdm=True,
-        accelerator_config={"even_batches": even_batches}, ddp_find_unused_parameters=False, use_cpu=True,
+        logging_steps=run.logging_steps, save_strategy="no", num_train_epochs=1, beta=run.beta,
+        loss_type=list(run.loss_type), loss_weights=run.loss_weights, label_smoothing=run.label_smoothing,
+        precompute_ref_log_probs=run.precompute, activation_checkpointing=False, gradient_checkpointing=False,
+        disable_tqdm=True, accelerator_config={"even_batches": run.even_batches}, ddp_find_unused_parameters=False,
+        use_cpu=True,
     )
-    ref_model = None if precompute or peft else copy.deepcopy(initial)
-    audit = PairAudit()
-    if peft == "new":  # TRL wraps the model: its optimizer is built at train(), audited from there
+
+
+def _audited_dpo_trainer(trainer_cls: Any, models: tuple[torch.nn.Module, torch.nn.Module], rows: Any,
+                         tokenizer: Any, args: Any, run: DPOTrainerRun, audit: PairAudit) -> tuple[Any, Any]:
+    """``(trainer, holder)``: the trainer with ``audit`` attached to its optimizer, and a model shaped like the
+    trained one (the initial weights; the audit copies each update's weights in) for the reference."""
+    import copy
+
+    model, initial = models
+    extra = dict(run.trainer_kwargs or {})
+    if run.peft == "new":  # TRL wraps the model: its optimizer is built at train(), audited from there
+        from peft import get_peft_model
         from transformers import TrainerCallback
 
         class Attach(TrainerCallback):
@@ -284,38 +340,14 @@ def run_dpo_trainer(trainer_cls: Any, rows: Any, tokenizer: Any, out_dir: str, *
         args.optim = "sgd"
         trainer = trainer_cls(model, args=args, train_dataset=rows, processing_class=tokenizer,
                               peft_config=lora_config(existing=False), callbacks=[Attach()], **extra)
-        from peft import get_peft_model
-
         # Not a copy of trainer.model: TRL's patched forward would still run the original module.
-        holder = get_peft_model(copy.deepcopy(initial), lora_config(existing=False))  # adapter weights: audited
-    else:
-        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
-        trainer = trainer_cls(model, ref_model=ref_model, args=args, train_dataset=rows, processing_class=tokenizer,
-                              optimizers=(optimizer, None), **extra)
-        audit.attach(trainer.model, optimizer)
-        holder = copy.deepcopy(initial)
-    trainer.data_collator = audit.wrap(trainer.data_collator)
-    trainer.train()
-    if dist.is_initialized() and dist.get_rank() != 0:  # every rank's windows are on rank 0: it audits
-        return {"errors": [], "logs": [], "metrics": [], "pairs": [], "trainer": trainer}
-    weighted = list(zip(loss_type, loss_weights or [1.0] * len(loss_type)))
-    types = {t: w for t, w in weighted if t != "sft"}
-    sft_weight = sum(w for t, w in weighted if t == "sft")
-    ref_logp = reference_logp_fn(initial, peft)
-    LOSSES.clear()
-    errors = audit_errors(audit, holder, ref_logp, beta=beta, loss_types=types, sft_weight=sft_weight,
-                          label_smoothing=label_smoothing)
-    metrics = []
-    for window, state in zip(audit.windows, audit.weights):
-        with torch.no_grad():
-            params = dict(holder.named_parameters())
-            for name, value in state.items():
-                params[name].copy_(value)
-        metrics.append(reference_metrics(holder, window, ref_logp, beta))
-    logs = [log for log in trainer.state.log_history if "loss" in log and "train_loss" not in log]
-    pairs = [sum(batch["input_ids"].shape[0] // 2 for batch in window) for window in audit.windows]
-    return {"errors": errors, "logs": logs, "metrics": metrics, "pairs": pairs, "trainer": trainer,
-            "losses": list(LOSSES)}
+        return trainer, get_peft_model(copy.deepcopy(initial), lora_config(existing=False))  # adapter: audited
+    ref_model = None if run.precompute or run.peft else copy.deepcopy(initial)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    trainer = trainer_cls(model, ref_model=ref_model, args=args, train_dataset=rows, processing_class=tokenizer,
+                          optimizers=(optimizer, None), **extra)
+    audit.attach(trainer.model, optimizer)
+    return trainer, copy.deepcopy(initial)
 
 
 def run_dpo_loop(features: list[dict], loss: Any, *, micro_batch: int = 2, accumulation: int = 3,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import random
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -141,31 +142,44 @@ def _load(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
             params[name].copy_(value)
 
 
-def run_reward_trainer(trainer_cls: Any, rows: Any, tokenizer: Any, out_dir: str, *, micro_batch: int = 2,
-                       accumulation: int = 3, center_rewards_coefficient: float | None = None,
-                       even_batches: bool = True, distinct: bool = False, logging_steps: int = 1,
-                       lora: bool = False) -> dict:
+@dataclass(frozen=True)
+class RewardTrainerRun:
+    """The options of :func:`run_reward_trainer` (its keyword arguments). ``distinct``: each update's reference
+    counts a pair once however many ranks trained it (:func:`update_pairs`); ``lora``: TRL adds a LoRA adapter
+    (``peft_config``, the reward head trained in full: ``modules_to_save=["score"]``)."""
+
+    micro_batch: int = 2
+    accumulation: int = 3
+    center_rewards_coefficient: float | None = None
+    even_batches: bool = True
+    distinct: bool = False
+    logging_steps: int = 1
+    lora: bool = False
+
+
+def run_reward_trainer(trainer_cls: Any, rows: Any, tokenizer: Any, out_dir: str, **options: Any) -> dict:
     """Train ``rows`` once with ``trainer_cls`` (``AccumRewardTrainer`` or TRL's ``RewardTrainer``) under a
     :class:`PairAudit`; return every update's error against the reference (rank 0 audits every rank's windows),
-    the reference losses and metrics, the logs, the pairs per update. ``lora``: TRL adds a LoRA adapter
-    (``peft_config``, the reward head trained in full: ``modules_to_save=["score"]``)."""
+    the reference losses and metrics, the logs, the pairs per update. ``options``: the fields of
+    :class:`RewardTrainerRun` (an unknown one is a ``TypeError``)."""
     from trl import RewardConfig
 
+    run = RewardTrainerRun(**options)
     model = reward_model(tokenizer)
     holder = copy.deepcopy(model)
-    if lora:
+    if run.lora:
         from peft import get_peft_model
 
         holder = get_peft_model(holder, lora_config())  # the trained weights are copied in from the audit
     args = RewardConfig(
-        output_dir=out_dir, per_device_train_batch_size=micro_batch, gradient_accumulation_steps=accumulation,
+        output_dir=out_dir, per_device_train_batch_size=run.micro_batch, gradient_accumulation_steps=run.accumulation,
         learning_rate=0.05, lr_scheduler_type="constant", max_grad_norm=0.0, bf16=False, report_to="none",
-        logging_steps=logging_steps, save_strategy="no", num_train_epochs=1, disable_tqdm=True,
-        center_rewards_coefficient=center_rewards_coefficient, gradient_checkpointing=False,
-        accelerator_config={"even_batches": even_batches}, ddp_find_unused_parameters=False, use_cpu=True,
+        logging_steps=run.logging_steps, save_strategy="no", num_train_epochs=1, disable_tqdm=True,
+        center_rewards_coefficient=run.center_rewards_coefficient, gradient_checkpointing=False,
+        accelerator_config={"even_batches": run.even_batches}, ddp_find_unused_parameters=False, use_cpu=True,
     )
     audit = PairAudit()
-    if lora:  # TRL wraps the model: its optimizer is built at train(), audited from there
+    if run.lora:  # TRL wraps the model: its optimizer is built at train(), audited from there
         args.optim = "sgd"
         trainer = trainer_cls(model, args=args, train_dataset=rows, processing_class=tokenizer,
                               peft_config=lora_config(), callbacks=[_AttachAudit(audit)])
@@ -179,10 +193,10 @@ def run_reward_trainer(trainer_cls: Any, rows: Any, tokenizer: Any, out_dir: str
     if dist.is_initialized() and dist.get_rank() != 0:  # every rank's windows are on rank 0: it audits
         return {"errors": [], "logs": [], "metrics": [], "pairs": [], "losses": [], "trainer": trainer}
     errors, losses, metrics = [], [], []
-    updates = update_pairs(audit.windows, distinct)
+    updates = update_pairs(audit.windows, run.distinct)
     for pairs, gradients, weights in zip(updates, audit.gradients, audit.weights):
         _load(holder, weights)
-        reference, loss = reference_gradient(holder, pairs, center_rewards_coefficient)
+        reference, loss = reference_gradient(holder, pairs, run.center_rewards_coefficient)
         errors.append(relative_error(gradients, reference))
         losses.append(loss)
         metrics.append(reference_metrics(holder, pairs))
