@@ -66,13 +66,13 @@ LOW_PRECISION_CHUNK_FACTOR = 3
 
 # Rows per chunk are a multiple of this when a chunk holds more: measured at N = 4096, H = 2048, V = 128256, fp32,
 # 2 threads (MKL), the chunked GEMMs cost 1.115x / 1.116x the unchunked floor at 384 / 512 rows but 1.146x /
-# 1.175x at 341 / 410 rows (benchmarks/README.md, section 15).
+# 1.175x at 341 / 410 rows (docs/measurements.md, section 15).
 GEMM_ROW_TILE = 128
 
 # On a CPU, a 4-byte head's chunk (vocab-major, ChunkBuffers) holds at least this many rows under the default budget:
 # each chunk passes once more over the weight and over its gradient, and at V = 262144 the 192 MiB budget alone gives
 # 128 fp32 rows (32 chunks at N = 4096): 1.32x the three bare GEMMs, against 1.15x / 1.10x with 256 / 384 rows
-# (H = 2048, 2 threads; benchmarks/README.md, section 15). At V = 128256 the budget already gives 384; above, the
+# (H = 2048, 2 threads; docs/measurements.md, section 15). At V = 128256 the budget already gives 384; above, the
 # chunk grows with the vocabulary as the logits path's own memory does (384 MiB at 262144: peak ~0.24x of it).
 MIN_CPU_CHUNK_ROWS = 384
 
