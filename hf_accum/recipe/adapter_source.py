@@ -14,7 +14,8 @@ This module owns, before anything loads:
   says otherwise is refused;
 * DPO's reference: the starting policy (the loaded adapter on), as TRL takes it for a pretrained adapter; the
   loop engine keeps the adapter on for its reference pass (:func:`hf_accum.recipe.reference.reference_mode`), the
-  trainer engine gets it from TRL's one-process precompute (several processes: refused);
+  trainer engine scores it with TRL's frozen copy of the adapter ("ref") in AccumDPOTrainer's precompute pass, on
+  any number of processes;
 * its provenance for ``metrics.json`` (:func:`provenance`).
 
 Every refusal is one line naming ``model.adapter`` and both sides (:class:`AdapterSourceError`).
@@ -109,20 +110,7 @@ def check_adapter(config: RecipeConfig) -> AdapterSource | None:
                                  "remove lora=null to train the adapter")
     _require_same_base(given, source, config)
     _adopt_lora_settings(given, source, config)
-    _require_a_starting_reference(given, config)
     return source
-
-
-def _require_a_starting_reference(given: str, config: RecipeConfig) -> None:
-    """DPO from a loaded adapter takes that starting policy as its reference. The trainer engine gets it from TRL's
-    precompute (its frozen copy of the adapter, "ref"), which the recipe runs on one process only (TRL 1.16 hands
-    the values between ranks through a dataset cache the recipe's in-memory data lacks); on several processes the
-    reference would silently be the base model instead."""
-    processes = int(os.environ.get("WORLD_SIZE", "1"))
-    if config.objective == "dpo" and config.engine == "trainer" and processes > 1:
-        raise AdapterSourceError(f"model.adapter={given!r} with objective=dpo engine=trainer on {processes} processes: "
-                                 "the reference (the starting adapter) is precomputed on one process only; use "
-                                 "engine=loop, or one process")
 
 
 def _require_same_base(given: str, source: AdapterSource, config: RecipeConfig) -> None:

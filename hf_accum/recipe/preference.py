@@ -10,8 +10,8 @@ its data (:func:`hf_accum.recipe.data.preference.load_preference_data`: pairs, n
   pairs, and chosen tokens for ``dpo.sft_weight``); the reference log-probs are computed once before training,
   with the LoRA adapter disabled, and cached beside the run (:func:`hf_accum.recipe.reference.reference_logps`);
 * ``trainer``: :class:`hf_accum.AccumDPOTrainer` with TRL's ``DPOConfig`` built from the training section and
-  the ``dpo`` section (the reference: the adapter disabled, its log-probs precomputed by TRL on one process,
-  computed with each micro-batch on several: :func:`dpo_config`).
+  the ``dpo`` section (the reference: the adapter disabled, or the loaded adapter with ``model.adapter``; its
+  log-probs precomputed once before training, on any number of processes: :func:`dpo_config`).
 
 Refused with ``objective: dpo`` (exit 2, before any model loads): what has not been built or tested for pairs
 (packing, sequence normalization, token-budget windows, batch ramp-up, noise scale, DeepSpeed, FSDP).
@@ -74,16 +74,16 @@ def dpo_config(config: RecipeConfig, args: Any) -> Any:
     """TRL's ``DPOConfig``: every ``TrainingArguments`` value the recipe resolved (``args``: DPOConfig's own
     defaults, e.g. bf16 and learning_rate 1e-6, never apply), the ``dpo`` section and ``data.max_length``.
 
-    The reference log-probs (the adapter disabled) are precomputed once on one process. On several, TRL's precompute
-    hands its result from rank 0 to the others through the dataset's cache directory, which the recipe's in-memory
-    dataset lacks (each process gets its own temporary one: FileNotFoundError on rank 1, TRL 1.16): the reference
-    forward then runs with every micro-batch instead."""
+    The reference log-probs (the adapter disabled; with ``model.adapter``, TRL's frozen copy of the loaded adapter)
+    are precomputed once, in the trainer's constructor, on every process: AccumDPOTrainer keeps them in memory on
+    each rank (TRL 1.16's own precompute hands them between ranks through a dataset cache file that the recipe's
+    in-memory dataset lacks: FileNotFoundError on rank 1), so no reference forward runs with the micro-batches."""
     from transformers import TrainingArguments
     from trl import DPOConfig
 
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainingArguments) if f.init}
     return DPOConfig(**values, **trl_settings(config.dpo), max_length=config.data.max_length,
-                     precompute_ref_log_probs=args.world_size == 1,
+                     precompute_ref_log_probs=True,
                      precompute_ref_batch_size=args.per_device_eval_batch_size)
 
 
@@ -109,9 +109,10 @@ def train_dpo_with_trainer(model: Any, tokenizer: Any, data: Any, collator: Any,
         accumulation=record.config.accumulation,  # the recipe's section is the trainer's settings (hf_accum.settings)
     )
     if "ref" in getattr(trainer.model, "peft_config", {}):
-        # TRL copies an already-wrapped model's adapter as a "ref" adapter; the recipe's reference is the base model
-        # (the adapter disabled, TRL's choice when there is no "ref"), as in the loop engine. And PEFT cannot save a
-        # model whose second adapter lacks the modules_to_save copies (KeyError 'modules_to_save.ref.weight').
+        # TRL copies an already-wrapped model's adapter as a "ref" adapter, and the constructor has scored the
+        # reference with it (precompute_ref_log_probs): a fresh adapter's copy is the base model, as in the loop
+        # engine; a loaded one's (model.adapter) the starting policy. It is not needed after that, and PEFT cannot
+        # save a model whose second adapter lacks the modules_to_save copies (KeyError 'modules_to_save.ref.weight').
         trainer.model.delete_adapter("ref")
     check_engine(trainer.accelerator, launch)
     trainer.train(resume_from_checkpoint=resume)
