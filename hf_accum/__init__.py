@@ -41,6 +41,7 @@ _LAZY = {
     "linear_cross_entropy_sum": "fused.loss",
     "count_targets": "losses.token_loss", "infer_loss_kind": "losses.token_loss", "token_loss_sum": "losses.token_loss",
     "LoopConfig": "loop", "TrainResult": "loop", "UpdateLog": "loop", "train": "loop",
+    "AccumulationSettings": "settings",
     "BatchPlan": "planning.schedule", "create_update_scheduler": "planning.schedule", "plan_global_batch":
     "planning.schedule", "planned_updates": "planning.schedule",
     # The trainers import transformers.Trainer (heavy) and TRL (optional).
@@ -61,6 +62,7 @@ _REFUSED = {
 __version__ = "0.1.0"
 
 __all__ = [
+    "AccumulationSettings",
     "DPOPairLoss",
     "EXIT_INTERRUPTED",
     "EXIT_PREEMPTED",
@@ -136,6 +138,9 @@ def _defining_module(key: str) -> ModuleType:
         case "planning.schedule":
             from hf_accum.planning import schedule
             return schedule
+        case "settings":
+            from hf_accum import settings
+            return settings
     return _trl_drop_in(key)
 
 
