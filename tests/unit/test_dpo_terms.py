@@ -111,4 +111,4 @@ def test_pair_losses_are_trls_formulas():
 def test_a_token_budget_is_refused_for_a_pair_loss():
     config = LoopConfig(tokens_per_update=64).validate()
     with pytest.raises(LoopConfigError, match="counts pairs"):
-        _micro_batch_loss(tiny_causal_lm(), config, DPOPairLoss(), SimpleNamespace(distributed_type="NO"))
+        _micro_batch_loss(tiny_causal_lm(), config, DPOPairLoss())
