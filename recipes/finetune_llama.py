@@ -11,11 +11,10 @@ and after. Outputs (adapter, resolved config, metrics JSON, loss/LR plot) go to 
 
 This file is the training, top to bottom: config -> tokenizer and data -> model -> one of two
 engines (the table ENGINES below) -> evaluation -> outputs. Copy it to make your own recipe; the
-helpers it calls stay in the recipe kit, hf_accum.recipe (config, data, modeling, launch, outputs).
+helpers it calls stay in the recipe kit, hf_accum.recipe (config, data, modeling, launch, held_out,
+outputs).
 """
 
-import contextlib
-import os
 import sys
 import time
 from dataclasses import asdict
@@ -36,14 +35,13 @@ from transformers import set_seed  # noqa: E402
 from hf_accum import AccumTrainer, LoopConfig, train  # noqa: E402
 from hf_accum.batching import PackingCollator, PaddingCollator  # noqa: E402
 from hf_accum.control import NonFiniteLossError, TrainingStopped  # noqa: E402
-from hf_accum.distributed import (  # noqa: E402
-    fsdp_unsharded_root, is_fsdp_sharded, is_partitioned, leave_process_group,
-)
+from hf_accum.distributed import leave_process_group  # noqa: E402
 from hf_accum.recipe.checks import load_recipe_config  # noqa: E402
 from hf_accum.recipe.config import valid_keys  # noqa: E402
 from hf_accum.planning.auto_ramp import describe_auto_plan, is_auto  # noqa: E402
 from hf_accum.planning.schedule import BatchPlan  # noqa: E402
-from hf_accum.recipe.data import exact_match, load_tokenizer_and_data  # noqa: E402
+from hf_accum.recipe.data import load_tokenizer_and_data  # noqa: E402
+from hf_accum.recipe.held_out import evaluate, score_before_training  # noqa: E402
 from hf_accum.recipe.launch import (  # noqa: E402
     check_engine, check_launch, check_offload_optimizer, fsdp_training_arguments, launch_line, loop_accelerator,
     loop_fsdp_options, start_process_group,
@@ -52,12 +50,11 @@ from hf_accum.recipe.adapter_source import provenance as adapter_provenance  # n
 from hf_accum.recipe.modeling import build_model, trainable_summary  # noqa: E402
 from hf_accum.recipe.preference import Objective, dpo_objective  # noqa: E402
 from hf_accum.recipe.outputs import (  # noqa: E402
-    EVAL_BEFORE_NAME, RunRecord, barrier, check_output_dir, claim_output_dir, describe_trainable,
-    disk_full_is_one_line, percent, probe_writable, quiet_third_party_warnings, run_cli, save_eval_before,
-    save_outputs, saved_eval_before, say,
+    RunRecord, barrier, check_output_dir, claim_output_dir, describe_trainable, disk_full_is_one_line, percent,
+    probe_writable, quiet_third_party_warnings, run_cli, save_eval_before, save_outputs, say,
 )
-from hf_accum.recipe.progress import launcher_defaults_note, phase_bar, ticking  # noqa: E402
-from hf_accum.recipe.resume import check_resume_fits, resume_checkpoint  # noqa: E402
+from hf_accum.recipe.progress import launcher_defaults_note, ticking  # noqa: E402
+from hf_accum.recipe.resume import check_resume_fits, checkpoint_step, resume_checkpoint  # noqa: E402
 from hf_accum.measure.peak_memory import describe as describe_peak_memory, largest_over_ranks, peak_memory  # noqa: E402
 from hf_accum.checkpointing.run_lock import run_lock  # noqa: E402
 
@@ -154,28 +151,6 @@ ENGINES = {
 }
 
 
-def evaluate(model, tokenizer, data, config, args, when=""):
-    """Held-out exact match of the greedy answer, returned on the main process (None elsewhere), with a progress
-    bar of the rows (``when``: "before training" / "after training").
-
-    A whole model is scored by the main process alone. A ZeRO-3-partitioned one gathers its
-    parameters in every forward, so every rank generates the same answers in step (synced_gpus);
-    before training, a model partitioned at load (trainer engine) has no DeepSpeed hooks yet to
-    gather with, and is not scored."""
-    # FSDP2 (DTensor parameters) gathers in every forward too: every rank generates, in step.
-    partitioned = is_partitioned(model) or is_fsdp_sharded(model)
-    hooked = is_fsdp_sharded(model) or hasattr(model, "ds_id")  # DeepSpeed numbers the modules it hooks
-    if not data.eval_rows or (partitioned and not hooked) or (not partitioned and args.process_index != 0):
-        return None
-    with (fsdp_unsharded_root(model) if is_fsdp_sharded(model) else contextlib.nullcontext(),
-          phase_bar(len(data.eval_rows), f"held-out exact match {when}".strip()) as advance):
-        score = exact_match(
-            model, tokenizer, data.eval_rows, config.data.eval_max_new_tokens,
-            batch_size=args.per_device_eval_batch_size, on_rows=advance, synced_gpus=partitioned,
-        )
-    return score if args.process_index == 0 else None
-
-
 def data_facts(data) -> dict:
     held_out = len(data.held_out.examples) if data.held_out else 0
     return {"format": data.format, "train_examples": len(data.train.examples), "truncated": data.train.truncated,
@@ -211,24 +186,7 @@ def main(argv):
 
 
 def run(config):
-    launch = check_launch(config.training)  # no silent fallback (FSDP on CPU, fewer processes...)
-    given, out = config.training.get("resume_from_checkpoint"), config.training["output_dir"]
-    state = check_output_dir(config, resume=bool(given))  # another run's directory, a finished run: refused
-    # Activation checkpointing is set up on the model below (before PEFT wraps it): not by Trainer again.
-    # The loop engine builds its own DeepSpeed Accelerator (train_with_loop): TrainingArguments must not.
-    # Under FSDP, activation checkpointing goes through FSDP's plugin (fsdp_config), not the model.
-    args = config.training_arguments(activation_checkpointing=False, gradient_checkpointing=None,
-                                     resume_from_checkpoint=None,
-                                     deepspeed=config.training.get("deepspeed") if config.engine == "trainer" else None,
-                                     **fsdp_training_arguments(config.training, launch))
-    start_process_group(args, launch)  # before any model load (a quantized one, ZeRO-3's zero.Init)
-    say(f"engine {config.engine}: {launch_line(args, launch)}")
-    precision = ("bf16 mixed precision, training.bf16" if args.bf16 else "fp16 mixed precision, training.fp16"
-                 if args.fp16 else f"no mixed precision, weights in {config.model.dtype}")
-    if note := launcher_defaults_note(precision):
-        say(note)  # after accelerate launch's own warning that it used defaults (it prints before this process)
-    resume = resume_checkpoint(given, out, state)  # None: a fresh start; rank 0 verifies, every rank decides alike
-    check_resume_fits(resume, args, deepspeed=launch.backend == "deepspeed")  # batch arithmetic, engine files
+    launch, args, state, resume = start(config)
     objective = OBJECTIVES[config.objective]
     train_engine = objective.engines[config.engine][0]
     record = RunRecord(config, started=START)
@@ -282,28 +240,28 @@ def run(config):
     return record.metrics()
 
 
-def score_before_training(objective, model, tokenizer, data, config, args, resuming):
-    """The held-out metric before training, printed: scored once per output directory (a resumed run reads back
-    what its first start scored), or skipped (data.eval_before=false)."""
-    name = f"held-out {objective.metric} before training"
-    if not config.data.eval_before:
-        say(f"{name}: skipped (data.eval_before=false)")
-        return None
-    found, before = saved_eval_before(config) if resuming else (False, None)
-    if found:
-        say(f"{name}: {objective.score(before)} (scored at this run's first start, kept in {EVAL_BEFORE_NAME})")
-        return before
-    before = objective.evaluate(model, tokenizer, data, config, args, "before training")
-    why = " (ZeRO-3 partitioned the model as it loaded: scored after training)" if (
-        before is None and data.eval_rows and is_partitioned(model)) else ""
-    say(f"{name}: {objective.score(before)}{why}")
-    return before
-
-
-def checkpoint_step(checkpoint):
-    """The update a checkpoint directory (``checkpoint-N``) was written after; 0 for None (a fresh start)."""
-    name = os.path.basename(os.path.normpath(checkpoint)) if checkpoint else ""
-    return int(name.rsplit("-", 1)[1]) if name.startswith("checkpoint-") and name.rsplit("-", 1)[1].isdigit() else 0
+def start(config):
+    """1b. Launch: what was asked checked against what would run, the TrainingArguments, the process group, and the
+    checkpoint this run resumes (None: a fresh start)."""
+    launch = check_launch(config.training)  # no silent fallback (FSDP on CPU, fewer processes...)
+    given, out = config.training.get("resume_from_checkpoint"), config.training["output_dir"]
+    state = check_output_dir(config, resume=bool(given))  # another run's directory, a finished run: refused
+    # Activation checkpointing is set up on the model below (before PEFT wraps it): not by Trainer again.
+    # The loop engine builds its own DeepSpeed Accelerator (train_with_loop): TrainingArguments must not.
+    # Under FSDP, activation checkpointing goes through FSDP's plugin (fsdp_config), not the model.
+    args = config.training_arguments(activation_checkpointing=False, gradient_checkpointing=None,
+                                     resume_from_checkpoint=None,
+                                     deepspeed=config.training.get("deepspeed") if config.engine == "trainer" else None,
+                                     **fsdp_training_arguments(config.training, launch))
+    start_process_group(args, launch)  # before any model load (a quantized one, ZeRO-3's zero.Init)
+    say(f"engine {config.engine}: {launch_line(args, launch)}")
+    precision = ("bf16 mixed precision, training.bf16" if args.bf16 else "fp16 mixed precision, training.fp16"
+                 if args.fp16 else f"no mixed precision, weights in {config.model.dtype}")
+    if note := launcher_defaults_note(precision):
+        say(note)  # after accelerate launch's own warning that it used defaults (it prints before this process)
+    resume = resume_checkpoint(given, out, state)  # None: a fresh start; rank 0 verifies, every rank decides alike
+    check_resume_fits(resume, args, deepspeed=launch.backend == "deepspeed")  # batch arithmetic, engine files
+    return launch, args, state, resume
 
 
 def announce_config(config, honoured):

@@ -9,6 +9,7 @@ any model loads (:func:`check_resume_fits`).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from hf_accum.checkpointing.checkpoint import (
@@ -61,3 +62,9 @@ def check_resume_fits(checkpoint: str | None, args: Any, deepspeed: bool) -> Non
     plan = BatchPlan(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.world_size)
     check_resume_plan(checkpoint, plan, same_global_batch_ok=args.auto_find_batch_size)
     say(f"resuming from {checkpoint}")
+
+
+def checkpoint_step(checkpoint: str | None) -> int:
+    """The update a checkpoint directory (``checkpoint-N``) was written after; 0 for None (a fresh start)."""
+    name = os.path.basename(os.path.normpath(checkpoint)) if checkpoint else ""
+    return int(name.rsplit("-", 1)[1]) if name.startswith("checkpoint-") and name.rsplit("-", 1)[1].isdigit() else 0
