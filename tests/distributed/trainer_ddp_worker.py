@@ -15,7 +15,9 @@ rank's micro-batches). Rank 0 writes ``{job: result}`` to ``argv[1]``; the tests
   (hf_accum/testing/grpo_reference.py), the ranks' completion token counts several-fold apart;
 * ``reward``: reward models on ranks holding 8 and 7 pairs: AccumRewardTrainer (Bradley-Terry; margins and
   centering), an evaluation with Accelerate's repeated pairs, the loop with ``RewardPairLoss``, stock
-  ``RewardTrainer`` with ``even_batches=True`` (a repeated pair) as the negative control.
+  ``RewardTrainer`` with ``even_batches=True`` (a repeated pair) as the negative control;
+* ``dpo_precompute``: AccumDPOTrainer's precomputed reference log-probs with a dataset built in memory, uneven ranks,
+  against the live reference; stock ``DPOTrainer`` (FileNotFoundError on rank 1) as the negative control.
 
 Run as ``torchrun --nproc_per_node 2 tests/distributed/trainer_ddp_worker.py OUT.json``.
 """
@@ -37,6 +39,7 @@ from transformers import Trainer
 from hf_accum import AccumTrainer
 from hf_accum.distributed import leave_process_group
 from hf_accum.testing import Scenario, independent_mean_loss, run_trainer
+from hf_accum.testing.cases.dpo_precompute_case import dpo_precompute
 from hf_accum.testing.cases.trainer_ddp_case import EVAL_BATCH, EVAL_ROWS, scenario
 from hf_accum.testing.jobs import run_job_table
 
@@ -124,8 +127,8 @@ def dpo(out_dir: str) -> dict:
         "accum_sigmoid_sft": (AccumDPOTrainer, sigmoid_sft, False),
         "stock_even_batches": (DPOTrainer, sigmoid_sft, True),
     }
-    # On disk, so that TRL's precomputed reference log-probs are cached where every rank finds them (an in-memory
-    # dataset caches them in a temporary directory of rank 0's own).
+    # On disk: a dataset with cache files (job dpo_precompute covers one built in memory, where stock TRL's
+    # precompute fails on rank 1).
     PartialState(cpu=True)  # the process group (gloo), as the trainers will find it
     rows_dir = os.path.join(out_dir, "rows")
     if dist.get_rank() == 0:
@@ -252,7 +255,8 @@ def _evaluate_repeated(trainer) -> dict:
             "evaluated_pairs": sum(batch["input_ids"].shape[0] // 2 for batch in batches)}
 
 
-JOBS = {"trainer_ddp": trainer_ddp, "sft": sft, "dpo": dpo, "grpo": grpo, "reward": reward}
+JOBS = {"trainer_ddp": trainer_ddp, "sft": sft, "dpo": dpo, "grpo": grpo, "reward": reward,
+        "dpo_precompute": dpo_precompute}  # hf_accum/testing/cases/dpo_precompute_case.py
 
 
 if __name__ == "__main__":
