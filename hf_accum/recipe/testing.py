@@ -1,8 +1,9 @@
 """Test support for the recipe kit: run ``recipes/finetune_llama.py`` of this checkout as a user does (a
 subprocess under python, ``accelerate launch`` or torchrun) or in-process through the kit's exit-code wrapper,
-and read what it wrote. Shared by the recipe's test files (tests/integration/test_recipe*.py,
-test_noise_scale_recipe.py); it lives in the kit, not in :mod:`hf_accum.testing`, because the library never
-imports the kit. Needs the repository checkout (the script is not installed).
+and read what it wrote. THE one runner of the suite: every test that starts the recipe builds its command line
+with :func:`recipe_command` and starts it with :func:`run_script` (to its end) or :func:`start_script` (to
+signal it, or run another beside it). It lives in the kit, not in :mod:`hf_accum.testing`, because the library
+never imports the kit. Needs the repository checkout (the script is not installed).
 
 Retries: a 2-process launch is run a second time only for one named upstream failure, the gloo abort at
 interpreter exit (:data:`hf_accum.testing.launch.EXIT_ABORT_SIGNATURE`) after the run wrote its metrics, and the
@@ -12,13 +13,16 @@ that raised) fails at once: retrying it would hide an intermittent fault of the 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import warnings
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
@@ -37,26 +41,54 @@ ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
 TORCHRUN_2 = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone"]
 
 
-def run_script(launcher: list[str], out: Any, *overrides: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    """Run the recipe script; it must exit 0. A 2-process launch whose ranks wrote the run's metrics and then
+RECIPE_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+
+
+def recipe_env() -> dict[str, str]:
+    """This process's environment with one torch thread and no hub (what every recipe run of the suite gets)."""
+    return {**os.environ, **RECIPE_ENV}
+
+
+def recipe_arguments(out: Any, *overrides: str, small: Sequence[str] = SMALL) -> list[str]:
+    """The recipe's arguments: ``SMALL training.output_dir=OUT OVERRIDES`` (a later key wins)."""
+    return [*small, f"training.output_dir={out}", *overrides]
+
+
+def recipe_command(launcher: Sequence[str], out: Any, *overrides: str, small: Sequence[str] = SMALL) -> list[str]:
+    """``launcher recipes/finetune_llama.py SMALL training.output_dir=OUT OVERRIDES``."""
+    return [*launcher, SCRIPT, *recipe_arguments(out, *overrides, small=small)]
+
+
+def start_script(launcher: Sequence[str], out: Any, *overrides: str,
+                 small: Sequence[str] = SMALL) -> subprocess.Popen[str]:
+    """Start the recipe script and return at once, its output piped (a test that signals the run, or starts a
+    second run beside it)."""
+    return subprocess.Popen(recipe_command(launcher, out, *overrides, small=small), cwd=ROOT, env=recipe_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def run_script(launcher: Sequence[str], out: Any, *overrides: str, small: Sequence[str] = SMALL,
+               timeout: int = 240, check: bool = True) -> subprocess.CompletedProcess:
+    """Run the recipe script to its end; with ``check`` it must exit 0 (else the process is returned whatever its
+    exit code, for a test of a refusal or a kill). A 2-process launch whose ranks wrote the run's metrics and then
     failed with the gloo abort at exit is run once more from the same starting files (its output directory as
     it was before), with a warning carrying the first output; every other failure raises at once."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    cmd = [*launcher, SCRIPT, *SMALL, f"training.output_dir={out}", *overrides]
+    cmd = recipe_command(launcher, out, *overrides, small=small)
+    two_processes = list(launcher) == TORCHRUN_2
     with tempfile.TemporaryDirectory() as saved:
         before = os.path.join(saved, "out")
-        if launcher == TORCHRUN_2 and os.path.isdir(out):
+        if two_processes and os.path.isdir(out):
             shutil.copytree(out, before, symlinks=True)
         metrics_before = _modified(out)
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        if launcher == TORCHRUN_2 and _aborted_at_exit(proc, out, metrics_before):
+        proc = subprocess.run(cmd, cwd=ROOT, env=recipe_env(), capture_output=True, text=True, timeout=timeout)
+        if two_processes and _aborted_at_exit(proc, out, metrics_before):
             warnings.warn("recipe run retried after a rank aborted at exit (gloo, after the metrics were "
                           f"written):\n{proc.stderr[-3000:]}", stacklevel=2)
             shutil.rmtree(out, ignore_errors=True)
             if os.path.isdir(before):
                 shutil.copytree(before, out, symlinks=True)
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
+            proc = subprocess.run(cmd, cwd=ROOT, env=recipe_env(), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)}\n--- stdout\n{proc.stdout[-3000:]}\n{_stderr_by_rank(proc.stderr)}")
     return proc
 
@@ -108,6 +140,16 @@ def load_script() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def run_main(*argv: str) -> subprocess.CompletedProcess:
+    """The recipe's ``main`` in THIS process through the kit's exit-code wrapper, as ``python finetune_llama.py
+    ARGV`` would exit (2 for bad input, one ``error:`` line): its exit code and what it printed, as a finished
+    process (no process started: for tests/unit, and wherever a process of its own would show nothing more)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = run_outputs.run_cli(load_script().main, list(argv), bad_input=BAD_INPUT)
+    return subprocess.CompletedProcess([SCRIPT, *argv], code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def fails_cleanly(argv: list[str], out: Any, capsys: Any, must_not_exist: bool = True) -> str:

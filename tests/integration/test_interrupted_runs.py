@@ -42,7 +42,15 @@ from hf_accum.checkpointing.checkpoint import (
 from hf_accum.checkpointing.manifest import verify_checkpoint
 from hf_accum.checkpointing.run_lock import LOCK_NAME
 from hf_accum.control import CTRL_C_NOTE, EXIT_INTERRUPTED, EXIT_PREEMPTED
-from hf_accum.recipe.testing import ROOT, SCRIPT, SMALL, TORCHRUN_2
+from hf_accum.recipe.testing import (
+    PYTHON,
+    ROOT,
+    TORCHRUN_2,
+    recipe_arguments,
+    recipe_command,
+    recipe_env,
+    run_script,
+)
 from hf_accum.testing import cases
 from hf_accum.testing.interruptions import (
     Terminal,
@@ -185,10 +193,9 @@ def type_ctrl_c_into_a_recipe_run(tmp_path, launcher: str, ctrl_c: int) -> dict:
     and, when ``ctrl_c`` is 2, again in the middle of writing checkpoint-3."""
     out, report = tmp_path / "run", tmp_path / "report"
     report.mkdir()
-    command = [*CTRL_C_LAUNCHERS[launcher], CTRL_C_WORKER, str(report), *SMALL, "training.max_steps=6",
-               "training.save_steps=2", f"training.output_dir={out}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    terminal = Terminal(command, env, ROOT)
+    command = [*CTRL_C_LAUNCHERS[launcher], CTRL_C_WORKER, str(report),
+               *recipe_arguments(out, "training.max_steps=6", "training.save_steps=2")]
+    terminal = Terminal(command, recipe_env(), ROOT)
     try:
         in_update_3 = terminal.wait_for("ctrl-c test: rank 0 paused in update 3", timeout=300)
         terminal.type_ctrl_c()
@@ -237,11 +244,8 @@ def test_ctrl_c_twice_aborts_the_checkpoint_and_keeps_the_previous_one(tmp_path,
     verdict = verify_checkpoint(os.path.join(run["out"], "checkpoint-2"), collective=False)
     assert verdict.ok and verdict.has_manifest, verdict
     if launcher == "accelerate_launch":  # and it resumes: the same command continues from it
-        resumed = subprocess.run([sys.executable, SCRIPT, *SMALL, "training.max_steps=6", "training.save_steps=2",
-                                  f"training.output_dir={run['out']}", "training.resume_from_checkpoint=true"],
-                                 cwd=ROOT, capture_output=True, text=True, timeout=300,
-                                 env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
-        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        resumed = run_script(PYTHON, run["out"], "training.max_steps=6", "training.save_steps=2",
+                             "training.resume_from_checkpoint=true", timeout=300)
         assert f"resuming from {os.path.join(run['out'], 'checkpoint-2')}" in resumed.stdout + resumed.stderr
 
 
@@ -259,10 +263,8 @@ def test_ctrl_c_once_under_accelerate_launch_saves_and_the_launcher_waits(tmp_pa
 def test_under_accelerate_launch_the_run_holds_the_terminal_while_training_only(tmp_path):
     """The terminal's foreground: the script's own process group while it trains (Ctrl-Z refused there, with a
     line), the launcher's again once training ends; the run completes as usual."""
-    command = [*CTRL_C_LAUNCHERS["accelerate_launch"], SCRIPT, *SMALL, "training.max_steps=8",
-               f"training.output_dir={tmp_path / 'run'}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    terminal = Terminal(command, env, ROOT)
+    command = recipe_command(CTRL_C_LAUNCHERS["accelerate_launch"], tmp_path / "run", "training.max_steps=8")
+    terminal = Terminal(command, recipe_env(), ROOT)
     try:
         in_training = terminal.wait_for("update 1 |", timeout=300)
         foreground_in_training = os.tcgetpgrp(terminal.master)

@@ -11,16 +11,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from hf_accum.losses.token_loss import IGNORE_INDEX
+from hf_accum.recipe.testing import PYTHON, ROOT, run_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "recipes", "finetune_llama.py")
 CONFIG = os.path.join(ROOT, "recipes", "configs", "smollm2_135m_cpu.yaml")
 
 pytestmark = pytest.mark.skipif(
@@ -124,12 +121,8 @@ def test_recipe_fine_tunes_smollm2_and_the_loss_falls(engine, smollm2_dir, tmp_p
         "training.per_device_train_batch_size=2", "data.num_train_examples=24", "data.num_eval_examples=4",
         "data.max_eval_examples=4", "data.eval_max_new_tokens=4", "data.max_length=96", "training.logging_steps=1",
         "training.learning_rate=2.0e-3", "training.warmup_steps=0", "lora.r=8", "lora.lora_alpha=16",
-        f"training.output_dir={out}",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, SCRIPT, "--config", CONFIG, *overrides], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_script(PYTHON, out, "--config", CONFIG, *overrides, small=(), timeout=1500)
     metrics = json.loads((out / "metrics.json").read_text())
     losses = [update["loss"] for update in metrics["updates"]]
     assert len(losses) == 6

@@ -7,7 +7,6 @@ import json
 import math
 import os
 import re
-import subprocess
 import tempfile
 
 import pytest
@@ -22,13 +21,13 @@ from hf_accum.recipe.testing import (
     BAD_INPUT,
     PYTHON,
     ROOT,
-    SCRIPT,
     SMALL,
     TORCHRUN_2,
     fails_cleanly,
     load_script,
     read_metrics,
     run_script,
+    start_script,
     write,
 )
 
@@ -213,9 +212,7 @@ def test_two_processes_without_use_cpu_on_a_cpu_machine_stop_before_loading(tmp_
     if gpu_like_device_available():
         pytest.skip("a GPU is present: Accelerate counts the processes without use_cpu")
     out = tmp_path / "no_use_cpu"
-    cmd = [*TORCHRUN_2, SCRIPT, *SMALL, f"training.output_dir={out}", "training.use_cpu=false"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_script(TORCHRUN_2, out, "training.use_cpu=false", timeout=300, check=False)
     assert proc.returncode != 0
     assert "the launcher started 2 processes but the process group holds 1" in proc.stderr
     assert "training.use_cpu=true" in proc.stderr
@@ -399,12 +396,10 @@ def test_sigterm_then_the_same_command_with_resume_reproduces_the_uninterrupted_
     from hf_accum.control import EXIT_PREEMPTED
 
     overrides = ["training.max_steps=6", "training.save_steps=2", "data.num_eval_examples=2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     reference = tmp_path / "uninterrupted"
     run_script(PYTHON, reference, *overrides)
     out = tmp_path / "interrupted"
-    command = [*PYTHON, SCRIPT, *SMALL, f"training.output_dir={out}", *overrides]
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = start_script(PYTHON, out, *overrides)
     deadline = time.time() + 240
     while not (out / "checkpoint-2").is_dir() and process.poll() is None and time.time() < deadline:
         time.sleep(0.2)

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,10 +17,7 @@ from hf_accum.recipe import config as recipe_config
 from hf_accum.recipe.data import DataError
 from hf_accum.recipe.data.preference import labelled, load_preference_data
 from hf_accum.recipe.data.splits import load_splits
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "recipes", "finetune_llama.py")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+from hf_accum.recipe.testing import ACCELERATE, PYTHON, ROOT, read_metrics, run_script
 
 
 def write_rows(path, rows) -> str:
@@ -214,9 +209,7 @@ def test_objective_dpo_without_a_config_loads_the_embedded_dpo_default():
 @pytest.mark.slow  # more than a few seconds (a subprocess, a real model or a whole bench run): CI only
 def test_a_bad_dpo_value_exits_2_before_any_model_loads(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, SCRIPT, "objective=dpo", "dpo.loss_type=aot_unpaired",
-                           f"training.output_dir={out}"], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                          timeout=120)
+    proc = run_script(PYTHON, out, "objective=dpo", "dpo.loss_type=aot_unpaired", small=(), timeout=120, check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "dpo.loss_type='aot_unpaired'" in proc.stderr + proc.stdout
     assert not out.exists()
@@ -274,17 +267,13 @@ def test_reference_logps_use_the_base_model_and_are_cached_reused_and_invalidate
 
 # -- end to end ------------------------------------------------------------------------------------------------------
 
-SMALL = ["objective=dpo", "data.num_train_examples=64", "data.num_eval_examples=16", "training.max_steps=3",
-         "training.logging_steps=1", "training.per_device_train_batch_size=4", "global_batch_size=8"]
+DPO_SMALL = ["objective=dpo", "data.num_train_examples=64", "data.num_eval_examples=16", "training.max_steps=3",
+             "training.logging_steps=1", "training.per_device_train_batch_size=4", "global_batch_size=8"]
 
 
 def run_recipe(out, *overrides):
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", SCRIPT, *SMALL, f"training.output_dir={out}",
-           *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    with open(os.path.join(out, "metrics.json")) as handle:
-        return proc, json.load(handle)
+    proc = run_script(ACCELERATE, out, *overrides, small=DPO_SMALL, timeout=300)
+    return proc, read_metrics(out)
 
 
 @pytest.mark.slow

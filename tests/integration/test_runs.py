@@ -37,21 +37,19 @@ from hf_accum.checkpointing.manifest import MANIFEST_FILE, CheckpointCorrupt, ve
 from hf_accum.control import NonFiniteLossError, TrainingStopped
 from hf_accum.errors import EXIT_BAD_INPUT, EXIT_DISK_FULL, EXIT_NONFINITE, EXIT_PREEMPTED
 from hf_accum.recipe import outputs as run_outputs
+from hf_accum.recipe.testing import PYTHON, SMALL, TORCHRUN_2, recipe_env, run_script, start_script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-SCRIPT = os.path.join(ROOT, "recipes", "finetune_llama.py")
-SMALL = ["data.num_train_examples=240", "data.num_eval_examples=4", "training.logging_steps=1"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+# The suite's short run, with 4 held-out examples (their generation is most of a short run's evaluation).
+RUNS_SMALL = [*SMALL, "data.num_eval_examples=4"]
+ENV = recipe_env()
 ADAPTER = "adapter_model.safetensors"
 
 
-def command(out, *overrides: str, launcher: tuple[str, ...] = (sys.executable,)) -> list[str]:
-    return [*launcher, SCRIPT, *SMALL, f"training.output_dir={out}", *overrides]
-
-
-def run(out, *overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(command(out, *overrides), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+def run(out, *overrides: str, launcher: list[str] = PYTHON, timeout: int = 300) -> subprocess.CompletedProcess:
+    """The recipe run to its end, whatever its exit code."""
+    return run_script(launcher, out, *overrides, small=RUNS_SMALL, timeout=timeout, check=False)
 
 
 def succeeded(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -190,9 +188,8 @@ def test_the_write_probe_has_no_name_a_kill_could_leave_behind(tmp_path, monkeyp
 @pytest.mark.slow
 def test_a_second_run_on_a_running_runs_directory_is_refused_and_the_first_is_unharmed(tmp_path):
     out = tmp_path / "run"
-    first = subprocess.Popen(command(out, "training.max_steps=6", "training.save_steps=2",
-                                     "training.learning_rate=0.001"),
-                             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = start_script(PYTHON, out, "training.max_steps=6", "training.save_steps=2", "training.learning_rate=0.001",
+                         small=RUNS_SMALL)
     deadline = time.time() + 240
     while not (out / run_lock.LOCK_NAME).exists() and first.poll() is None and time.time() < deadline:
         time.sleep(0.05)
@@ -380,8 +377,7 @@ def test_killed_in_its_first_checkpoint_write_the_same_command_with_resume_train
     overrides = (f"engine={engine}", "training.max_steps=4", "training.save_steps=2",
                  "training.resume_from_checkpoint=true")
     killer = [sys.executable, "-c", KILLED_IN_FIRST_SAVE.format(tests=HERE)]
-    killed = subprocess.run(command(out, *overrides, launcher=tuple(killer)), cwd=ROOT, env=ENV,
-                            capture_output=True, text=True, timeout=300)
+    killed = run(out, *overrides, launcher=killer)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert (out / ".staging-checkpoint-2").is_dir() and not (out / "checkpoint-2").exists()
     proc = succeeded(run(out, *overrides))  # the requeue: exactly the same command
@@ -470,10 +466,8 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_and_torchrun_exits_1(tmp_pat
     checkpoint and exit 75; torchrun itself then exits 1 (its agent re-raises the signal). The same command with
     training.resume_from_checkpoint=true completes the run."""
     out = tmp_path / "run"
-    launcher = (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone")
     overrides = ("training.max_steps=30", "training.save_steps=2")
-    process = subprocess.Popen(command(out, *overrides, launcher=launcher), cwd=ROOT, env=ENV,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = start_script(TORCHRUN_2, out, *overrides, small=RUNS_SMALL)
     deadline = time.time() + 240
     while not (out / "checkpoint-2").is_dir() and process.poll() is None and time.time() < deadline:
         time.sleep(0.2)
@@ -485,9 +479,7 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_and_torchrun_exits_1(tmp_pat
     assert "training.resume_from_checkpoint=true" in stops[0]
     latest = verified_resume_checkpoint(str(out))
     assert latest is not None and not (out / run_outputs.METRICS_NAME).exists()
-    resumed = subprocess.run(command(out, *overrides, "training.resume_from_checkpoint=true", launcher=launcher),
-                             cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    succeeded(resumed)
+    resumed = succeeded(run(out, *overrides, "training.resume_from_checkpoint=true", launcher=TORCHRUN_2))
     assert f"resuming from {latest}" in resumed.stdout
     assert len(json.loads((out / run_outputs.METRICS_NAME).read_text())["updates"]) == 30
 

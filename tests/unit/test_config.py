@@ -572,22 +572,17 @@ def test_a_complete_model_directory_passes(tmp_path):
     assert resolved([f"model.name_or_path={path}"], tmp_path=tmp_path).model.name_or_path == path
 
 
-# -- the same, as a user runs it: the recipe exits 2 with one line, before loading or writing anything
+# -- the same through the recipe's main (in this process): exit 2 with one line, before loading or writing anything
 
 
 def run_recipe(tmp_path, *overrides):
-    import subprocess
-    import sys
+    """The recipe's main in this process, exiting as the script would (:func:`hf_accum.recipe.testing.run_main`)."""
+    from hf_accum.recipe.testing import run_main
 
     out = tmp_path / "out"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "finetune_llama.py"),
-                           f"training.output_dir={out}", *overrides], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    return proc, out
+    return run_main(f"training.output_dir={out}", *overrides), out
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("engine", ENGINES)
 def test_the_recipe_refuses_save_steps_0_before_loading_in_both_engines(engine, tmp_path):
     proc, out = run_recipe(tmp_path, f"engine={engine}", "training.save_steps=0")
@@ -599,7 +594,6 @@ def test_the_recipe_refuses_save_steps_0_before_loading_in_both_engines(engine, 
     assert "Traceback" not in proc.stderr and "held-out exact match" not in proc.stdout and not out.exists()
 
 
-@pytest.mark.slow
 def test_the_recipe_refuses_a_model_directory_without_weights_before_loading(tmp_path):
     path = make_model_dir(tmp_path / "m", weights=False)
     proc, out = run_recipe(tmp_path, f"model.name_or_path={path}")
@@ -608,7 +602,6 @@ def test_the_recipe_refuses_a_model_directory_without_weights_before_loading(tmp
     assert "Traceback" not in proc.stderr and not out.exists()
 
 
-@pytest.mark.slow
 def test_the_recipe_refuses_a_url_as_data_dataset_before_loading(tmp_path):
     proc, out = run_recipe(tmp_path, "data.dataset=https://example.com/train.jsonl")
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -830,7 +823,6 @@ def test_fsdp_is_asked_without_the_deprecated_string_form(fsdp, tmp_path):
         hf_logging.get_logger("transformers.training_args").removeHandler(handler)
 
 
-@pytest.mark.slow  # more than a few seconds (a subprocess, a real model or a whole bench run): CI only
 def test_the_recipe_refuses_lora_r_0_before_loading(tmp_path):
     proc, out = run_recipe(tmp_path, "lora.r=0")
     assert proc.returncode == 2, proc.stderr[-2000:]

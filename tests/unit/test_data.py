@@ -479,17 +479,12 @@ def test_a_save_to_disk_dataset_trains_from_its_directory(tmp_path):
 
 @pytest.mark.slow
 def test_the_recipe_trains_a_sharegpt_file_from_data_dataset_alone(tmp_path):
-    import subprocess
-    import sys
+    """The recipe's main, in this process (a tiny run of 2 updates)."""
+    from hf_accum.recipe.testing import run_main
 
     path = write_jsonl(tmp_path / "sharegpt.jsonl", conversation_rows(40, sharegpt=True))
     out = tmp_path / "out"
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run(
-        [sys.executable, os.path.join(root, "recipes", "finetune_llama.py"), f"data.dataset={path}",
-         "training.max_steps=2", f"training.output_dir={out}"],
-        cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
-    )
+    proc = run_main(f"data.dataset={path}", "training.max_steps=2", f"training.output_dir={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out / "metrics.json") as handle:
         metrics = json.load(handle)

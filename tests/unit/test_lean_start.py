@@ -1,13 +1,11 @@
 """Start-up without what a run does not use (hf_accum.startup, hf_accum.recipe.command_line): bitsandbytes is
-kept out of a process only when its command line cannot need it, and DeepSpeed's inference-only op is not built."""
+kept out of a process only when its command line cannot need it (a fresh process started that way:
+tests/integration/test_fresh_processes.py), and DeepSpeed's inference-only op is not built."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import yaml
@@ -71,32 +69,6 @@ def test_the_yaml_and_the_model_directory_are_read(tmp_path):
         (directory / "config.json").write_text(json.dumps(config))
     assert not bitsandbytes_needed([f"model.name_or_path={plain}"])
     assert bitsandbytes_needed([f"model.name_or_path={prequantized}"])
-
-
-LEAN_PROBE = """
-import sys, importlib.util
-from hf_accum.recipe.command_line import lean_start
-kept_out = lean_start(sys.argv[1:])
-import peft, torch
-from transformers import Trainer  # imports PEFT and, through it, bitsandbytes when it can
-model = peft.get_peft_model(torch.nn.Sequential(torch.nn.Linear(4, 4)), peft.LoraConfig(r=2, target_modules=["0"]))
-print(kept_out, sys.modules.get("bitsandbytes") is not None, importlib.util.find_spec("peft") is not None,
-      sum(p.numel() for p in model.parameters() if p.requires_grad))
-"""
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
-                    reason="bitsandbytes is not installed (the qlora extra): nothing to keep out")
-def test_a_process_that_does_not_quantize_starts_without_bitsandbytes_and_lora_still_works():
-    def run(*argv: str) -> list[str]:
-        proc = subprocess.run([sys.executable, "-c", LEAN_PROBE, *argv], cwd=ROOT, capture_output=True, text=True,
-                              timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return proc.stdout.split()
-
-    assert run("training.max_steps=3") == ["True", "False", "True", "16"]  # LoRA r=2 on a 4x4 layer: 16 weights
-    assert run("quantization.load_in_4bit=true") == ["False", "True", "True", "16"]
 
 
 def test_deepspeed_builds_no_inference_all_reduce_op_after_the_skip():

@@ -87,6 +87,67 @@ def test_every_test_file_is_in_a_kind_folder():
 
 def test_worker_scripts_sit_beside_the_distributed_tests_or_in_the_shared_cases():
     workers = sorted(p.relative_to(ROOT).as_posix() for p in [*TESTS.rglob("*worker*.py"), *CASES.glob("*worker*.py")])
-    assert len(workers) >= 12
+    assert len(workers) >= 8  # the walk sees them (one worker per family since the job tables)
     misplaced = [w for w in workers if not (w.startswith("tests/distributed/") or w.startswith("hf_accum/testing/cases/"))]
     assert not misplaced, misplaced
+
+
+# -- tests/unit starts no process ------------------------------------------------------------------------------
+
+UNIT = TESTS / "unit"
+# What starts a process when called (subprocess's runners, os's forks and spawns), and what names a fresh interpreter.
+PROCESS_STARTERS = {
+    "subprocess": {"run", "Popen", "call", "check_call", "check_output", "getoutput", "getstatusoutput"},
+    "os": {"fork", "forkpty", "posix_spawn", "posix_spawnp", "system", "popen", "execv", "execve", "execvp",
+           "execvpe", "execl", "execle", "execlp", "execlpe", "spawnv", "spawnve", "spawnvp", "spawnvpe", "spawnl",
+           "spawnle", "spawnlp", "spawnlpe"},
+    "sys": {"executable"},
+    "pty": {"fork", "spawn"},
+}
+PROCESS_MODULES = {"multiprocessing", "torch.multiprocessing", "concurrent.futures.process"}
+
+
+def process_starts(source: str) -> list[tuple[int, str]]:
+    """``(line, what)`` for every place ``source`` starts a process itself: ``subprocess.run(...)``, ``os.fork``,
+    ``sys.executable``, a name imported from them (``from subprocess import Popen``), or an import of
+    multiprocessing. (What a helper starts is caught when it runs: tests/unit/conftest.py.)"""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            if node.attr in PROCESS_STARTERS.get(node.value.id, ()):
+                found.append((node.lineno, f"{node.value.id}.{node.attr}"))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module in PROCESS_MODULES or node.module.split(".")[0] == "multiprocessing":
+                found.append((node.lineno, f"from {node.module} import"))
+            found += [(node.lineno, f"from {node.module} import {alias.name}") for alias in node.names
+                      if alias.name in PROCESS_STARTERS.get(node.module, ())]
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, f"import {alias.name}") for alias in node.names
+                      if alias.name in PROCESS_MODULES or alias.name.split(".")[0] == "multiprocessing"]
+    return sorted(found)
+
+
+def test_no_unit_test_file_starts_a_process():
+    files = sorted(UNIT.glob("*.py"))
+    assert len(files) > 40  # the walk sees tests/unit
+    bad = [f"{path.relative_to(ROOT)}:{line}: {what}" for path in files if path.name != "test_suite_layout.py"
+           for line, what in process_starts(path.read_text())]
+    assert not bad, ("tests/unit starts no process (docs/testing.md): call the function instead of the command "
+                     "(hf_accum.recipe.testing.run_main for the recipe), or move the test to tests/integration:\n"
+                     + "\n".join(bad))
+
+
+@pytest.mark.parametrize("source", [
+    "import subprocess\nsubprocess.run(['ls'])\n", "import subprocess\np = subprocess.Popen(['ls'])\n",
+    "from subprocess import check_output\n", "import os\nos.fork()\n", "import sys\ncmd = [sys.executable, '-c', '']\n",
+    "import multiprocessing\n", "from torch.multiprocessing import spawn\n", "import pty\npty.fork()\n",
+    "def f():\n    import os\n    os.system('true')\n",
+], ids=["run", "popen", "from_import", "fork", "executable", "multiprocessing", "torch_mp", "pty", "lazy"])
+def test_the_process_walk_finds_a_planted_start(source):
+    assert process_starts(source)
+
+
+def test_the_process_walk_passes_what_starts_nothing():
+    source = ("import os, sys, subprocess\nos.path.join('a')\nsys.argv\nsubprocess.CompletedProcess([], 0)\n"
+              "from hf_accum.recipe.testing import run_main\n")
+    assert process_starts(source) == []
