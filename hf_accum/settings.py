@@ -191,12 +191,13 @@ class AccumulationSettings:
         if settings is not None and given:
             raise error(f"{pattern.format(next(iter(given)))} given beside {pattern.format('accumulation')}: set "
                         "each accumulation setting in one place; allowed: one of them")
-        if settings is not None:
-            if not isinstance(settings, AccumulationSettings):
-                raise error(f"{pattern.format('accumulation')}={settings!r} must be an AccumulationSettings")
-            return settings
-        with naming(pattern, error):
-            return cls(**given)
+        if settings is None:
+            with naming(pattern, error):
+                return cls(**given)
+        if not isinstance(settings, AccumulationSettings):
+            raise error(f"{pattern.format('accumulation')}={settings!r} must be an AccumulationSettings")
+        with naming(pattern.format("accumulation") + ".{}", error):  # changed since it was built? checked again
+            return settings.validate()
 
 
 def check_normalization(value: Any, key: str, loss_kind: str | None = "causal_lm") -> None:

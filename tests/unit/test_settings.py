@@ -83,3 +83,12 @@ def test_a_flat_write_lands_in_the_held_settings_and_is_checked():
 def test_the_auto_ramp_turns_the_noise_scale_on_and_keeps_its_mapping():
     settings = AccumulationSettings(rampup_batch_size="auto", rampup_auto={"lr_rule": "sqrt"})
     assert settings.noise_scale is True and settings.rampup_auto == {"lr_rule": "sqrt"} and settings.auto_ramp
+
+
+def test_settings_changed_after_they_were_built_are_checked_again_where_they_are_taken():
+    settings = AccumulationSettings()
+    settings.peak_flops = -3.0
+    with pytest.raises(ValueError, match=r"AccumTrainer\(accumulation\)\.peak_flops=-3\.0 must be"):
+        AccumulationSettings.adapt(settings, {}, "AccumTrainer({})")
+    with pytest.raises(LoopConfigError, match=r"LoopConfig\.accumulation\.peak_flops=-3\.0 must be"):
+        LoopConfig(accumulation=settings)
