@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Mapping
 
 import pytest
 
 from hf_accum.recipe.testing import TEN_UPDATES, TORCHRUN_2, run_script
-from hf_accum.testing.launch import run_torchrun
+from hf_accum.testing.launch import job_report, run_torchrun
 
 HERE = os.path.dirname(__file__)
 
@@ -34,13 +34,34 @@ def ddp_recipe_run(tmp_path_factory) -> Callable[[str], Path]:
     return get
 
 
+class DeepSpeedReport(Mapping[str, Any]):
+    """deepspeed_worker.py's job table read as ``report[job]`` (the job's result; a job that raised fails the test
+    reading it with its traceback), ``report["fused_logs"][job]`` and ``report["world_size"]``."""
+
+    def __init__(self, family: dict[str, Any]) -> None:
+        self.family = family
+
+    def __getitem__(self, name: str) -> Any:
+        if name == "fused_logs":
+            return {job: entry["fused_log"] for job, entry in self.family.items()
+                    if isinstance(entry, dict) and "fused_log" in entry}
+        entry = job_report(self.family, name)
+        return entry if name == "world_size" else entry["result"]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.family)
+
+    def __len__(self) -> int:
+        return len(self.family)
+
+
 @pytest.fixture(scope="session")
-def deepspeed_report(tmp_path_factory) -> dict[str, Any]:
-    """The report of ONE torchrun launch of deepspeed_worker.py running all its jobs, read by
-    test_deepspeed.py and test_deepspeed_windows.py (the planned-window jobs are among them): DeepSpeed's
-    start-up in 2 processes (~25 CPU-s) dominates a launch, so it is paid once. Read only."""
-    worker = os.path.join(os.path.dirname(__file__), "deepspeed_worker.py")
-    return run_torchrun(worker, tmp_path_factory.mktemp("zero") / "report.json", timeout=900)
+def deepspeed_report(tmp_path_factory) -> DeepSpeedReport:
+    """ONE torchrun launch of deepspeed_worker.py running all its jobs, read by test_deepspeed.py and
+    test_deepspeed_windows.py (the planned-window jobs are among them): DeepSpeed's start-up in 2 processes
+    (~25 CPU-s) dominates a launch, so it is paid once. Read only."""
+    worker = os.path.join(HERE, "deepspeed_worker.py")
+    return DeepSpeedReport(run_torchrun(worker, tmp_path_factory.mktemp("zero") / "report.json", timeout=900))
 
 
 @pytest.fixture(scope="session")

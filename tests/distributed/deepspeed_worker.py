@@ -1,6 +1,7 @@
 """torchrun worker (2 CPU processes, DeepSpeed's CPU accelerator): DeepSpeed ZeRO-2 and ZeRO-3 under
-both engines, all in one launch (DeepSpeed's start-up dominates). Rank 0 writes a JSON report to
-``argv[1]``.
+both engines, all in one launch as a job table (:mod:`hf_accum.testing.jobs`; DeepSpeed's start-up dominates).
+Rank 0 writes ``{job: {"result": ..., "fused_log": ...}}`` to ``argv[1]``; tests/distributed/conftest.py
+(``deepspeed_report``) hands the tests each job's result.
 
 * exactness: fp32 tiny Llama, SGD(lr 1, no momentum) on a linear schedule, uneven lengths, prompt
   masking, rank 0 holding ~10x the tokens of rank 1, short last windows; every update's weight
@@ -20,6 +21,7 @@ keep_bitsandbytes_out()  # first: no job here quantizes, and PEFT imports bitsan
 import json
 import os
 import sys
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -50,6 +52,7 @@ from hf_accum.testing.cases.deepspeed_case import (
     lora_model,
 )
 from hf_accum.testing.deltas import DeltaRecorder, delta_errors
+from hf_accum.testing.jobs import run_job_table
 from hf_accum.testing.logs import CapturedLog
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -312,44 +315,44 @@ def is_main() -> bool:
     return dist.get_rank() == 0
 
 
-def main(report_path: str) -> None:
-    global OUT_DIR
-    OUT_DIR = os.path.dirname(report_path)
-    only = set(sys.argv[2:])  # run a subset while debugging: names of the report entries
-    jobs = {
-        # DDP first: the DeepSpeed runs leave process-wide state behind (reset_accelerate undoes Accelerate's).
-        "save_loop_ddp": lambda: saved_loop_adapter(None),
-        "save_trainer_ddp": lambda: saved_trainer_adapters(None),
-        "loop_zero2": lambda: exact_loop(2),
-        "loop_zero3": lambda: exact_loop(3),
-        "loop_zero3_offload": lambda: exact_loop("3_offload"),
-        "loop_zero3_logits": lambda: exact_loop(3, fused_loss=False),
-        "naive_loop_zero2": lambda: exact_loop(2, naive=True),
-        "loop_zero2_window_without_targets": lambda: loop_window_without_targets(2),
-        # Planned windows (tests/distributed/test_deepspeed_windows.py): ramp 4 -> 8 -> 12 sequences, and a token budget.
-        "loop_zero2_rampup": lambda: exact_loop(2, schedule="constant", rampup_batch_size=[4, 4, 16]),
-        "loop_zero3_tokens": lambda: exact_loop(3, schedule="constant", tokens_per_update=150),
-        "trainer_zero2": lambda: exact_trainer(2),
-        "trainer_zero3": lambda: exact_trainer(3),
-        "save_loop_zero3": lambda: saved_loop_adapter(3),
-        "save_trainer_zero3": lambda: saved_trainer_adapters(3),
-    }
-    report: dict = {"fused_logs": {}}
-    for name, job in jobs.items():
-        if not only or name in only:
-            log = CapturedLog()  # what the fused loss decided in this job
-            report[name] = job()
-            report["fused_logs"][name] = log.remove()
-    report["world_size"] = dist.get_world_size()
-    if is_main():
-        with open(report_path, "w") as handle:
-            json.dump(report, handle)
-    dist.barrier()
+def with_fused_log(job: Callable[[], Any]) -> Callable[[str], dict]:
+    """A job of the table: its result and what the fused loss decided in it."""
 
+    def run(out_dir: str) -> dict:
+        log = CapturedLog()
+        try:
+            result = job()
+        finally:
+            fused_log = log.remove()
+        return {"result": result, "fused_log": fused_log}
+
+    return run
+
+
+JOBS = {name: with_fused_log(job) for name, job in {
+    # DDP first: the DeepSpeed runs leave process-wide state behind (reset_accelerate undoes Accelerate's).
+    "save_loop_ddp": lambda: saved_loop_adapter(None),
+    "save_trainer_ddp": lambda: saved_trainer_adapters(None),
+    "loop_zero2": lambda: exact_loop(2),
+    "loop_zero3": lambda: exact_loop(3),
+    "loop_zero3_offload": lambda: exact_loop("3_offload"),
+    "loop_zero3_logits": lambda: exact_loop(3, fused_loss=False),
+    "naive_loop_zero2": lambda: exact_loop(2, naive=True),
+    "loop_zero2_window_without_targets": lambda: loop_window_without_targets(2),
+    # Planned windows (tests/distributed/test_deepspeed_windows.py): ramp 4 -> 8 -> 12 sequences, and a token budget.
+    "loop_zero2_rampup": lambda: exact_loop(2, schedule="constant", rampup_batch_size=[4, 4, 16]),
+    "loop_zero3_tokens": lambda: exact_loop(3, schedule="constant", tokens_per_update=150),
+    "trainer_zero2": lambda: exact_trainer(2),
+    "trainer_zero3": lambda: exact_trainer(3),
+    "save_loop_zero3": lambda: saved_loop_adapter(3),
+    "save_trainer_zero3": lambda: saved_trainer_adapters(3),
+}.items()}
 
 OUT_DIR = "."
 
 if __name__ == "__main__":
     skip_deepspeed_inference_comm_build()  # as the recipe does: training never uses the op it would compile
-    main(sys.argv[1])
-    leave_process_group()  # gloo may abort at exit otherwise: see its docstring
+    OUT_DIR = os.path.dirname(os.path.abspath(sys.argv[1]))
+    only = set(sys.argv[2:])  # run a subset while debugging: names of the jobs
+    run_job_table({name: job for name, job in JOBS.items() if not only or name in only}, sys.argv[1])
+    leave_process_group()  # a no-op after run_job_table, which left the group
