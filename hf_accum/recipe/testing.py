@@ -145,10 +145,18 @@ def load_script() -> ModuleType:
 def run_main(*argv: str) -> subprocess.CompletedProcess:
     """The recipe's ``main`` in THIS process through the kit's exit-code wrapper, as ``python finetune_llama.py
     ARGV`` would exit (2 for bad input, one ``error:`` line): its exit code and what it printed, as a finished
-    process (no process started: for tests/unit, and wherever a process of its own would show nothing more)."""
+    process (no process started: for tests/unit, and wherever a process of its own would show nothing more). One
+    torch thread, as :func:`run_script`'s processes have: a run here and one there compute the same numbers."""
+    import torch
+
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = run_outputs.run_cli(load_script().main, list(argv), bad_input=BAD_INPUT)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = run_outputs.run_cli(load_script().main, list(argv), bad_input=BAD_INPUT)
+    finally:
+        torch.set_num_threads(threads)
     return subprocess.CompletedProcess([SCRIPT, *argv], code, stdout=out.getvalue(), stderr=err.getvalue())
 
 

@@ -26,6 +26,7 @@ from hf_accum.recipe.testing import (
     fails_cleanly,
     load_script,
     read_metrics,
+    run_main,
     run_script,
     start_script,
     write,
@@ -396,8 +397,9 @@ def test_sigterm_then_the_same_command_with_resume_reproduces_the_uninterrupted_
     from hf_accum.control import EXIT_PREEMPTED
 
     overrides = ["training.max_steps=6", "training.save_steps=2", "data.num_eval_examples=2"]
-    reference = tmp_path / "uninterrupted"
-    run_script(PYTHON, reference, *overrides)
+    reference = tmp_path / "uninterrupted"  # never interrupted: run in this process (one thread, as the runs below)
+    ran = run_main(*SMALL, f"training.output_dir={reference}", *overrides)
+    assert ran.returncode == 0, ran.stderr[-3000:]
     out = tmp_path / "interrupted"
     process = start_script(PYTHON, out, *overrides)
     deadline = time.time() + 240
