@@ -37,7 +37,16 @@ from hf_accum.checkpointing.manifest import MANIFEST_FILE, CheckpointCorrupt, ve
 from hf_accum.control import NonFiniteLossError, TrainingStopped
 from hf_accum.errors import EXIT_BAD_INPUT, EXIT_DISK_FULL, EXIT_NONFINITE, EXIT_PREEMPTED
 from hf_accum.recipe import outputs as run_outputs
-from hf_accum.recipe.testing import PYTHON, SMALL, TORCHRUN_2, recipe_env, run_script, start_script
+from hf_accum.recipe.testing import (
+    PYTHON,
+    SMALL,
+    TORCHRUN_2,
+    recipe_arguments,
+    recipe_env,
+    run_main,
+    run_script,
+    start_script,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -50,6 +59,12 @@ ADAPTER = "adapter_model.safetensors"
 def run(out, *overrides: str, launcher: list[str] = PYTHON, timeout: int = 300) -> subprocess.CompletedProcess:
     """The recipe run to its end, whatever its exit code."""
     return run_script(launcher, out, *overrides, small=RUNS_SMALL, timeout=timeout, check=False)
+
+
+def refused_here(out, *overrides: str) -> subprocess.CompletedProcess:
+    """A run that must be refused before anything loads, in this process (a process of its own would show nothing
+    more: the refusal reads files and the lock, which another process may hold)."""
+    return run_main(*recipe_arguments(out, *overrides, small=RUNS_SMALL))
 
 
 def succeeded(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -198,8 +213,9 @@ def test_a_second_run_on_a_running_runs_directory_is_refused_and_the_first_is_un
     try:
         assert first.poll() is None, "the first run ended before it could be paused"
         # Another learning rate; then the same with overwrite_output_dir: neither may touch the running run.
-        seconds = [run(out, "training.max_steps=6", "training.learning_rate=0.002"),
-                   run(out, "training.max_steps=6", "training.learning_rate=0.002", "overwrite_output_dir=true")]
+        seconds = [refused_here(out, "training.max_steps=6", "training.learning_rate=0.002"),
+                   refused_here(out, "training.max_steps=6", "training.learning_rate=0.002",
+                                "overwrite_output_dir=true")]
     finally:
         first.send_signal(signal.SIGCONT)
     stdout, stderr = first.communicate(timeout=300)
@@ -303,11 +319,12 @@ def test_staging_debris_is_removed_by_the_run_that_holds_the_directory(tmp_path)
 def finished_pair(tmp_path_factory):
     """An uninterrupted reference run (4 updates, checkpoints 2 and 4) and a read-only copy of its directory for
     the tests to cut from (a copy, not a second run of the same command: the run is deterministic, so a second run
-    would write the same files; each test resumes a further copy of it in a directory of its own)."""
+    would write the same files; each test resumes a further copy of it in a directory of its own). Run in this
+    process: nothing kills it (one torch thread, as the resumed runs' processes: their adapters equal it bit for bit)."""
     base = tmp_path_factory.mktemp("pair")
     reference, copy = base / "reference", base / "copy"
     overrides = ("training.max_steps=4", "training.save_steps=2")
-    succeeded(run(reference, *overrides))
+    succeeded(run_main(*recipe_arguments(reference, *overrides, small=RUNS_SMALL)))
     shutil.copytree(reference, copy)
     return reference, copy, overrides
 
@@ -347,7 +364,7 @@ def test_a_damaged_checkpoint_named_explicitly_is_refused_naming_the_file_and_th
     _, copy, overrides = finished_pair
     out = as_unfinished(copy, tmp_path / "run")
     flip_bytes_inside_a_tensor(str(out / "checkpoint-4" / ADAPTER))
-    proc = run(out, *overrides, f"training.resume_from_checkpoint={out / 'checkpoint-4'}")
+    proc = refused_here(out, *overrides, f"training.resume_from_checkpoint={out / 'checkpoint-4'}")
     assert proc.returncode == EXIT_BAD_INPUT, proc.stderr[-3000:]
     assert last_line(proc.stderr) == (
         f"error: training.resume_from_checkpoint: checkpoint {out / 'checkpoint-4'} is damaged: {ADAPTER} differs "
@@ -355,7 +372,7 @@ def test_a_damaged_checkpoint_named_explicitly_is_refused_naming_the_file_and_th
     )
     assert "resolved config:" not in proc.stdout  # refused before anything loaded
     truncate(str(out / "checkpoint-2" / "optimizer.pt"))  # every checkpoint damaged: not silently started afresh
-    proc = run(out, *overrides, "training.resume_from_checkpoint=true")
+    proc = refused_here(out, *overrides, "training.resume_from_checkpoint=true")
     assert proc.returncode == EXIT_BAD_INPUT, proc.stderr[-3000:]
     assert f"warning: skipping {out / 'checkpoint-2'}: optimizer.pt has " in proc.stdout
     assert last_line(proc.stderr).startswith("error: training.resume_from_checkpoint: resume_from_checkpoint=True: "
