@@ -105,12 +105,18 @@ PROCESS_STARTERS = {
     "pty": {"fork", "spawn"},
 }
 PROCESS_MODULES = {"multiprocessing", "torch.multiprocessing", "concurrent.futures.process"}
+# The suite's helpers that start a process (the recipe's runner, the torchrun launcher, the pseudo-terminal).
+PROCESS_HELPERS = {
+    "hf_accum.recipe.testing": {"run_script", "start_script"},
+    "hf_accum.testing.launch": {"run_torchrun", "run_torchrun_nodes", "torchrun"},
+    "hf_accum.testing.interruptions": {"Terminal"},
+}
 
 
 def process_starts(source: str) -> list[tuple[int, str]]:
     """``(line, what)`` for every place ``source`` starts a process itself: ``subprocess.run(...)``, ``os.fork``,
-    ``sys.executable``, a name imported from them (``from subprocess import Popen``), or an import of
-    multiprocessing. (What a helper starts is caught when it runs: tests/unit/conftest.py.)"""
+    ``sys.executable``, a name imported from them (``from subprocess import Popen``), an import of multiprocessing,
+    or an import of one of the suite's process-starting helpers (:data:`PROCESS_HELPERS`) by name."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
@@ -120,7 +126,7 @@ def process_starts(source: str) -> list[tuple[int, str]]:
             if node.module in PROCESS_MODULES or node.module.split(".")[0] == "multiprocessing":
                 found.append((node.lineno, f"from {node.module} import"))
             found += [(node.lineno, f"from {node.module} import {alias.name}") for alias in node.names
-                      if alias.name in PROCESS_STARTERS.get(node.module, ())]
+                      if alias.name in PROCESS_STARTERS.get(node.module, set()) | PROCESS_HELPERS.get(node.module, set())]
         elif isinstance(node, ast.Import):
             found += [(node.lineno, f"import {alias.name}") for alias in node.names
                       if alias.name in PROCESS_MODULES or alias.name.split(".")[0] == "multiprocessing"]
@@ -141,8 +147,10 @@ def test_no_unit_test_file_starts_a_process():
     "import subprocess\nsubprocess.run(['ls'])\n", "import subprocess\np = subprocess.Popen(['ls'])\n",
     "from subprocess import check_output\n", "import os\nos.fork()\n", "import sys\ncmd = [sys.executable, '-c', '']\n",
     "import multiprocessing\n", "from torch.multiprocessing import spawn\n", "import pty\npty.fork()\n",
-    "def f():\n    import os\n    os.system('true')\n",
-], ids=["run", "popen", "from_import", "fork", "executable", "multiprocessing", "torch_mp", "pty", "lazy"])
+    "def f():\n    import os\n    os.system('true')\n", "from hf_accum.recipe.testing import run_main, run_script\n",
+    "from hf_accum.testing.launch import run_torchrun\n", "from hf_accum.testing.interruptions import Terminal\n",
+], ids=["run", "popen", "from_import", "fork", "executable", "multiprocessing", "torch_mp", "pty", "lazy",
+        "recipe_runner", "torchrun", "terminal"])
 def test_the_process_walk_finds_a_planted_start(source):
     assert process_starts(source)
 
