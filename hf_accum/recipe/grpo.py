@@ -1,0 +1,259 @@
+"""``objective: grpo`` in the recipe: the objective table entry and GRPO training in the trainer engine.
+
+The recipe (``recipes/finetune_llama.py``) reads what differs between objectives from one
+:class:`~hf_accum.recipe.preference.Objective`. For GRPO:
+
+* **data**: the formats SFT detects (chat, prompt_completion, alpaca: a prompt and its reference answer), read by
+  :func:`hf_accum.recipe.data.load_tokenizer_and_data`; each training example becomes a TRL prompt row
+  ``{"prompt": [messages], "answer": <reference>, "task": ...}`` (:func:`prompt_rows`), the reference as the tokenizer
+  gives it back, so that a reward compares like with like;
+* **rewards**: ``grpo.reward_funcs`` (:mod:`hf_accum.recipe.rewards`), resolved before any model loads;
+* **engine** ``trainer``: :class:`hf_accum.AccumGRPOTrainer` with TRL's own generation and ``GRPOConfig`` built from
+  the training section and the ``grpo`` section (TRL's names); ``engine: loop`` is refused before loading
+  (:mod:`hf_accum.recipe.grpo_section`);
+* **warm start** (``grpo.warm_start_steps``): SFT updates (:class:`hf_accum.AccumTrainer`) on the reference answers
+  first, so that a model that never answers right gets rewards to learn from; the held-out exact match is scored
+  after them, and the GRPO stage's ``before X% -> after Y%`` printed;
+* **progress**: a line every ``logging_steps`` updates with the loss, the reward mean (and each reward's), the mean
+  completion length, and the generation vs training seconds per update (:class:`GRPOProgress`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Callable
+
+from hf_accum.recipe.config.schema import RecipeConfig
+from hf_accum.recipe.data import RecipeData, load_tokenizer_and_data
+from hf_accum.recipe.data.formats import Example
+from hf_accum.recipe.data.splits import load_splits
+from hf_accum.recipe.preference import Objective
+from hf_accum.recipe.rewards import resolve_rewards, reward_name
+
+METRIC = "exact match"
+
+
+@dataclass
+class GRPOData(RecipeData):
+    """The SFT data of the run (the warm start trains on it, the held-out rows score the exact match) and the
+    training prompts with their reference answers."""
+
+    prompts: list[dict[str, Any]] = field(default_factory=list)
+    """TRL's conversational prompt rows (:func:`prompt_rows`)."""
+    scored: dict[str, Any] = field(default_factory=dict)
+    """Held-out results already scored by the GRPO engine (``"after training"``), not scored twice."""
+
+
+def as_decoded(tokenizer: Any, text: str) -> str:
+    """``text`` as the tokenizer gives it back (the word-level one spaces out punctuation): what a completion can be."""
+    return str(tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"], skip_special_tokens=True))
+
+
+def prompt_rows(tokenizer: Any, examples: list[Example]) -> list[dict[str, Any]]:
+    """TRL's conversational prompt rows: the conversation up to its last answer, that answer as the reference."""
+    rows = []
+    for example in examples:
+        conversation = example.conversation()
+        rows.append({"prompt": conversation[:-1], "answer": as_decoded(tokenizer, conversation[-1]["content"]),
+                     "task": example.task})
+    return rows
+
+
+def load_grpo_data(model: Any, data: Any) -> tuple[Any, GRPOData]:
+    """The tokenizer, the SFT-encoded data and the prompt rows of a GRPO run, before any model loads."""
+    tokenizer, sft = load_tokenizer_and_data(model, data)
+    examples = [example for example in load_splits(data).train if example.messages is not None]
+    prompts = prompt_rows(tokenizer, examples)
+    report = [*sft.report, f"grpo: {len(prompts)} training prompts with reference answers"]
+    fields = {f.name: getattr(sft, f.name) for f in dataclasses.fields(sft)}
+    return tokenizer, GRPOData(**{**fields, "report": report}, prompts=prompts)
+
+
+# ----------------------------------------------------------------------------------------------
+# TRL's config
+# ----------------------------------------------------------------------------------------------
+
+
+def trl_settings(config: RecipeConfig) -> dict[str, Any]:
+    """The ``grpo`` section's TRL-named keys (every one but the recipe's own)."""
+    grpo = config.grpo
+    return {f.name: getattr(grpo, f.name) for f in dataclasses.fields(grpo) if f.name not in grpo.RECIPE_KEYS}
+
+
+def grpo_config(config: RecipeConfig, args: Any) -> Any:
+    """TRL's ``GRPOConfig``: every ``TrainingArguments`` value the recipe resolved (GRPOConfig's own defaults, e.g.
+    learning_rate 1e-6, never apply), the ``grpo`` section, and the dataset's extra columns kept (the rewards read
+    ``answer``)."""
+    from transformers import TrainingArguments
+    from trl import GRPOConfig
+
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainingArguments) if f.init}
+    values["remove_unused_columns"] = False  # "answer" and "task" reach the reward functions
+    return GRPOConfig(**values, **trl_settings(config))
+
+
+# ----------------------------------------------------------------------------------------------
+# Progress
+# ----------------------------------------------------------------------------------------------
+
+
+class GenerationTimer:
+    """Wraps the trainer's ``_generate_and_score_completions`` (TRL's generation, called unchanged): the seconds
+    it took and the completion tokens it made since the last :meth:`take`."""
+
+    def __init__(self, generate: Callable[..., Any]) -> None:
+        self.generate = generate
+        self.seconds = 0.0
+        self.tokens = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        output = self.generate(*args, **kwargs)
+        self.seconds += time.perf_counter() - start
+        mask = output.get("completion_mask") if isinstance(output, dict) else None
+        self.tokens += int(mask.sum()) if mask is not None else 0
+        return output
+
+    def take(self) -> tuple[float, int]:
+        taken = (self.seconds, self.tokens)
+        self.seconds, self.tokens = 0.0, 0
+        return taken
+
+
+def _progress_callback_class() -> type:
+    from transformers import TrainerCallback
+
+    class GRPOProgress(TrainerCallback):
+        """Each update's wall time split into generation and training; at each TRL log, one line (loss, reward
+        mean, each reward's mean, completion length, seconds per update) and one ``record.updates`` entry."""
+
+        def __init__(self, record: Any, timer: GenerationTimer, rewards: list[str]) -> None:
+            self.record, self.timer, self.rewards = record, timer, rewards
+            self.last = time.perf_counter()
+            self.since_log = 0  # updates since TRL's last log
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.last = time.perf_counter()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            now = time.perf_counter()
+            generation, tokens = self.timer.take()
+            seconds, self.last = now - self.last, now
+            self.record.updates.append({"step": state.global_step, "seconds": seconds, "generation_seconds": generation,
+                                        "training_seconds": seconds - generation, "targets": tokens})
+            self.since_log += 1
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
+                   **kwargs: Any) -> None:
+            if not logs or "reward" not in logs or not self.record.updates:
+                return
+            try:
+                self._log(state, logs)
+            except Exception as error:  # a progress line never stops a run
+                from hf_accum.recipe.outputs import say
+
+                say(f"note: GRPO progress line not printed ({type(error).__name__}: {error})")
+            self.since_log = 0
+
+        def _log(self, state: Any, logs: dict[str, Any]) -> None:
+            """TRL's logged means (over the updates since its last log) go into the last update's entry."""
+            from hf_accum.recipe.outputs import say
+
+            window = self.record.updates[-max(1, self.since_log):]
+            seconds = sum(u["seconds"] for u in window) / len(window)
+            generation = sum(u["generation_seconds"] for u in window) / len(window)
+            update = self.record.updates[-1]
+            update.update(loss=logs.get("loss"), learning_rate=logs.get("learning_rate"),
+                          grad_norm=logs.get("grad_norm"), reward=logs["reward"], reward_std=logs.get("reward_std"),
+                          completion_length=logs.get("completions/mean_length"))
+            each = ", ".join(f"{name} {logs[f'rewards/{name}/mean']:.2f}" for name in self.rewards
+                             if f"rewards/{name}/mean" in logs)
+            loss = f"loss {update['loss']:.4f}, " if update["loss"] is not None else ""
+            length = update["completion_length"]
+            say(f"update {state.global_step}/{state.max_steps}: {loss}reward {update['reward']:.3f}"
+                + (f" ({each})" if len(self.rewards) > 1 else "")
+                + (f", completion {length:.1f} tokens" if length is not None else "")
+                + f", per update: generation {generation:.1f} s, training {seconds - generation:.1f} s")
+
+    return GRPOProgress
+
+
+# ----------------------------------------------------------------------------------------------
+# The trainer engine
+# ----------------------------------------------------------------------------------------------
+
+
+def warm_start(model: Any, tokenizer: Any, data: GRPOData, collator: Any, args: Any, steps: int,
+               learning_rate: float | None = None) -> Any:
+    """``steps`` SFT updates of :class:`hf_accum.AccumTrainer` on the reference answers (same batch, same LR
+    schedule shape over ``steps``), nothing saved; the model they leave."""
+    from transformers import TrainingArguments
+
+    from hf_accum import AccumTrainer
+
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainingArguments) if f.init}
+    values.update(max_steps=steps, learning_rate=learning_rate or args.learning_rate,
+                  output_dir=f"{args.output_dir}/warm_start", save_strategy="no", eval_strategy="no",
+                  report_to=[], resume_from_checkpoint=None)
+    trainer = AccumTrainer(model=model, args=TrainingArguments(**values), train_dataset=data.train.examples,
+                           data_collator=collator, processing_class=tokenizer)
+    trainer.train()
+    return trainer.model
+
+
+def train_grpo_with_trainer(evaluate: Callable[..., Any], model: Any, tokenizer: Any, data: GRPOData, collator: Any,
+                            args: Any, record: Any, resume: Any, launch: Any) -> tuple[Any, Any]:
+    """The warm start (``grpo.warm_start_steps``, skipped on resume: the checkpoint holds its result), then
+    :class:`hf_accum.AccumGRPOTrainer` on the prompt rows, then the GRPO stage's held-out line."""
+    from datasets import Dataset
+
+    from hf_accum import AccumGRPOTrainer
+    from hf_accum.planning.schedule import BatchPlan
+    from hf_accum.recipe.launch import check_engine
+    from hf_accum.recipe.outputs import barrier, percent, say
+
+    config = record.config
+    before = None
+    if config.grpo.warm_start_steps and resume is None:
+        say(f"warm start: {config.grpo.warm_start_steps} SFT updates on the reference answers ...")
+        model = warm_start(model, tokenizer, data, collator, args, config.grpo.warm_start_steps,
+                           config.grpo.warm_start_learning_rate)
+        before = evaluate(model, tokenizer, data, config, args, "after the warm start")
+        say(f"held-out {METRIC} after the warm start (the GRPO stage's before): {percent(before)}")
+    trainer = AccumGRPOTrainer(
+        model=model, reward_funcs=resolve_rewards(config.grpo.reward_funcs, config.grpo.format_pattern),
+        args=grpo_config(config, args), train_dataset=Dataset.from_list(data.prompts), processing_class=tokenizer,
+    )
+    if "ref" in getattr(trainer.model, "peft_config", {}):  # the reference is the base model, as for DPO
+        trainer.model.delete_adapter("ref")
+    timer = GenerationTimer(trainer._generate_and_score_completions)
+    trainer._generate_and_score_completions = timer  # timed, called unchanged
+    names = [reward_name(spec) for spec in config.grpo.reward_funcs]
+    trainer.add_callback(_progress_callback_class()(record, timer, names))
+    check_engine(trainer.accelerator, launch)
+    trainer.train(resume_from_checkpoint=resume)
+    barrier()
+    if before is not None:
+        after = evaluate(trainer.model, tokenizer, data, config, args, "after GRPO")
+        data.scored["after training"] = after
+        say(f"GRPO stage: held-out {METRIC} before {percent(before)} -> after {percent(after)}")
+    return trainer.model, BatchPlan(args.per_device_train_batch_size, args.gradient_accumulation_steps,
+                                    args.world_size)
+
+
+def evaluate_grpo(evaluate: Callable[..., Any], model: Any, tokenizer: Any, data: GRPOData, config: RecipeConfig,
+                  args: Any, when: str = "") -> Any:
+    """The recipe's held-out exact match; a result the GRPO engine already scored is not scored again."""
+    if when in data.scored:
+        return data.scored[when]
+    return evaluate(model, tokenizer, data, config, args, when)
+
+
+def grpo_objective(evaluate: Callable[..., Any], collator: Callable[..., Any], score: Callable[..., str]) -> Objective:
+    """The GRPO entry of the recipe's objective table; ``evaluate``, ``collator`` and ``score``: the recipe's SFT ones
+    (held-out exact match; the warm start's batches)."""
+    engines = {"trainer": (partial(train_grpo_with_trainer, evaluate), None)}
+    return Objective(METRIC, load_grpo_data, collator, partial(evaluate_grpo, evaluate), score, engines)
