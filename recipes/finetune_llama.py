@@ -49,6 +49,7 @@ from hf_accum.recipe.launch import (  # noqa: E402
 from hf_accum.recipe.adapter_source import provenance as adapter_provenance  # noqa: E402
 from hf_accum.recipe.modeling import build_model, trainable_summary  # noqa: E402
 from hf_accum.recipe.preference import Objective, dpo_objective  # noqa: E402
+from hf_accum.recipe.grpo import grpo_objective  # noqa: E402
 from hf_accum.recipe.outputs import (  # noqa: E402
     RunRecord, barrier, check_output_dir, claim_output_dir, describe_trainable, disk_full_is_one_line, percent,
     probe_writable, quiet_third_party_warnings, run_cli, save_eval_before, save_outputs, say,
@@ -168,6 +169,7 @@ def sft_collator(config, tokenizer):
 OBJECTIVES = {
     "sft": Objective("exact match", load_tokenizer_and_data, sft_collator, evaluate, percent, ENGINES),
     "dpo": dpo_objective(train_with_loop, LOOP_READS),
+    "grpo": grpo_objective(evaluate, sft_collator, percent),  # trainer engine only: hf_accum.recipe.grpo
 }
 
 
@@ -228,7 +230,7 @@ def run(config):
     record.add_result(plan, eval_before=before, eval_after=after, train_seconds=train_seconds, data=data_facts(data),
                       peak_memory=peak)
     out = save_outputs(record, model, tokenizer)
-    unit = "pairs" if config.objective == "dpo" else "tokens"  # what each update's targets count
+    unit = {"dpo": "pairs", "grpo": "completion tokens"}.get(config.objective, "tokens")  # what targets count
     say(f"{record.trained_line(train_seconds, unit)}; wall time {record.wall_seconds:.0f} s "
         f"(from process start); {describe_peak_memory(peak)}")
     say(record.utilization_line())  # model FLOPs per update, achieved FLOP/s, MFU against the device's peak

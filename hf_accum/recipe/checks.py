@@ -20,6 +20,7 @@ from hf_accum.recipe.accumulation_section import check_accumulation_section, res
 from hf_accum.recipe.command_line import parse_overrides
 from hf_accum.recipe.config import ConfigError, RecipeConfig, load_config, output_dir_of, prepared
 from hf_accum.recipe.data import check_data_section
+from hf_accum.recipe.grpo_section import check_grpo_section
 from hf_accum.recipe.modeling import check_model_section, check_quantization_section
 from hf_accum.recipe.preference_section import check_dpo_section
 from hf_accum.recipe.preflight import build_run_objects
@@ -50,6 +51,7 @@ def check_sections(config: RecipeConfig) -> None:
     check_data_section(config.data, config)
     check_accumulation_section(config.accumulation, config)
     check_dpo_section(config.dpo, config)
+    check_grpo_section(config.grpo, config)
     check_quantization_section(config.quantization, config)
 
 

@@ -34,7 +34,7 @@ TINY_VOCAB_LIMIT = 8192
 # The packaged name of recipes/configs/cpu_default.yaml (a link to it in the source tree, a copy in a wheel).
 DEFAULT_CONFIG_FILE = "cpu_default.yaml"
 # The embedded default of each objective other than sft (`objective=dpo` with no --config): its own sizes and LR.
-OBJECTIVE_CONFIG_FILES = {"dpo": "cpu_dpo.yaml"}
+OBJECTIVE_CONFIG_FILES = {"dpo": "cpu_dpo.yaml", "grpo": "cpu_grpo.yaml"}
 
 
 def default_config_path(objective: str = "sft") -> str:

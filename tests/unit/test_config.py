@@ -20,7 +20,7 @@ from hf_accum.recipe import config as recipe_config
 from hf_accum.recipe import outputs as run_outputs
 
 ENGINES = ("loop", "trainer")  # the recipe's engine table (recipes/finetune_llama.py ENGINES)
-OBJECTIVES = ("sft", "dpo")  # its objective table (recipes/finetune_llama.py OBJECTIVES)
+OBJECTIVES = ("sft", "dpo", "grpo")  # its objective table (recipes/finetune_llama.py OBJECTIVES)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "recipes", "configs", "*.yaml")))
@@ -403,9 +403,10 @@ def test_saved_config_round_trips(tmp_path):
 
 def test_sections_are_one_registry():
     """Adding a section is adding one RecipeConfig field carrying a Section: keys, types, building."""
-    assert list(recipe_config.SECTIONS) == ["model", "data", "accumulation", "dpo", "lora", "quantization", "training"]
+    assert list(recipe_config.SECTIONS) == ["model", "data", "accumulation", "dpo", "grpo", "lora", "quantization",
+                                           "training"]
     assert recipe_config.SECTIONS["lora"].cls().__name__ == "LoraConfig" and recipe_config.SECTIONS["data"].cls() is recipe_config.DataSection
-    with pytest.raises(recipe_config.ConfigError, match="Valid sections: accumulation, data, dpo, lora, model, quantization, training"):
+    with pytest.raises(recipe_config.ConfigError, match="Valid sections: accumulation, data, dpo, grpo, lora, model, quantization, training"):
         recipe_config.load_config(None, {"trainig.seed": 1})
 
 

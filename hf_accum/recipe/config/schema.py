@@ -27,6 +27,7 @@ from pydantic import PydanticSchemaGenerationError, TypeAdapter, ValidationError
 
 from hf_accum.errors import InputError
 from hf_accum.recipe.command_line import ConfigError
+from hf_accum.recipe.config.grpo import GRPOSection
 from hf_accum.recipe.config.sections import (
     AccumulationSection,
     DataSection,
@@ -102,7 +103,7 @@ class RecipeConfig:
     """A name from the recipe's engine table: loop (hf_accum.train on Accelerate), trainer (AccumTrainer)."""
     objective: str = "sft"
     """A name from the recipe's objective table: sft (the answers' tokens) | dpo (preference pairs; the ``dpo``
-    section)."""
+    section) | grpo (rewards of generated completions; the ``grpo`` section)."""
     global_batch_size: int | None = None
     """Sequences per optimizer update over all processes; derives gradient_accumulation_steps."""
     overwrite_output_dir: bool = False
@@ -111,6 +112,7 @@ class RecipeConfig:
     data: DataSection = _section(DataSection)
     accumulation: AccumulationSection = _section(AccumulationSection)
     dpo: DPOSection = _section(DPOSection)
+    grpo: GRPOSection = _section(GRPOSection)
     lora: dict[str, Any] | None = _section("peft:LoraConfig", {}, nullable=True, fixed={"task_type": "CAUSAL_LM"})
     """peft.LoraConfig fields; null = full fine-tuning."""
     quantization: dict[str, Any] | None = _section("transformers:BitsAndBytesConfig", nullable=True)
