@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -242,6 +242,17 @@ def trl_precompute_model(trainer: Any) -> Any:
 
 
 # GRPOTrainer (TRL 1.16, trl/trainer/grpo_trainer.py) -- AccumGRPOTrainer's private touches.
+
+
+def wrap_trl_generation(trainer: Any, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
+    """Replace ``GRPOTrainer._generate_and_score_completions`` (TRL 1.16: one call per generation batch) by
+    ``wrap(original)``; False, and nothing changed, where this TRL has no such method."""
+    original = getattr(trainer, "_generate_and_score_completions", None)
+    if not callable(original):
+        return False
+    trainer._generate_and_score_completions = wrap(original)
+    return True
+
 
 
 def grpo_step(trainer: Any) -> int:

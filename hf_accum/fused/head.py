@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 from torch import nn
@@ -34,6 +34,8 @@ from hf_accum.losses.token_loss import (
     compute_dtype,
     unwrap_model,
 )
+
+Computed = TypeVar("Computed")
 
 logger = logging.getLogger("hf_accum.fused.loss")
 
@@ -400,20 +402,22 @@ def _require_equal(ours: torch.Tensor, theirs: torch.Tensor, message: str) -> No
 
 
 @contextlib.contextmanager
-def _head_returns_loss(
-    head_module: nn.Module, loss: Callable[[torch.Tensor], torch.Tensor]
-) -> Iterator[list[torch.Tensor]]:
-    """For one forward: the head returns ``loss(hidden_states)`` as a ``[1, 1, 1]`` tensor (the losses
-    it computed are in the yielded list)."""
-    calls: list[torch.Tensor] = []
+def head_computes(
+    head_module: nn.Module, compute: Callable[[torch.Tensor], Computed], marker: Callable[[Computed], torch.Tensor]
+) -> Iterator[list[Computed]]:
+    """For one forward: the output layer runs ``compute(hidden_states)`` instead of its matmul (each call's result
+    kept in the yielded list) and returns ``marker(result)`` as a ``[1, 1, 1]`` tensor that depends on it, so the
+    engines' hooks on the model's outputs and DDP's reachability see the head's tensors. The fused loss
+    (:func:`_head_returns_loss`) and the fused log-probs (:mod:`hf_accum.fused.logprobs`) both run through it."""
+    calls: list[Computed] = []
     leaf = linear_leaf(head_module)
 
     def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if args or kwargs:
             raise RuntimeError(f"the output layer was called with extra arguments {list(kwargs) or len(args)}")
-        calls.append(loss(hidden_states))
-        # A copy: a model that transforms its logits in place must not change the loss.
-        return calls[-1].reshape(1, 1, 1).clone()
+        calls.append(compute(hidden_states))
+        # A copy: a model that transforms its logits in place must not change what was computed.
+        return marker(calls[-1]).reshape(1, 1, 1).clone()
 
     forward.is_fused_head = True  # type: ignore[attr-defined]  # a marker read by linear_leaf's callers
     # An instance attribute: nn.Module.__call__ finds it first, after the module's (engine) pre-hooks ran.
@@ -422,6 +426,13 @@ def _head_returns_loss(
         yield calls
     finally:
         del leaf.forward
+
+
+def _head_returns_loss(
+    head_module: nn.Module, loss: Callable[[torch.Tensor], torch.Tensor]
+) -> contextlib.AbstractContextManager[list[torch.Tensor]]:
+    """For one forward: the head returns ``loss(hidden_states)`` (the losses it computed are in the yielded list)."""
+    return head_computes(head_module, loss, lambda computed: computed)
 
 
 def _through_outputs(loss_sum: torch.Tensor, marker: torch.Tensor) -> torch.Tensor:

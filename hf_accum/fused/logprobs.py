@@ -24,14 +24,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from hf_accum.distributed import is_main_process
 from hf_accum.fused.gradients import GradientSums
-from hf_accum.fused.head import NotFusable, _through_outputs, linear_leaf, probe_fusable_head, resolve_head
+from hf_accum.fused.head import NotFusable, _through_outputs, head_computes, probe_fusable_head, resolve_head
 from hf_accum.fused.loss import LinearHead, LogitTransform, _chunk_logits
 from hf_accum.losses.token_loss import DEFAULT_CHUNK_BYTES, IGNORE_INDEX, aligned_targets, compute_dtype, unwrap_model
 
@@ -265,25 +265,9 @@ def _scatter_logps(hidden: torch.Tensor, head: LinearHead, targets: torch.Tensor
     return placed(logps), (placed(entropies) if entropies is not None else None)
 
 
-@contextlib.contextmanager
 def _head_returns_logps(
     head_module: nn.Module, compute: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
-) -> Iterator[list[tuple[torch.Tensor, torch.Tensor | None]]]:
-    """For one forward: the head computes ``compute(hidden_states)`` (kept in the yielded list) and returns a
-    ``[1, 1, 1]`` marker that depends on it (so the engines' hooks on the outputs and DDP's reachability see the
-    head's tensors)."""
-    calls: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-    leaf = linear_leaf(head_module)
-
-    def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if args or kwargs:
-            raise RuntimeError(f"the output layer was called with extra arguments {list(kwargs) or len(args)}")
-        calls.append(compute(hidden_states))
-        return calls[-1][0].sum().reshape(1, 1, 1).clone()
-
-    forward.is_fused_head = True  # type: ignore[attr-defined]  # a marker read by linear_leaf's callers
-    leaf.forward = forward
-    try:
-        yield calls
-    finally:
-        del leaf.forward
+) -> contextlib.AbstractContextManager[list[tuple[torch.Tensor, torch.Tensor | None]]]:
+    """For one forward: the head computes ``compute(hidden_states)`` (kept in the yielded list) and returns a marker
+    that depends on its log-probs (:func:`hf_accum.fused.head.head_computes`)."""
+    return head_computes(head_module, compute, lambda computed: computed[0].sum())
