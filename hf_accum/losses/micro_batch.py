@@ -20,7 +20,7 @@ from hf_accum.fused.loss import (
     TokenStats,
 )
 from hf_accum.losses.model_loss import model_loss_terms, probe_model_loss, resolve_loss_kind, training_inputs
-from hf_accum.losses.sequence_norm import SequenceMeanLoss, check_normalization, refuse_custom_loss, sequence_weights
+from hf_accum.losses.sequence_norm import SequenceMeanLoss, refuse_custom_loss, sequence_weights
 from hf_accum.losses.token_loss import (
     IGNORE_INDEX,
     LossKind,
@@ -33,6 +33,7 @@ from hf_accum.losses.token_loss import (
     rows_per_chunk,
     token_loss_sum,
 )
+from hf_accum.settings import check_normalization
 
 logger = logging.getLogger("hf_accum.fused.loss")
 

@@ -27,7 +27,6 @@ import torch.nn.functional as F
 
 from hf_accum.accumulation import packed_sequence_starts
 from hf_accum.losses.token_loss import IGNORE_INDEX, aligned_targets, compute_dtype
-from hf_accum.settings import NORMALIZATIONS, check_normalization  # noqa: F401  (re-exported)
 
 # The setting's values and check are declared with the setting (hf_accum.settings); re-exported for this module's users.
 

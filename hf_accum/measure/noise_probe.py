@@ -35,7 +35,6 @@ from typing import Callable, Iterable
 import torch
 
 # Which micro-batches are the small batches: the values and their check are the setting's (re-exported).
-from hf_accum.settings import MICRO_BATCH_MODES, check_micro_batch_mode  # noqa: F401
 
 NOT_UNDER_DEEPSPEED = (
     "noise_scale=True is not available under DeepSpeed: the engine keeps the micro-batch gradients in its own "

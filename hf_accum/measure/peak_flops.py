@@ -43,8 +43,6 @@ from typing import Any, TypeGuard
 
 import torch
 
-from hf_accum.settings import check_peak_flops  # noqa: F401  (the setting's check, re-exported)
-
 logger = logging.getLogger(__name__)
 
 PEAK_FLOPS_ENV = "HF_ACCUM_PEAK_FLOPS"
