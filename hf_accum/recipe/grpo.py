@@ -29,8 +29,9 @@ from typing import Any, Callable
 from hf_accum.recipe.config.schema import RecipeConfig
 from hf_accum.recipe.data import RecipeData, load_tokenizer_and_data
 from hf_accum.recipe.data.formats import Example
+from hf_accum.recipe.data.metric import as_decoded
 from hf_accum.recipe.data.splits import load_splits
-from hf_accum.recipe.preference import Objective
+from hf_accum.recipe.preference import Objective, drop_reference_adapter, training_values
 from hf_accum.recipe.rewards import resolve_rewards, reward_name
 
 METRIC = "exact match"
@@ -45,11 +46,6 @@ class GRPOData(RecipeData):
     """TRL's conversational prompt rows (:func:`prompt_rows`)."""
     scored: dict[str, Any] = field(default_factory=dict)
     """Held-out results already scored by the GRPO engine (``"after training"``), not scored twice."""
-
-
-def as_decoded(tokenizer: Any, text: str) -> str:
-    """``text`` as the tokenizer gives it back (the word-level one spaces out punctuation): what a completion can be."""
-    return str(tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"], skip_special_tokens=True))
 
 
 def prompt_rows(tokenizer: Any, examples: list[Example]) -> list[dict[str, Any]]:
@@ -87,10 +83,9 @@ def grpo_config(config: RecipeConfig, args: Any) -> Any:
     """TRL's ``GRPOConfig``: every ``TrainingArguments`` value the recipe resolved (GRPOConfig's own defaults, e.g.
     learning_rate 1e-6, never apply), the ``grpo`` section, and the dataset's extra columns kept (the rewards read
     ``answer``)."""
-    from transformers import TrainingArguments
     from trl import GRPOConfig
 
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainingArguments) if f.init}
+    values = training_values(args)
     values["remove_unused_columns"] = False  # "answer" and "task" reach the reward functions
     return GRPOConfig(**values, **trl_settings(config))
 
@@ -104,12 +99,19 @@ class GenerationTimer:
     """Wraps the trainer's ``_generate_and_score_completions`` (TRL's generation, called unchanged): the seconds
     it took and the completion tokens it made since the last :meth:`take`."""
 
-    def __init__(self, generate: Callable[..., Any]) -> None:
+    def __init__(self, generate: Callable[..., Any] | None = None) -> None:
         self.generate = generate
         self.seconds = 0.0
         self.tokens = 0
+        self.measured = generate is not None
+        """False where this TRL's generation could not be wrapped: the progress line shows no split."""
+
+    def wrapping(self, generate: Callable[..., Any]) -> GenerationTimer:
+        self.generate, self.measured = generate, True
+        return self
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        assert self.generate is not None  # called only once wrapping
         start = time.perf_counter()
         output = self.generate(*args, **kwargs)
         self.seconds += time.perf_counter() - start
@@ -121,6 +123,19 @@ class GenerationTimer:
         taken = (self.seconds, self.tokens)
         self.seconds, self.tokens = 0.0, 0
         return taken
+
+
+def _timed_generation(trainer: Any) -> GenerationTimer:
+    """A :class:`GenerationTimer` around TRL's generation (called unchanged); a TRL without the method keeps its
+    generation untimed, said once (a progress line never stops a run)."""
+    from hf_accum.compat import wrap_trl_generation
+    from hf_accum.recipe.outputs import say
+
+    timer = GenerationTimer()
+    if not wrap_trl_generation(trainer, timer.wrapping):
+        say("note: this TRL's generation cannot be timed (no GRPOTrainer._generate_and_score_completions): the "
+            "progress line shows each update's seconds without the generation / training split")
+    return timer
 
 
 def _progress_callback_class() -> type:
@@ -173,10 +188,12 @@ def _progress_callback_class() -> type:
                              if f"rewards/{name}/mean" in logs)
             loss = f"loss {update['loss']:.4f}, " if update["loss"] is not None else ""
             length = update["completion_length"]
+            split = (f"generation {generation:.1f} s, training {seconds - generation:.1f} s" if self.timer.measured
+                     else f"{seconds:.1f} s")
             say(f"update {state.global_step}/{state.max_steps}: {loss}reward {update['reward']:.3f}"
                 + (f" ({each})" if len(self.rewards) > 1 else "")
                 + (f", completion {length:.1f} tokens" if length is not None else "")
-                + f", per update: generation {generation:.1f} s, training {seconds - generation:.1f} s")
+                + f", per update: {split}")
 
     return GRPOProgress
 
@@ -186,20 +203,21 @@ def _progress_callback_class() -> type:
 # ----------------------------------------------------------------------------------------------
 
 
-def warm_start(model: Any, tokenizer: Any, data: GRPOData, collator: Any, args: Any, steps: int,
-               learning_rate: float | None = None) -> Any:
-    """``steps`` SFT updates of :class:`hf_accum.AccumTrainer` on the reference answers (same batch, same LR
-    schedule shape over ``steps``), nothing saved; the model they leave."""
+def warm_start(model: Any, tokenizer: Any, data: GRPOData, collator: Any, args: Any, config: RecipeConfig) -> Any:
+    """``grpo.warm_start_steps`` SFT updates of :class:`hf_accum.AccumTrainer` on the reference answers (same
+    batch, same LR schedule shape over those steps, the run's accumulation settings), nothing saved; the model they
+    leave."""
     from transformers import TrainingArguments
 
     from hf_accum import AccumTrainer
 
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainingArguments) if f.init}
+    steps, learning_rate = config.grpo.warm_start_steps, config.grpo.warm_start_learning_rate
+    values = training_values(args)
     values.update(max_steps=steps, learning_rate=learning_rate or args.learning_rate,
                   output_dir=f"{args.output_dir}/warm_start", save_strategy="no", eval_strategy="no",
                   report_to=[], resume_from_checkpoint=None)
     trainer = AccumTrainer(model=model, args=TrainingArguments(**values), train_dataset=data.train.examples,
-                           data_collator=collator, processing_class=tokenizer)
+                           data_collator=collator, processing_class=tokenizer, accumulation=config.accumulation)
     trainer.train()
     return trainer.model
 
@@ -219,18 +237,18 @@ def train_grpo_with_trainer(evaluate: Callable[..., Any], model: Any, tokenizer:
     before = None
     if config.grpo.warm_start_steps and resume is None:
         say(f"warm start: {config.grpo.warm_start_steps} SFT updates on the reference answers ...")
-        model = warm_start(model, tokenizer, data, collator, args, config.grpo.warm_start_steps,
-                           config.grpo.warm_start_learning_rate)
+        model = warm_start(model, tokenizer, data, collator, args, config)
         before = evaluate(model, tokenizer, data, config, args, "after the warm start")
         say(f"held-out {METRIC} after the warm start (the GRPO stage's before): {percent(before)}")
     trainer = AccumGRPOTrainer(
         model=model, reward_funcs=resolve_rewards(config.grpo.reward_funcs, config.grpo.format_pattern),
         args=grpo_config(config, args), train_dataset=Dataset.from_list(data.prompts), processing_class=tokenizer,
+        fused_logprobs=config.accumulation.fused_loss,
     )
-    if "ref" in getattr(trainer.model, "peft_config", {}):  # the reference is the base model, as for DPO
-        trainer.model.delete_adapter("ref")
-    timer = GenerationTimer(trainer._generate_and_score_completions)
-    trainer._generate_and_score_completions = timer  # timed, called unchanged
+    # TRL's "ref" copy of a fresh adapter is the base model, which the adapter disabled also is (with model.adapter and
+    # grpo.beta > 0 it would not be: refused before loading, hf_accum.recipe.grpo_section).
+    drop_reference_adapter(trainer)
+    timer = _timed_generation(trainer)
     names = [reward_name(spec) for spec in config.grpo.reward_funcs]
     trainer.add_callback(_progress_callback_class()(record, timer, names))
     check_engine(trainer.accelerator, launch)

@@ -13,6 +13,7 @@ from hf_accum.recipe.config.grpo import GRPOSection
 from hf_accum.recipe.config.schema import RecipeConfig
 from hf_accum.recipe.data.formats import FORMATS
 from hf_accum.recipe.rewards import check_pattern, resolve_rewards
+from hf_accum.settings import AccumulationSettings
 
 # TRL 1.16's loss types, each exact over every update in hf_accum.trainer.grpo (MODE_UNITS; a test compares them).
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "luspo", "cispo", "sapo", "vespo")
@@ -69,7 +70,7 @@ def _check_values(grpo: GRPOSection) -> None:
 
 # What objective=grpo cannot run with: (is it set?, "key=value (why)").
 def _grpo_refusals(config: RecipeConfig) -> list[tuple[bool, str]]:
-    t, acc = config.training, config.accumulation
+    t, acc, grpo = config.training, config.accumulation, config.grpo
     return [
         (config.engine != "trainer", f"engine={config.engine} (GRPO generates its completions with TRL "
                                      "inside hf_accum.AccumGRPOTrainer; the loop engine has no generation: set "
@@ -78,16 +79,25 @@ def _grpo_refusals(config: RecipeConfig) -> list[tuple[bool, str]]:
          f"data.format={config.data.format} (allowed with objective=grpo: auto, {', '.join(GRPO_FORMATS)}: prompts "
          "with their reference answers)"),
         (config.data.packing, "data.packing=true (GRPO trains on generated completions, not packed rows)"),
-        (acc.normalization != "token", f"accumulation.normalization={acc.normalization} (the loss type sets GRPO's "
-                                       "unit: grpo.loss_type)"),
-        (acc.tokens_per_update is not None, "accumulation.tokens_per_update (a loop-engine setting)"),
-        (acc.rampup_batch_size is not None, "accumulation.rampup_batch_size (a loop-engine setting)"),
-        (acc.noise_scale, "accumulation.noise_scale=true (not built for GRPO)"),
+        (bool(unapplied := _unapplied_accumulation(acc)),
+         f"{', '.join(unapplied)} (AccumGRPOTrainer forms GRPO's updates from grpo.loss_type and TRL's settings; of "
+         "the accumulation section it takes fused_loss only; allowed: the defaults)"),
+        (grpo.beta > 0 and config.model.adapter is not None,
+         f"grpo.beta={grpo.beta} with model.adapter (the KL reference would be the base model, not the starting "
+         "adapter: not built yet; allowed: grpo.beta=0)"),
         (bool(t.get("deepspeed")), "training.deepspeed (GRPO in the recipe runs on one process or DDP; not tested "
                                    "under DeepSpeed yet)"),
         (bool(t.get("fsdp")), "training.fsdp (GRPO in the recipe runs on one process or DDP; not tested under FSDP "
                               "yet)"),
     ]
+
+
+def _unapplied_accumulation(settings: AccumulationSettings) -> list[str]:
+    """The accumulation settings changed from their defaults that GRPO would not apply (all but ``fused_loss``,
+    passed on as ``AccumGRPOTrainer(fused_logprobs=...)``)."""
+    default = AccumulationSettings()
+    return [f"accumulation.{name}={getattr(settings, name)!r}" for name in sorted(AccumulationSettings.names())
+            if name != "fused_loss" and getattr(settings, name) != getattr(default, name)]
 
 
 def _check_generation_batch(grpo: GRPOSection, config: RecipeConfig) -> None:

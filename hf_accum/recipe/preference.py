@@ -70,6 +70,22 @@ def trl_settings(dpo: DPOSection) -> dict[str, Any]:
     return {"beta": dpo.beta, "loss_type": types, "loss_weights": weights, "label_smoothing": dpo.label_smoothing}
 
 
+def training_values(args: Any) -> dict[str, Any]:
+    """Every ``TrainingArguments`` value the recipe resolved, to build a TRL config from (so that the TRL config's
+    own defaults, e.g. learning_rate 1e-6, never apply)."""
+    from transformers import TrainingArguments
+
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainingArguments) if f.init}
+
+
+def drop_reference_adapter(trainer: Any) -> None:
+    """Delete the ``"ref"`` adapter TRL copies from an already-wrapped PEFT model, once the trainer no longer needs
+    it: PEFT cannot save a model whose second adapter lacks the modules_to_save copies (KeyError
+    'modules_to_save.ref.weight')."""
+    if "ref" in getattr(trainer.model, "peft_config", {}):
+        trainer.model.delete_adapter("ref")
+
+
 def dpo_config(config: RecipeConfig, args: Any) -> Any:
     """TRL's ``DPOConfig``: every ``TrainingArguments`` value the recipe resolved (``args``: DPOConfig's own
     defaults, e.g. bf16 and learning_rate 1e-6, never apply), the ``dpo`` section and ``data.max_length``.
@@ -78,11 +94,9 @@ def dpo_config(config: RecipeConfig, args: Any) -> Any:
     are precomputed once, in the trainer's constructor, on every process: AccumDPOTrainer keeps them in memory on
     each rank (TRL 1.16's own precompute hands them between ranks through a dataset cache file that the recipe's
     in-memory dataset lacks: FileNotFoundError on rank 1), so no reference forward runs with the micro-batches."""
-    from transformers import TrainingArguments
     from trl import DPOConfig
 
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainingArguments) if f.init}
-    return DPOConfig(**values, **trl_settings(config.dpo), max_length=config.data.max_length,
+    return DPOConfig(**training_values(args), **trl_settings(config.dpo), max_length=config.data.max_length,
                      precompute_ref_log_probs=True,
                      precompute_ref_batch_size=args.per_device_eval_batch_size)
 
@@ -108,12 +122,9 @@ def train_dpo_with_trainer(model: Any, tokenizer: Any, data: Any, collator: Any,
         eval_dataset=Dataset.from_list(data.held_out.as_conversations()) if data.held_out else None,
         accumulation=record.config.accumulation,  # the recipe's section is the trainer's settings (hf_accum.settings)
     )
-    if "ref" in getattr(trainer.model, "peft_config", {}):
-        # TRL copies an already-wrapped model's adapter as a "ref" adapter, and the constructor has scored the
-        # reference with it (precompute_ref_log_probs): a fresh adapter's copy is the base model, as in the loop
-        # engine; a loaded one's (model.adapter) the starting policy. It is not needed after that, and PEFT cannot
-        # save a model whose second adapter lacks the modules_to_save copies (KeyError 'modules_to_save.ref.weight').
-        trainer.model.delete_adapter("ref")
+    # The constructor has scored the reference with TRL's "ref" adapter (precompute_ref_log_probs): a fresh adapter's
+    # copy is the base model, as in the loop engine; a loaded one's (model.adapter) the starting policy.
+    drop_reference_adapter(trainer)
     check_engine(trainer.accelerator, launch)
     trainer.train(resume_from_checkpoint=resume)
     record.updates = [asdict(update) for update in trainer.updates]

@@ -19,6 +19,7 @@ import re
 from typing import Any, Callable, Sequence
 
 from hf_accum.errors import InputError
+from hf_accum.recipe.data.metric import normalize_answer
 
 RewardFunction = Callable[..., Any]
 
@@ -36,15 +37,11 @@ def completion_text(completion: Any) -> str:
     return str(completion)
 
 
-def _normalized(text: str) -> str:
-    return " ".join(text.split())
-
-
 def exact_match(completions: Sequence[Any], answer: Sequence[str] | None = None, **kwargs: Any) -> list[float]:
     """1.0 where the completion equals its reference ``answer`` (whitespace-normalised), else 0.0."""
     if answer is None:
         raise ValueError("the exact_match reward needs each prompt's reference answer (an 'answer' column)")
-    return [float(_normalized(completion_text(c)) == _normalized(a)) for c, a in zip(completions, answer)]
+    return [float(normalize_answer(completion_text(c)) == normalize_answer(a)) for c, a in zip(completions, answer)]
 
 
 def format_reward(pattern: str) -> RewardFunction:

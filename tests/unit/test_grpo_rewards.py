@@ -3,7 +3,11 @@ resolved or refused (one line) before any model loads."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
+import yaml
 
 from hf_accum.errors import InputError
 from hf_accum.recipe.rewards import exact_match, resolve_reward, resolve_rewards
@@ -42,3 +46,53 @@ def test_empty_or_repeated_rewards_are_refused():
         resolve_rewards([])
     with pytest.raises(InputError, match="twice"):
         resolve_rewards(["exact_match", "exact_match"])
+
+
+def test_the_sections_loss_types_are_the_ones_accum_grpo_trainer_makes_exact():
+    from hf_accum.recipe.grpo_section import LOSS_TYPES
+    from hf_accum.trainer.grpo import SUPPORTED_LOSS_TYPES
+
+    assert set(LOSS_TYPES) == set(SUPPORTED_LOSS_TYPES)
+
+
+def _resolved_grpo(argv, tmp_path):
+    from hf_accum.recipe import checks
+    from hf_accum.recipe import config as recipe_config
+
+    path, overrides = recipe_config.parse_overrides(["objective=grpo", f"training.output_dir={tmp_path}", *argv])
+    return checks.resolve(recipe_config.load_config(path, overrides), ("loop", "trainer"), ("sft", "dpo", "grpo"))
+
+
+def test_the_embedded_grpo_default_passes_its_checks(tmp_path):
+    config = _resolved_grpo([], tmp_path)
+    assert config.objective == "grpo" and config.engine == "trainer"
+
+
+@pytest.mark.parametrize("override, named", [
+    ("accumulation.peak_flops=1e12", "accumulation.peak_flops=1000000000000.0"),
+    ("accumulation.stop_on_signals=false", "accumulation.stop_on_signals=False"),
+    ("accumulation.normalization=sequence", "accumulation.normalization='sequence'"),
+])
+def test_an_accumulation_setting_grpo_would_not_apply_is_refused_by_name(override, named, tmp_path):
+    """AccumGRPOTrainer takes only fused_loss of the accumulation section: any other setting changed from its
+    default would be silently ignored by the GRPO stage, so it is refused before loading, named."""
+    from hf_accum.recipe.config import ConfigError
+
+    with pytest.raises((InputError, ConfigError), match=re.escape(named)):
+        _resolved_grpo([override], tmp_path)
+    assert _resolved_grpo(["accumulation.fused_loss=false"], tmp_path).accumulation.fused_loss is False
+
+
+def test_a_kl_reference_with_a_starting_adapter_is_refused(tmp_path):
+    from hf_accum.recipe.config import ConfigError
+
+    seed = _resolved_grpo([], tmp_path).training.seed
+    run = tmp_path / "dpo_run"  # a finished run's directory as the recipe writes it
+    (run / "adapter").mkdir(parents=True)
+    (run / "resolved_config.yaml").write_text(yaml.safe_dump(
+        {"model": {"name_or_path": "hf_accum:tiny-llama", "config_overrides": {}}, "training": {"seed": seed}}))
+    (run / "adapter" / "adapter_config.json").write_text(json.dumps(
+        {"base_model_name_or_path": None, "peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}))
+    assert _resolved_grpo([f"model.adapter={run}"], tmp_path).model.adapter == str(run)  # beta 0: accepted
+    with pytest.raises((InputError, ConfigError), match="grpo.beta=0.1 with model.adapter"):
+        _resolved_grpo(["grpo.beta=0.1", f"model.adapter={run}"], tmp_path)

@@ -21,7 +21,7 @@ def normalize_answer(text: str) -> str:
     return " ".join(text.split())
 
 
-def _as_decoded(tokenizer: Any, text: str) -> str:
+def as_decoded(tokenizer: Any, text: str) -> str:
     """``text`` as the tokenizer gives it back (the tiny word-level one spaces out punctuation), so a
     generated answer is compared with what the model could have produced."""
     return tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"], skip_special_tokens=True)
@@ -54,7 +54,7 @@ def exact_match(
         on_rows(len(chunk))
         for example, text in zip(chunk, answers):
             expected = example.conversation()[-1]["content"]
-            ok = normalize_answer(text) == normalize_answer(_as_decoded(tokenizer, expected))
+            ok = normalize_answer(text) == normalize_answer(as_decoded(tokenizer, expected))
             hits.append((example.task, ok))
             if len(samples) < 4:
                 samples.append({"prompt": example.conversation()[-2]["content"], "expected": expected,
