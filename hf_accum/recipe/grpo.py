@@ -231,7 +231,7 @@ def train_grpo_with_trainer(evaluate: Callable[..., Any], model: Any, tokenizer:
     from hf_accum import AccumGRPOTrainer
     from hf_accum.planning.schedule import BatchPlan
     from hf_accum.recipe.launch import check_engine
-    from hf_accum.recipe.outputs import barrier, percent, say
+    from hf_accum.recipe.outputs import barrier, percent, saved_eval_before, say
 
     config = record.config
     before = None
@@ -240,6 +240,10 @@ def train_grpo_with_trainer(evaluate: Callable[..., Any], model: Any, tokenizer:
         model = warm_start(model, tokenizer, data, collator, args, config)
         before = evaluate(model, tokenizer, data, config, args, "after the warm start")
         say(f"held-out {METRIC} after the warm start (the GRPO stage's before): {percent(before)}")
+    elif not config.grpo.warm_start_steps and config.data.eval_before:
+        # No warm start (a model that already answers some right): the GRPO stage starts where the run does, so its
+        # before is the run's before-training score, kept in the output directory (scored once, not again here).
+        before = saved_eval_before(config)[1]
     trainer = AccumGRPOTrainer(
         model=model, reward_funcs=resolve_rewards(config.grpo.reward_funcs, config.grpo.format_pattern),
         args=grpo_config(config, args), train_dataset=Dataset.from_list(data.prompts), processing_class=tokenizer,
