@@ -198,6 +198,23 @@ def _progress_callback_class() -> type:
     return GRPOProgress
 
 
+def quiet_log_dicts(trainer: Any) -> None:
+    """Keep the trainer's progress bar but stop it printing each raw log dict (``{'loss': ..., 'completions/...'}``,
+    dozens of keys per log with GRPO): :class:`GRPOProgress` prints what matters, as the SFT and DPO defaults' loop
+    engine prints its own line. Nothing is lost: the logs still reach ``state.log_history`` and every other callback
+    (metrics.json, report_to)."""
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    class BarOnly(ProgressCallback):
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
+                   **kwargs: Any) -> None:
+            return None
+
+    trainer.pop_callback(PrinterCallback)  # training.disable_tqdm: the dicts printed bare
+    if trainer.pop_callback(ProgressCallback) is not None:
+        trainer.add_callback(BarOnly)
+
+
 # ----------------------------------------------------------------------------------------------
 # The trainer engine
 # ----------------------------------------------------------------------------------------------
@@ -218,6 +235,7 @@ def warm_start(model: Any, tokenizer: Any, data: GRPOData, collator: Any, args: 
                   report_to=[], resume_from_checkpoint=None)
     trainer = AccumTrainer(model=model, args=TrainingArguments(**values), train_dataset=data.train.examples,
                            data_collator=collator, processing_class=tokenizer, accumulation=config.accumulation)
+    quiet_log_dicts(trainer)
     trainer.train()
     return trainer.model
 
@@ -255,6 +273,7 @@ def train_grpo_with_trainer(evaluate: Callable[..., Any], model: Any, tokenizer:
     timer = _timed_generation(trainer)
     names = [reward_name(spec) for spec in config.grpo.reward_funcs]
     trainer.add_callback(_progress_callback_class()(record, timer, names))
+    quiet_log_dicts(trainer)
     check_engine(trainer.accelerator, launch)
     trainer.train(resume_from_checkpoint=resume)
     barrier()
@@ -262,8 +281,21 @@ def train_grpo_with_trainer(evaluate: Callable[..., Any], model: Any, tokenizer:
         after = evaluate(trainer.model, tokenizer, data, config, args, "after GRPO")
         data.scored["after training"] = after
         say(f"GRPO stage: held-out {METRIC} before {percent(before)} -> after {percent(after)}")
+        if line := per_task_line(before, after):
+            say(line)
     return trainer.model, BatchPlan(args.per_device_train_batch_size, args.gradient_accumulation_steps,
                                     args.world_size)
+
+
+def per_task_line(before: Any, after: Any) -> str | None:
+    """``GRPO stage per task: copy 32% -> 40%, ...`` from two held-out results (None where either has no
+    per-task scores: another process's None, or data without tasks)."""
+    tasks = [(before or {}).get("per_task") or {}, (after or {}).get("per_task") or {}]
+    shared = [task for task in tasks[0] if task in tasks[1]]
+    if not shared:
+        return None
+    return "GRPO stage per task: " + ", ".join(
+        f"{task} {100 * tasks[0][task]:.0f}% -> {100 * tasks[1][task]:.0f}%" for task in shared)
 
 
 def evaluate_grpo(evaluate: Callable[..., Any], model: Any, tokenizer: Any, data: GRPOData, config: RecipeConfig,

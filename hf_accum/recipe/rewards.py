@@ -8,7 +8,10 @@ completion is a string, or for conversational prompts a list of one assistant me
 
 Built-in (:data:`BUILT_IN`): ``exact_match`` -- 1 when the completion equals the reference answer after whitespace
 normalisation (the held-out metric's rule, :func:`hf_accum.recipe.data.metric.normalize_answer`), else 0;
-``format`` -- 1 when the stripped completion fully matches ``grpo.format_pattern``, else 0.
+``word_accuracy`` -- the fraction of word positions where the completion holds the reference's word, over the longer
+of the two (partial credit: a group whose completions all miss the exact answer still ranks them, and an extra or a
+missing word costs its position); ``format`` -- 1 when the stripped completion fully matches ``grpo.format_pattern``,
+else 0.
 """
 
 from __future__ import annotations
@@ -44,6 +47,19 @@ def exact_match(completions: Sequence[Any], answer: Sequence[str] | None = None,
     return [float(normalize_answer(completion_text(c)) == normalize_answer(a)) for c, a in zip(completions, answer)]
 
 
+def word_accuracy(completions: Sequence[Any], answer: Sequence[str] | None = None, **kwargs: Any) -> list[float]:
+    """Per completion: the words equal to the reference's at the same position, over the longer word count (1.0
+    exactly where :func:`exact_match` is 1; an empty completion of an empty answer is 1.0)."""
+    if answer is None:
+        raise ValueError("the word_accuracy reward needs each prompt's reference answer (an 'answer' column)")
+    scores = []
+    for completion, reference in zip(completions, answer):
+        got, want = completion_text(completion).split(), reference.split()
+        longest = max(len(got), len(want))
+        scores.append(sum(g == w for g, w in zip(got, want)) / longest if longest else 1.0)
+    return scores
+
+
 def format_reward(pattern: str) -> RewardFunction:
     """The ``format`` reward: 1.0 where the stripped completion fully matches ``pattern``, else 0.0."""
     compiled = re.compile(pattern)
@@ -55,8 +71,8 @@ def format_reward(pattern: str) -> RewardFunction:
     return format_check
 
 
-BUILT_IN = ("exact_match", "format")
-NEEDS_ANSWER = ("exact_match",)
+BUILT_IN = ("exact_match", "word_accuracy", "format")
+NEEDS_ANSWER = ("exact_match", "word_accuracy")
 
 
 def check_pattern(pattern: str) -> None:
@@ -71,6 +87,8 @@ def resolve_reward(spec: str, format_pattern: str = r"\S[^\n]*") -> RewardFuncti
     imported, is not callable, or cannot be called as TRL calls a reward function."""
     if spec == "exact_match":
         return exact_match
+    if spec == "word_accuracy":
+        return word_accuracy
     if spec == "format":
         check_pattern(format_pattern)
         return format_reward(format_pattern)

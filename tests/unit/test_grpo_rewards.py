@@ -96,3 +96,34 @@ def test_a_kl_reference_with_a_starting_adapter_is_refused(tmp_path):
     assert _resolved_grpo([f"model.adapter={run}"], tmp_path).model.adapter == str(run)  # beta 0: accepted
     with pytest.raises((InputError, ConfigError), match="grpo.beta=0.1 with model.adapter"):
         _resolved_grpo(["grpo.beta=0.1", f"model.adapter={run}"], tmp_path)
+
+
+def test_word_accuracy_credits_each_right_word_in_place_over_the_longer_count():
+    from hf_accum.recipe.rewards import word_accuracy
+
+    answer = ["red green blue"] * 5
+    completions = ["red green blue", "red blue green", "red green", "red green blue blue", [
+        {"role": "assistant", "content": " red  green blue\n"}]]
+    assert word_accuracy(completions, answer=answer) == [1.0, pytest.approx(1 / 3), pytest.approx(2 / 3), 0.75, 1.0]
+    assert word_accuracy(["", "x"], answer=["", ""]) == [1.0, 0.0]
+    assert resolve_reward("word_accuracy") is word_accuracy
+    with pytest.raises(ValueError, match="reference answer"):
+        word_accuracy(["a"])
+
+
+def test_word_accuracy_is_one_exactly_where_exact_match_is():
+    from hf_accum.recipe.rewards import word_accuracy
+
+    completions = ["a b", "a  b ", "b a", "a", "a b c", ""]
+    answer = ["a b"] * len(completions)
+    assert [w == 1.0 for w in word_accuracy(completions, answer=answer)] == [
+        e == 1.0 for e in exact_match(completions, answer=answer)]
+
+
+def test_the_grpo_stage_per_task_line_pairs_each_task_before_and_after():
+    from hf_accum.recipe.grpo import per_task_line
+
+    before = {"exact_match": 0.4, "per_task": {"copy": 0.32, "last": 1.0}}
+    after = {"exact_match": 0.5, "per_task": {"copy": 0.4, "last": 1.0}}
+    assert per_task_line(before, after) == "GRPO stage per task: copy 32% -> 40%, last 100% -> 100%"
+    assert per_task_line(None, after) is None
