@@ -240,6 +240,19 @@ def warm_start(model: Any, tokenizer: Any, data: GRPOData, collator: Any, args: 
     return trainer.model
 
 
+def freeze_modules_to_save(model: Any) -> None:
+    """``grpo.train_modules_to_save: false``: the PEFT model's fully trained copies (``modules_to_save``) take no
+    gradient, so the optimizer TRL builds holds the LoRA matrices only; said once with the count."""
+    from hf_accum.recipe.outputs import say
+
+    frozen = [p for name, p in model.named_parameters() if ".modules_to_save." in name and p.requires_grad]
+    for parameter in frozen:
+        parameter.requires_grad_(False)
+    left = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    say(f"GRPO trains the LoRA matrices only ({left:,} parameters): {sum(p.numel() for p in frozen):,} in "
+        "lora.modules_to_save kept as they are (grpo.train_modules_to_save=false)")
+
+
 def train_grpo_with_trainer(evaluate: Callable[..., Any], model: Any, tokenizer: Any, data: GRPOData, collator: Any,
                             args: Any, record: Any, resume: Any, launch: Any) -> tuple[Any, Any]:
     """The warm start (``grpo.warm_start_steps``, skipped on resume: the checkpoint holds its result), then
@@ -262,6 +275,8 @@ def train_grpo_with_trainer(evaluate: Callable[..., Any], model: Any, tokenizer:
         # No warm start (a model that already answers some right): the GRPO stage starts where the run does, so its
         # before is the run's before-training score, kept in the output directory (scored once, not again here).
         before = saved_eval_before(config)[1]
+    if not config.grpo.train_modules_to_save:
+        freeze_modules_to_save(model)
     trainer = AccumGRPOTrainer(
         model=model, reward_funcs=resolve_rewards(config.grpo.reward_funcs, config.grpo.format_pattern),
         args=grpo_config(config, args), train_dataset=Dataset.from_list(data.prompts), processing_class=tokenizer,

@@ -127,3 +127,23 @@ def test_the_grpo_stage_per_task_line_pairs_each_task_before_and_after():
     after = {"exact_match": 0.5, "per_task": {"copy": 0.4, "last": 1.0}}
     assert per_task_line(before, after) == "GRPO stage per task: copy 32% -> 40%, last 100% -> 100%"
     assert per_task_line(None, after) is None
+
+
+def test_train_modules_to_save_false_leaves_only_the_lora_matrices_trainable(tmp_path):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    from hf_accum.recipe.grpo import freeze_modules_to_save
+    from hf_accum.tiny import tiny_llama_config
+
+    assert _resolved_grpo(["grpo.train_modules_to_save=false"], tmp_path).grpo.train_modules_to_save is False
+    torch.manual_seed(0)
+    model = get_peft_model(LlamaForCausalLM(tiny_llama_config(vocab_size=32)), LoraConfig(
+        r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["embed_tokens", "lm_head"]))
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert any(".modules_to_save." in name for name in trainable)  # the negative control: trained in full before
+    freeze_modules_to_save(model)
+    left = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert left and all("lora_" in name for name in left)
+    assert left == {name for name in trainable if ".modules_to_save." not in name}

@@ -18,7 +18,8 @@ class GRPOSection:
 
     reward_funcs: list[str] = field(default_factory=lambda: ["exact_match"])
     """Rewards, summed with ``reward_weights``: built-in ``exact_match`` (1 when the completion equals the reference
-    answer, whitespace-normalised), ``format`` (1 when the completion matches ``format_pattern``), or a function of
+    answer, whitespace-normalised), ``word_accuracy`` (the fraction of the reference's words the completion holds in
+    place, over the longer word count), ``format`` (1 when the completion matches ``format_pattern``), or a function of
     yours by import path ``package.module:function``, called as TRL calls reward functions:
     ``fn(prompts=..., completions=..., completion_ids=..., **kwargs) -> list[float]`` (kwargs: ``answer``, ``task``
     and TRL's own)."""
@@ -31,6 +32,9 @@ class GRPOSection:
     gets non-zero rewards; the held-out metric is scored after them too (the GRPO stage's before). 0: none."""
     warm_start_learning_rate: float | None = None
     """The warm start's peak learning rate (SFT takes a larger one than GRPO); null: ``training.learning_rate``."""
+    train_modules_to_save: bool = True
+    """false: the modules trained in full (``lora.modules_to_save``, e.g. the embeddings and the LM head) keep their
+    values during GRPO (those of the warm start, or of ``model.adapter``) and only the LoRA matrices train."""
     num_generations: int = 8
     """Completions sampled per prompt (a group); the update's completions must be a multiple of it."""
     max_completion_length: int = 16
@@ -74,4 +78,4 @@ class GRPOSection:
 
     # The keys passed to TRL's GRPOConfig unchanged (the others are the recipe's own).
     RECIPE_KEYS: ClassVar[tuple[str, ...]] = ("reward_funcs", "format_pattern", "warm_start_steps",
-                                             "warm_start_learning_rate")
+                                             "warm_start_learning_rate", "train_modules_to_save")
