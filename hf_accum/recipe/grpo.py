@@ -296,6 +296,9 @@ def train_grpo_with_trainer(evaluate: Callable[..., Any], model: Any, tokenizer:
         after = evaluate(trainer.model, tokenizer, data, config, args, "after GRPO")
         data.scored["after training"] = after
         say(f"GRPO stage: held-out {METRIC} before {percent(before)} -> after {percent(after)}")
+        # metrics.json: the run's eval_before is the base model's (or none); the GRPO stage's own before/after here.
+        record.facts["grpo_stage"] = {"warm_start_steps": config.grpo.warm_start_steps, "before": before,
+                                      "after": after}
         if line := per_task_line(before, after):
             say(line)
     return trainer.model, BatchPlan(args.per_device_train_batch_size, args.gradient_accumulation_steps,
