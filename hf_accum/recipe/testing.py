@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -144,20 +144,48 @@ def load_script() -> ModuleType:
 
 def run_main(*argv: str) -> subprocess.CompletedProcess:
     """The recipe's ``main`` in THIS process through the kit's exit-code wrapper, as ``python finetune_llama.py
-    ARGV`` would exit (2 for bad input, one ``error:`` line): its exit code and what it printed, as a finished
-    process (no process started: for tests/unit, and wherever a process of its own would show nothing more). One
-    torch thread, as :func:`run_script`'s processes have: a run here and one there compute the same numbers."""
+    ARGV`` would exit (2 for bad input, one ``error:`` line; 75 stopped by a signal, 5 by inf/NaN updates, 3 for a
+    full disk): its exit code and what it printed, as a finished process (no process started: for tests/unit, and
+    wherever a process of its own would show nothing more). Its stderr holds what the script's stderr would: the
+    library's log lines (``[hf_accum] ...``) and tqdm's bars with the ``error:`` line. One torch thread, as
+    :func:`run_script`'s processes have: a run here and one there compute the same numbers."""
     import torch
+
+    from hf_accum.control import NonFiniteLossError, TrainingStopped
 
     out, err = io.StringIO(), io.StringIO()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = run_outputs.run_cli(load_script().main, list(argv), bad_input=BAD_INPUT)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), _log_handlers_writing_to(err):
+            code = run_outputs.run_cli(load_script().main, list(argv), bad_input=BAD_INPUT,
+                                       stopped=(TrainingStopped, NonFiniteLossError))
     finally:
         torch.set_num_threads(threads)
     return subprocess.CompletedProcess([SCRIPT, *argv], code, stdout=out.getvalue(), stderr=err.getvalue())
+
+
+@contextlib.contextmanager
+def _log_handlers_writing_to(stream: io.StringIO) -> Iterator[None]:
+    """Every plain ``logging.StreamHandler`` of this process (hf_accum's ``[hf_accum]`` lines, transformers') writes
+    to ``stream`` meanwhile: a handler keeps the stream it was made with (the stderr of whichever test first
+    imported the library), so redirecting ``sys.stderr`` alone would not catch a run's log lines. Handlers on
+    stdout are left alone; subclasses (files, pytest's log capture) too."""
+    import logging
+
+    loggers = [logging.getLogger(), *(logger for logger in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(logger, logging.Logger))]
+    stdouts = (sys.__stdout__, sys.stdout)
+    handlers = {id(handler): handler for logger in loggers for handler in logger.handlers
+                if type(handler) is logging.StreamHandler and handler.stream not in stdouts}
+    swapped = [(handler, handler.stream) for handler in handlers.values()]
+    for handler, _ in swapped:
+        handler.setStream(stream)
+    try:
+        yield
+    finally:
+        for handler, previous in reversed(swapped):
+            handler.setStream(previous)
 
 
 def fails_cleanly(argv: list[str], out: Any, capsys: Any, must_not_exist: bool = True) -> str:
