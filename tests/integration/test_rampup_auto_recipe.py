@@ -10,7 +10,7 @@ import pytest
 
 from hf_accum.cli import main as cli_main
 from hf_accum.recipe import outputs as run_outputs
-from hf_accum.recipe.testing import ACCELERATE, fails_cleanly, read_metrics, run_script
+from hf_accum.recipe.testing import fails_cleanly, read_metrics, recipe_arguments, run_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT = os.path.join(ROOT, "recipes", "configs", "cpu_default.yaml")
@@ -20,8 +20,10 @@ EAGER = "accumulation.rampup_auto={margin: 0.5, release: 0.25, min_updates: 3, l
 @pytest.mark.slow
 def test_auto_ramp_trains_the_default_job_and_records_every_change(tmp_path):
     out = tmp_path / "auto"
-    proc = run_script(ACCELERATE, out, "data.num_train_examples=480", "training.num_train_epochs=1",
-                      "accumulation.rampup_batch_size=auto", EAGER)
+    # In the pytest process: nothing kills the run, so a process of its own would show nothing more.
+    proc = run_main(*recipe_arguments(out, "data.num_train_examples=480", "training.num_train_epochs=1",
+                                      "accumulation.rampup_batch_size=auto", EAGER))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     said = proc.stdout + proc.stderr
     assert "auto batch ramp: 16 -> at most 32 sequences per update" in said  # the start line
     assert "LR schedule over 480 samples" in said

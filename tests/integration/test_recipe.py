@@ -104,7 +104,10 @@ def test_trainer_engine_one_process_end_to_end(tmp_path):
     assert os.path.isfile(core), "AccumTrainer (hf_accum/trainer/core.py) is missing"
     out = tmp_path / "trainer1"
     temp_before = set(os.listdir(tempfile.gettempdir()))
-    proc = run_script(PYTHON, out, "engine=trainer", "training.max_steps=6", "training.logging_steps=5")
+    # In the pytest process (the trainer engine as a process of its own: test_two_cpu_processes_end_to_end[trainer]).
+    proc = run_main(*SMALL, f"training.output_dir={out}", "engine=trainer", "training.max_steps=6",
+                    "training.logging_steps=5")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     metrics = read_metrics(out)
     assert re.search(r"model FLOPs \S+/update, [\d.,]+ GFLOP/s, MFU \d+\.\d%", proc.stdout)  # the end line
     assert "'mfu':" in proc.stdout  # Trainer's log line every logging_steps
@@ -409,7 +412,8 @@ def test_sigterm_then_the_same_command_with_resume_reproduces_the_uninterrupted_
     _, stderr = process.communicate(timeout=240)
     assert process.returncode == EXIT_PREEMPTED, stderr[-3000:]
     assert "stopped:" in stderr and not (out / run_outputs.METRICS_NAME).exists()
-    proc = run_script(PYTHON, out, *overrides, "training.resume_from_checkpoint=true")
+    proc = run_main(*SMALL, f"training.output_dir={out}", *overrides, "training.resume_from_checkpoint=true")
+    assert proc.returncode == 0, proc.stderr[-3000:]  # the resume: nothing kills it, so it runs here too
     metrics = read_metrics(out)
     resumed, expected = metrics["updates"], read_metrics(reference)["updates"]
     # The resumed process reports what IT trained beside the run's total, and reads the before metric back.

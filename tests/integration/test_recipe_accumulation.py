@@ -7,8 +7,14 @@ import math
 
 import pytest
 
-from hf_accum.recipe.testing import ACCELERATE, fails_cleanly, read_metrics, run_script, write
+from hf_accum.recipe.testing import fails_cleanly, read_metrics, recipe_arguments, run_main, write
 from hf_accum.testing import big_batch_learning_rates
+
+
+def succeeded(proc):
+    """A run in the pytest process (nothing kills it: a process of its own would show nothing more) that ended 0."""
+    assert proc.returncode == 0, f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
+    return proc
 
 
 def megatron_global_batch(consumed: int, start: int, increment: int, samples: int, global_batch: int) -> int:
@@ -33,7 +39,8 @@ def _expected_ramp(examples: int, epochs: int) -> list[int]:
 @pytest.mark.slow
 def test_rampup_trains_the_default_job_8_16_24_then_32(tmp_path):
     out = tmp_path / "ramp"
-    proc = run_script(ACCELERATE, out, "data.num_train_examples=480", "accumulation.rampup_batch_size=[8,8,800]")
+    proc = succeeded(run_main(*recipe_arguments(out, "data.num_train_examples=480",
+                                                "accumulation.rampup_batch_size=[8,8,800]")))
     updates = read_metrics(out)["updates"]
     sequences = [u["sequences"] for u in updates]
     assert sequences == _expected_ramp(480, 3)
@@ -50,8 +57,8 @@ def test_rampup_trains_the_default_job_8_16_24_then_32(tmp_path):
 def test_token_budget_trains_the_default_job(tmp_path):
     out = tmp_path / "tokens"
     # Answers only are targets (at most 11 per row): 2400 rows hold several budgets of 2048.
-    proc = run_script(ACCELERATE, out, "data.num_train_examples=2400", "training.max_steps=4",
-                      "accumulation.tokens_per_update=2048")
+    proc = succeeded(run_main(*recipe_arguments(out, "data.num_train_examples=2400", "training.max_steps=4",
+                                                "accumulation.tokens_per_update=2048")))
     updates = read_metrics(out)["updates"]
     assert len(updates) == 4
     assert all(2048 <= u["targets"] < 2048 + 8 * 11 for u in updates)  # < the budget plus one micro-batch

@@ -17,7 +17,7 @@ from hf_accum.recipe import config as recipe_config
 from hf_accum.recipe.data import DataError
 from hf_accum.recipe.data.preference import labelled, load_preference_data
 from hf_accum.recipe.data.splits import load_splits
-from hf_accum.recipe.testing import ACCELERATE, ROOT, read_metrics, run_main, run_script
+from hf_accum.recipe.testing import ROOT, read_metrics, recipe_arguments, run_main
 
 
 def write_rows(path, rows) -> str:
@@ -271,7 +271,10 @@ DPO_SMALL = ["objective=dpo", "data.num_train_examples=64", "data.num_eval_examp
 
 
 def run_recipe(out, *overrides):
-    proc = run_script(ACCELERATE, out, *overrides, small=DPO_SMALL, timeout=300)
+    """A DPO run of the recipe in the pytest process (nothing kills it: a process of its own would show nothing
+    more, and cost a start-up), ended 0: what it printed, and its metrics."""
+    proc = run_main(*recipe_arguments(out, *overrides, small=DPO_SMALL))
+    assert proc.returncode == 0, f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
     return proc, read_metrics(out)
 
 

@@ -1,12 +1,13 @@
 """SFT -> DPO as two recipe commands: ``objective=dpo model.adapter=<the SFT run>`` trains from the SFT run's adapter.
 
-One short SFT run of the embedded default (a subprocess, as a user runs it) is shared by the module. The DPO run
-must start where the SFT run ended, not from the base model: its held-out pairwise margin BEFORE training (scored by
-the DPO process on the model it loaded) equals the margin of the SFT run's own saved model (base + SFT adapter,
+One short SFT run of the embedded default is shared by the module. The DPO run must start where the SFT run ended,
+not from the base model: its held-out pairwise margin BEFORE training (scored by the DPO run on the model it loaded)
+equals the margin of the SFT run's own saved model (base + SFT adapter,
 loaded here as ``hf-accum generate`` loads it), and differs from the base model's (the control). In-process, the
 adapter the recipe's model loader builds holds exactly the SFT run's saved weights (a fresh adapter does not).
 The refusals are unit-tested in tests/unit/test_adapter_source.py; one runs here through the script (exit 2,
-nothing written).
+nothing written). Every run here is the script's ``main`` in the pytest process (``run_main``: the exit code and
+what it printed, as a process would end): nothing kills them, so processes of their own would show nothing more.
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ import torch
 
 from hf_accum.recipe import checks
 from hf_accum.recipe import config as recipe_config
-from hf_accum.recipe.testing import PYTHON, fails_cleanly, load_adapter, max_abs_diff, read_metrics, run_script
+from hf_accum.recipe.testing import (
+    fails_cleanly,
+    load_adapter,
+    max_abs_diff,
+    read_metrics,
+    recipe_arguments,
+    run_main,
+)
 
 ENGINES = ("loop", "trainer")
 OBJECTIVES = ("sft", "dpo")
@@ -32,7 +40,7 @@ DPO = ("objective=dpo", "data.num_train_examples=64", "data.num_eval_examples=16
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("from_run") / "sft"
-    proc = run_script(PYTHON, out, *SFT)  # SMALL: a short run of the embedded default
+    proc = run_main(*recipe_arguments(out, *SFT))  # SMALL: a short run of the embedded default
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return out
 
@@ -53,7 +61,7 @@ def test_a_dpo_run_from_the_sft_run_starts_from_its_final_state(sft_run, tmp_pat
     from hf_accum.recipe.generate import load_trained
 
     out = tmp_path / "dpo"
-    proc = run_script(PYTHON, out, *DPO, f"model.adapter={sft_run}", f"engine={engine}")
+    proc = run_main(*recipe_arguments(out, *DPO, f"model.adapter={sft_run}", f"engine={engine}"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"adapter from {sft_run / 'adapter'}" in proc.stdout
     metrics = read_metrics(out)
