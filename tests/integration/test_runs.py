@@ -61,9 +61,10 @@ def run(out, *overrides: str, launcher: list[str] = PYTHON, timeout: int = 300) 
     return run_script(launcher, out, *overrides, small=RUNS_SMALL, timeout=timeout, check=False)
 
 
-def refused_here(out, *overrides: str) -> subprocess.CompletedProcess:
-    """A run that must be refused before anything loads, in this process (a process of its own would show nothing
-    more: the refusal reads files and the lock, which another process may hold)."""
+def run_here(out, *overrides: str) -> subprocess.CompletedProcess:
+    """The recipe run to its end in THIS process, whatever its exit code: a run nothing kills (a resume, a full
+    disk) or one that must be refused before anything loads (the refusal reads files and the lock, which another
+    process may hold); a process of its own would show nothing more, and cost a start-up (~8 CPU-s)."""
     return run_main(*recipe_arguments(out, *overrides, small=RUNS_SMALL))
 
 
@@ -213,8 +214,8 @@ def test_a_second_run_on_a_running_runs_directory_is_refused_and_the_first_is_un
     try:
         assert first.poll() is None, "the first run ended before it could be paused"
         # Another learning rate; then the same with overwrite_output_dir: neither may touch the running run.
-        seconds = [refused_here(out, "training.max_steps=6", "training.learning_rate=0.002"),
-                   refused_here(out, "training.max_steps=6", "training.learning_rate=0.002",
+        seconds = [run_here(out, "training.max_steps=6", "training.learning_rate=0.002"),
+                   run_here(out, "training.max_steps=6", "training.learning_rate=0.002",
                                 "overwrite_output_dir=true")]
     finally:
         first.send_signal(signal.SIGCONT)
@@ -352,7 +353,7 @@ def test_a_damaged_latest_checkpoint_is_skipped_and_the_run_ends_as_the_uninterr
         truncate(str(latest / "optimizer.pt"))
     else:
         truncate(str(latest / "hf_accum_loop_state.json"))
-    proc = succeeded(run(out, *overrides, "training.resume_from_checkpoint=true"))
+    proc = succeeded(run_here(out, *overrides, "training.resume_from_checkpoint=true"))
     assert f"warning: skipping {latest}: " in proc.stdout
     assert f"resuming from {out / 'checkpoint-2'}" in proc.stdout
     assert_same_adapter(adapter(out / run_outputs.ADAPTER_DIR), adapter(reference / run_outputs.ADAPTER_DIR))
@@ -364,7 +365,7 @@ def test_a_damaged_checkpoint_named_explicitly_is_refused_naming_the_file_and_th
     _, copy, overrides = finished_pair
     out = as_unfinished(copy, tmp_path / "run")
     flip_bytes_inside_a_tensor(str(out / "checkpoint-4" / ADAPTER))
-    proc = refused_here(out, *overrides, f"training.resume_from_checkpoint={out / 'checkpoint-4'}")
+    proc = run_here(out, *overrides, f"training.resume_from_checkpoint={out / 'checkpoint-4'}")
     assert proc.returncode == EXIT_BAD_INPUT, proc.stderr[-3000:]
     assert last_line(proc.stderr) == (
         f"error: training.resume_from_checkpoint: checkpoint {out / 'checkpoint-4'} is damaged: {ADAPTER} differs "
@@ -372,7 +373,7 @@ def test_a_damaged_checkpoint_named_explicitly_is_refused_naming_the_file_and_th
     )
     assert "resolved config:" not in proc.stdout  # refused before anything loaded
     truncate(str(out / "checkpoint-2" / "optimizer.pt"))  # every checkpoint damaged: not silently started afresh
-    proc = refused_here(out, *overrides, "training.resume_from_checkpoint=true")
+    proc = run_here(out, *overrides, "training.resume_from_checkpoint=true")
     assert proc.returncode == EXIT_BAD_INPUT, proc.stderr[-3000:]
     assert f"warning: skipping {out / 'checkpoint-2'}: optimizer.pt has " in proc.stdout
     assert last_line(proc.stderr).startswith("error: training.resume_from_checkpoint: resume_from_checkpoint=True: "
@@ -397,7 +398,7 @@ def test_killed_in_its_first_checkpoint_write_the_same_command_with_resume_train
     killed = run(out, *overrides, launcher=killer)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert (out / ".staging-checkpoint-2").is_dir() and not (out / "checkpoint-2").exists()
-    proc = succeeded(run(out, *overrides))  # the requeue: exactly the same command
+    proc = succeeded(run_here(out, *overrides))  # the requeue: exactly the same command (nothing kills it)
     assert ("note: training.resume_from_checkpoint=true but no checkpoint exists yet (removed 1 unfinished "
             "checkpoint write(s)): starting from scratch") in proc.stdout
     assert len(json.loads((out / run_outputs.METRICS_NAME).read_text())["updates"]) == 4
@@ -464,7 +465,7 @@ def test_a_full_disk_ends_in_one_line_with_exit_3(where, small_disk):
     overrides = ["training.max_steps=4", f"training.save_steps={every}"]
     if where == "final_files":  # leave less room than the final adapter needs after checkpoint-4
         (small_disk / "ballast").write_bytes(b"\0" * (1200 << 10))
-    proc = run(out, *overrides)
+    proc = run_here(out, *overrides)
     assert proc.returncode == EXIT_DISK_FULL, proc.stderr[-3000:]
     line = last_line(proc.stderr)
     good = out / ("checkpoint-2" if where == "second_checkpoint" else "checkpoint-4")
