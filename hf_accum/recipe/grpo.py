@@ -240,9 +240,10 @@ def warm_start(model: Any, tokenizer: Any, data: GRPOData, collator: Any, args: 
     return trainer.model
 
 
-def freeze_modules_to_save(model: Any) -> None:
+def freeze_modules_to_save(model: Any) -> list[Any]:
     """``grpo.train_modules_to_save: false``: the PEFT model's fully trained copies (``modules_to_save``) take no
-    gradient, so the optimizer TRL builds holds the LoRA matrices only; said once with the count."""
+    gradient, so the optimizer TRL builds holds the LoRA matrices only; said once with the count. Returns the frozen
+    parameters (trainable again after GRPO: PEFT saves the trainable ``modules_to_save`` only)."""
     from hf_accum.recipe.outputs import say
 
     frozen = [p for name, p in model.named_parameters() if ".modules_to_save." in name and p.requires_grad]
@@ -251,6 +252,7 @@ def freeze_modules_to_save(model: Any) -> None:
     left = sum(p.numel() for p in model.parameters() if p.requires_grad)
     say(f"GRPO trains the LoRA matrices only ({left:,} parameters): {sum(p.numel() for p in frozen):,} in "
         "lora.modules_to_save kept as they are (grpo.train_modules_to_save=false)")
+    return frozen
 
 
 def train_grpo_with_trainer(evaluate: Callable[..., Any], model: Any, tokenizer: Any, data: GRPOData, collator: Any,
@@ -275,8 +277,7 @@ def train_grpo_with_trainer(evaluate: Callable[..., Any], model: Any, tokenizer:
         # No warm start (a model that already answers some right): the GRPO stage starts where the run does, so its
         # before is the run's before-training score, kept in the output directory (scored once, not again here).
         before = saved_eval_before(config)[1]
-    if not config.grpo.train_modules_to_save:
-        freeze_modules_to_save(model)
+    frozen = [] if config.grpo.train_modules_to_save else freeze_modules_to_save(model)
     trainer = AccumGRPOTrainer(
         model=model, reward_funcs=resolve_rewards(config.grpo.reward_funcs, config.grpo.format_pattern),
         args=grpo_config(config, args), train_dataset=Dataset.from_list(data.prompts), processing_class=tokenizer,
@@ -291,6 +292,8 @@ def train_grpo_with_trainer(evaluate: Callable[..., Any], model: Any, tokenizer:
     quiet_log_dicts(trainer)
     check_engine(trainer.accelerator, launch)
     trainer.train(resume_from_checkpoint=resume)
+    for parameter in frozen:
+        parameter.requires_grad_(True)
     barrier()
     if before is not None:
         after = evaluate(trainer.model, tokenizer, data, config, args, "after GRPO")
