@@ -24,12 +24,17 @@ def megatron_global_batch(consumed: int, start: int, increment: int, samples: in
     return start + int(consumed / (samples / ((global_batch - start) // increment))) * increment
 
 
+# [start, increment, samples]: 8 -> 16 -> 24 -> 32 sequences every 320 / 3 samples, reached in the second of the
+# default's 3 epochs of the suite's 240 rows (720 samples: every stage, and a short last window in each epoch).
+RAMP = (8, 8, 320)
+
+
 def _expected_ramp(examples: int, epochs: int) -> list[int]:
     sizes, consumed = [], 0
     for _ in range(epochs):
         left = examples
         while left:
-            size = min(megatron_global_batch(consumed, 8, 8, 800, 32), left)
+            size = min(megatron_global_batch(consumed, *RAMP, 32), left)
             sizes.append(size)
             left -= size
             consumed += size
@@ -39,13 +44,13 @@ def _expected_ramp(examples: int, epochs: int) -> list[int]:
 @pytest.mark.slow
 def test_rampup_trains_the_default_job_8_16_24_then_32(tmp_path):
     out = tmp_path / "ramp"
-    proc = succeeded(run_main(*recipe_arguments(out, "data.num_train_examples=480",
-                                                "accumulation.rampup_batch_size=[8,8,800]")))
+    proc = succeeded(run_main(*recipe_arguments(out, "data.num_train_examples=240",
+                                                f"accumulation.rampup_batch_size=[{','.join(map(str, RAMP))}]")))
     updates = read_metrics(out)["updates"]
     sequences = [u["sequences"] for u in updates]
-    assert sequences == _expected_ramp(480, 3)
+    assert sequences == _expected_ramp(240, 3)
     assert [s for i, s in enumerate(sequences) if i == 0 or s != sequences[i - 1]][:4] == [8, 16, 24, 32]
-    assert "batch ramp-up [8, 8, 800]: 8 seqs x 34 updates -> 16 seqs x" in proc.stderr
+    assert "batch ramp-up [8, 8, 320]: 8 seqs x 14 updates -> 16 seqs x 8 updates -> 24 seqs x" in proc.stderr
     # The LR ends where the schedule ends: cosine over exactly the ramped run's updates.
     lrs = [u["learning_rate"] for u in updates]
     total = len(updates)
@@ -56,15 +61,16 @@ def test_rampup_trains_the_default_job_8_16_24_then_32(tmp_path):
 @pytest.mark.slow
 def test_token_budget_trains_the_default_job(tmp_path):
     out = tmp_path / "tokens"
-    # Answers only are targets (at most 11 per row): 2400 rows hold several budgets of 2048.
-    proc = succeeded(run_main(*recipe_arguments(out, "data.num_train_examples=2400", "training.max_steps=4",
-                                                "accumulation.tokens_per_update=2048")))
+    # Answers only are targets (at most 11 per row, ~4 on average): 1200 rows hold twice the 4 budgets of 512 (each
+    # ~17 micro-batches of 8 rows: 4x the default's 32-row update, every window's size decided by the budget).
+    proc = succeeded(run_main(*recipe_arguments(out, "data.num_train_examples=1200", "training.max_steps=4",
+                                                "accumulation.tokens_per_update=512")))
     updates = read_metrics(out)["updates"]
     assert len(updates) == 4
-    assert all(2048 <= u["targets"] < 2048 + 8 * 11 for u in updates)  # < the budget plus one micro-batch
+    assert all(512 <= u["targets"] < 512 + 8 * 11 for u in updates)  # < the budget plus one micro-batch
     assert all(u["applied"] for u in updates)
-    assert "accumulation.tokens_per_update=2048 replaces global_batch_size" in proc.stdout + proc.stderr
-    assert "token budget 2048 targets/update" in proc.stderr
+    assert "accumulation.tokens_per_update=512 replaces global_batch_size" in proc.stdout + proc.stderr
+    assert "token budget 512 targets/update" in proc.stderr
 
 
 def test_trainer_engine_refuses_and_names_the_loop_engine(tmp_path, capsys):
