@@ -8,7 +8,8 @@ b. the same command resumes from checkpoint-2 (the short window and the epoch bo
    SIGKILLed in the middle of writing checkpoint-4;
 c. the same command resumes from checkpoint-2 again; SIGTERM after update 4: update 5 finishes,
    checkpoint-5 is written, exit code 75;
-d. the same command resumes from checkpoint-5 (mid-epoch) and completes.
+d. the same command resumes from checkpoint-5 (mid-epoch) and completes (in the pytest process, as the reference
+   below: nothing kills it).
 
 Stitched together (each update as the last run that executed it recorded it), the run must equal the
 uninterrupted one (run in the pytest process: nothing kills it): per-update applied gradients within 1e-12 relative, the same LRs and logged losses, and
@@ -43,13 +44,12 @@ from hf_accum.checkpointing.manifest import verify_checkpoint
 from hf_accum.checkpointing.run_lock import LOCK_NAME
 from hf_accum.control import CTRL_C_NOTE, EXIT_INTERRUPTED, EXIT_PREEMPTED
 from hf_accum.recipe.testing import (
-    PYTHON,
     ROOT,
     TORCHRUN_2,
     recipe_arguments,
     recipe_command,
     recipe_env,
-    run_script,
+    run_main,
 )
 from hf_accum.testing import cases
 from hf_accum.testing.interruptions import (
@@ -80,28 +80,35 @@ def names(out) -> list[str]:
     return sorted(name for name in os.listdir(run_dir(str(out))) if name != LOCK_NAME)  # a SIGKILLed run leaves it
 
 
-def run_reference_here(engine: str, out) -> None:
-    """The uninterrupted reference run, in THIS process: nothing kills it, so a process of its own would show
-    nothing more (and cost a start-up). One torch thread, as the workers have (OMP_NUM_THREADS=1): the story's
-    final weights must equal it bit for bit."""
+def run_worker_here(engine: str, out, tag: str) -> subprocess.CompletedProcess:
+    """A run of the worker that nothing kills (the uninterrupted reference, the story's last resume), in THIS
+    process: a process of its own would show nothing more, and cost a start-up (~8 CPU-s). One torch thread, as the
+    workers' processes have (OMP_NUM_THREADS=1): the story's final weights must equal the reference bit for bit.
+    Returned as the process would have ended: exit 0, or 1 with the traceback on stderr."""
+    import traceback
+
     from hf_accum.testing.cases import loop_resume_worker, trainer_resume_worker
 
     worker = loop_resume_worker if engine == "loop" else trainer_resume_worker
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        worker.run(parse_args([str(out), "ref"]))
+        worker.run(parse_args([str(out), tag]))
+    except Exception:
+        return subprocess.CompletedProcess([tag], 1, stdout="", stderr=traceback.format_exc())
     finally:
         torch.set_num_threads(threads)
+    return subprocess.CompletedProcess([tag], 0, stdout="", stderr="")
 
 
 @pytest.fixture(scope="module", params=["loop", "trainer"])
 def story(request, tmp_path_factory):
-    """Run the uninterrupted reference (here) and the interrupted story a-d (a process each: they are killed or
-    started again); return what each step left behind."""
+    """Run the uninterrupted reference (here) and the interrupted story a-d (a-c a process each: they are killed;
+    d, the resume that completes, here: nothing kills it); return what each step left behind."""
     engine = request.param
     reference_out = tmp_path_factory.mktemp(f"{engine}_reference")
-    run_reference_here(engine, reference_out)
+    reference = run_worker_here(engine, reference_out, "ref")
+    assert reference.returncode == 0, reference.stderr
 
     out = tmp_path_factory.mktemp(f"{engine}_story")
     kill_call = RANDOM.choice(SHORT_WINDOW_CALLS)
@@ -109,7 +116,7 @@ def story(request, tmp_path_factory):
     steps["a"] = (run_worker(engine, out, "a", "--kill-at-micro-batch", str(kill_call)), names(out))
     steps["b"] = (run_worker(engine, out, "b", "--kill-in-save", "4"), names(out))
     steps["c"] = (run_worker(engine, out, "c", "--sigterm-at-update", "4"), names(out))
-    steps["d"] = (run_worker(engine, out, "d"), names(out))
+    steps["d"] = (run_worker_here(engine, out, "d"), names(out))
     return {"engine": engine, "reference": str(reference_out), "out": str(out), "steps": steps, "kill_call": kill_call}
 
 
@@ -201,6 +208,9 @@ CTRL_C_LAUNCHERS = {
     "torchrun_2_processes": TORCHRUN_2,
 }
 CTRL_C_WORKER = cases.script("ctrl_c_recipe.py")
+# 6 updates, a checkpoint every 2; 2 held-out rows (their generation is most of a short run's evaluation, and no
+# check here reads the score).
+CTRL_C_RUN = ("training.max_steps=6", "training.save_steps=2", "data.num_eval_examples=2")
 
 
 def type_ctrl_c_into_a_recipe_run(tmp_path, launcher: str, ctrl_c: int) -> dict:
@@ -209,7 +219,7 @@ def type_ctrl_c_into_a_recipe_run(tmp_path, launcher: str, ctrl_c: int) -> dict:
     out, report = tmp_path / "run", tmp_path / "report"
     report.mkdir()
     command = [*CTRL_C_LAUNCHERS[launcher], CTRL_C_WORKER, str(report),
-               *recipe_arguments(out, "training.max_steps=6", "training.save_steps=2")]
+               *recipe_arguments(out, *CTRL_C_RUN)]
     terminal = Terminal(command, recipe_env(), ROOT)
     try:
         in_update_3 = terminal.wait_for("ctrl-c test: rank 0 paused in update 3", timeout=300)
@@ -259,8 +269,9 @@ def test_ctrl_c_twice_aborts_the_checkpoint_and_keeps_the_previous_one(tmp_path,
     verdict = verify_checkpoint(os.path.join(run["out"], "checkpoint-2"), collective=False)
     assert verdict.ok and verdict.has_manifest, verdict
     if launcher == "accelerate_launch":  # and it resumes: the same command continues from it
-        resumed = run_script(PYTHON, run["out"], "training.max_steps=6", "training.save_steps=2",
-                             "training.resume_from_checkpoint=true", timeout=300)
+        resumed = run_main(*recipe_arguments(run["out"], *CTRL_C_RUN,
+                                             "training.resume_from_checkpoint=true"))  # nothing kills it: here
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert f"resuming from {os.path.join(run['out'], 'checkpoint-2')}" in resumed.stdout + resumed.stderr
 
 
@@ -278,7 +289,8 @@ def test_ctrl_c_once_under_accelerate_launch_saves_and_the_launcher_waits(tmp_pa
 def test_under_accelerate_launch_the_run_holds_the_terminal_while_training_only(tmp_path):
     """The terminal's foreground: the script's own process group while it trains (Ctrl-Z refused there, with a
     line), the launcher's again once training ends; the run completes as usual."""
-    command = recipe_command(CTRL_C_LAUNCHERS["accelerate_launch"], tmp_path / "run", "training.max_steps=8")
+    command = recipe_command(CTRL_C_LAUNCHERS["accelerate_launch"], tmp_path / "run", "training.max_steps=8",
+                             "data.num_eval_examples=2")
     terminal = Terminal(command, recipe_env(), ROOT)
     try:
         in_training = terminal.wait_for("update 1 |", timeout=300)
