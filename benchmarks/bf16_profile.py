@@ -22,8 +22,11 @@ operator and by owner:
     OMP_NUM_THREADS=1 python -m benchmarks.bf16_profile --variants float32,bfloat16,bfloat16-bf16-adapters,autocast-bf16 \
         --checkpointing --no-profile   # PEFT's fp32 adapters vs adapters in bf16 vs CPU autocast, checkpointed
 
-``--variants``: ``bfloat16`` keeps PEFT's default fp32 adapters; ``bfloat16-bf16-adapters`` is the recipe's
-``model.dtype: bfloat16`` on CPU (``autocast_adapter_dtype=False``); ``autocast-bf16`` is ``training.bf16: true``
+``--variants``: ``bfloat16`` keeps PEFT's default fp32 adapters and its casts of the activations (the recipe's
+``model.adapter_dtype: float32-compute``); ``bfloat16-master-adapters`` is the recipe's default on bf16 weights
+(fp32 adapters computed in bf16: ``hf_accum.recipe.cpu_bf16``), ``bfloat16-recipe`` that and attention's SDPA
+in float32 (what the recipe builds for bf16 weights on a CPU); ``bfloat16-bf16-adapters`` is
+``model.adapter_dtype: weights`` (``autocast_adapter_dtype=False``); ``autocast-bf16`` is ``training.bf16: true``
 on fp32 weights (torch's CPU autocast). docs/measurements.md, "bf16 on a CPU with bf16 GEMMs", has the numbers.
 """
 
@@ -52,14 +55,23 @@ CAST_OPS = ("aten::copy_", "aten::_to_copy", "aten::to")
 # precision (``training.bf16: true`` with float32 weights: torch's CPU autocast).
 VARIANTS = {"float32": (torch.float32, True, "no"), "bfloat16": (torch.bfloat16, True, "no"),
             "bfloat16-bf16-adapters": (torch.bfloat16, False, "no"),
+            "bfloat16-master-adapters": (torch.bfloat16, True, "no"),
+            "bfloat16-recipe": (torch.bfloat16, True, "no"),
             "autocast-bf16": (torch.float32, True, "bf16")}
+# float32 adapters computed in bf16, their weights cast instead of the activations (the recipe's default
+# ``model.adapter_dtype: float32``, hf_accum.recipe.cpu_bf16); ``bfloat16`` is PEFT's own path.
+MASTER_ADAPTERS = ("bfloat16-master-adapters", "bfloat16-recipe")
+# ``bfloat16-recipe``: also attention's SDPA in float32 (hf_accum.recipe.cpu_bf16.SDPA_FLOAT32): what the recipe
+# builds for ``model.dtype: bfloat16`` on a CPU with everything else left at its default.
+FLOAT32_SDPA = ("bfloat16-recipe",)
 
 
 def build(dtype: torch.dtype, layers: int, rank: int, seed: int, autocast_adapter_dtype: bool = True,
-          checkpointing: bool = False) -> Any:
+          checkpointing: bool = False, master_adapters: bool = False, float32_sdpa: bool = False) -> Any:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from hf_accum.recipe.cpu_bf16 import compute_adapters_in_activation_dtype, use_float32_sdpa_for_bf16
     from hf_accum.recipe.modeling import enable_gradient_checkpointing
 
     torch.manual_seed(seed)
@@ -68,7 +80,12 @@ def build(dtype: torch.dtype, layers: int, rank: int, seed: int, autocast_adapte
     if checkpointing:  # as the recipe does it (non-reentrant, input grads for the frozen embedding)
         enable_gradient_checkpointing(model)
     lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", lora_dropout=0.0)
-    return get_peft_model(model, lora, autocast_adapter_dtype=autocast_adapter_dtype)
+    if float32_sdpa:
+        use_float32_sdpa_for_bf16(model, requested=None)
+    peft_model = get_peft_model(model, lora, autocast_adapter_dtype=autocast_adapter_dtype)
+    if master_adapters:
+        compute_adapters_in_activation_dtype(peft_model)
+    return peft_model
 
 
 class Run:
@@ -79,7 +96,8 @@ class Run:
         from accelerate import Accelerator
 
         dtype, autocast_adapter_dtype, mixed_precision = VARIANTS[variant]
-        self.model = build(dtype, args.layers, args.rank, args.seed, autocast_adapter_dtype, args.checkpointing)
+        self.model = build(dtype, args.layers, args.rank, args.seed, autocast_adapter_dtype, args.checkpointing,
+                           master_adapters=variant in MASTER_ADAPTERS, float32_sdpa=variant in FLOAT32_SDPA)
         self.accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.accumulation)
         # accelerate's state is one per process: its bf16 mixed precision is torch's CPU autocast, entered here
         self.autocast = mixed_precision == "bf16"

@@ -28,6 +28,7 @@ from hf_accum.compat import keep_4bit_training_layout
 from hf_accum.errors import InputError
 from hf_accum.recipe.adapter_source import check_adapter, find_adapter
 from hf_accum.recipe.config import ModelSection, RecipeConfig
+from hf_accum.recipe.cpu_bf16 import compute_adapters_in_activation_dtype, use_float32_sdpa_for_bf16
 from hf_accum.recipe.embedded import TINY_MODEL, build_tiny_llama, recipe_tiny_config, tiny_tokenizer
 from hf_accum.startup import bitsandbytes_kept_out
 
@@ -251,26 +252,37 @@ def enable_gradient_checkpointing(model: Any) -> None:
         model.enable_input_require_grads()
 
 
-ADAPTER_DTYPES = ("auto", "float32", "weights")
+ADAPTER_DTYPES = ("auto", "float32", "float32-compute", "weights")
 
 
 def adapters_in_weight_dtype(adapter_dtype: str, weight_dtype: str, on_cpu: bool) -> bool:
     """Whether the LoRA adapters keep the base weights' dtype (PEFT's ``autocast_adapter_dtype=False``) instead
-    of PEFT's float32 upcast (``float32``, the default). ``weights``: always; ``auto``: for bfloat16 weights on CPU,
-    where float32 adapters cast every adapted layer's bf16 input to float32 and the result back, forward and
-    backward (the bf16 step's largest cost after its GEMMs on an EPYC with bf16 GEMMs: docs/measurements.md,
-    "bf16 on a CPU with bf16 GEMMs"). The adapters' optimizer then steps bf16 weights: at small learning rates
-    (below ~1e-4) updates can round away, which is why float32 is the default."""
+    of float32 adapters (``float32``, the default, or ``float32-compute``). ``weights``: always; ``auto``: for
+    bfloat16 weights on CPU. The adapters' optimizer then steps bf16 weights: an update below ~1/256 of a weight
+    rounds away, which is why float32 adapters (computed in bf16, :mod:`hf_accum.recipe.cpu_bf16`) are
+    the default."""
     if adapter_dtype == "auto":
         return weight_dtype == "bfloat16" and on_cpu
     return adapter_dtype == "weights"
 
 
 def apply_lora(model: Any, lora_config: LoraConfig, quantized: bool, gradient_checkpointing: bool,
-               adapter_dir: str | None = None, adapter_in_weight_dtype: bool = False) -> Any:
+               adapter_dir: str | None = None, adapter_in_weight_dtype: bool = False,
+               float32_compute: bool = False) -> Any:
     """Wrap ``model`` with LoRA adapters (k-bit preparation first when quantized): fresh ones, or the trainable
     adapter saved in ``adapter_dir`` (``model.adapter``; its own saved settings, which the lora section holds);
-    float32 adapters on low-precision weights unless ``adapter_in_weight_dtype``."""
+    float32 adapters on low-precision weights unless ``adapter_in_weight_dtype``, computed in bfloat16 on a bf16
+    model's activations (:mod:`hf_accum.recipe.cpu_bf16`) unless ``float32_compute`` (PEFT's cast of the
+    activations) or the model is quantized (QLoRA keeps PEFT's path: not measured here)."""
+    peft_model = _wrap_with_lora(model, lora_config, quantized, gradient_checkpointing, adapter_dir,
+                                 adapter_in_weight_dtype)
+    if not (quantized or adapter_in_weight_dtype or float32_compute):
+        compute_adapters_in_activation_dtype(peft_model)
+    return peft_model
+
+
+def _wrap_with_lora(model: Any, lora_config: LoraConfig, quantized: bool, gradient_checkpointing: bool,
+                    adapter_dir: str | None, adapter_in_weight_dtype: bool) -> Any:
     from peft import PeftModel, get_peft_model, prepare_model_for_kbit_training
 
     if quantized:
@@ -306,6 +318,7 @@ def trainable_summary(model: torch.nn.Module) -> dict[str, Any]:
     return {
         "trainable_parameters": count, "total_parameters": total, "trainable_fraction": count / max(1, total),
         "trainable_modules": groups, "quantized_linear_layers": quantized,
+        "attention": getattr(getattr(model, "config", None), "_attn_implementation", None),
     }
 
 
@@ -325,13 +338,16 @@ def build_model(config: RecipeConfig, tokenizer: Any, seed: int, model_checkpoin
         m.name_or_path, tokenizer, m.dtype, quantization, seed=seed, config_overrides=m.config_overrides,
         attn_implementation=m.attn_implementation, trust_remote_code=m.trust_remote_code, gguf_file=m.gguf_file,
     )
+    on_cpu = bool(config.training.get("use_cpu")) or not torch.cuda.is_available()
+    if on_cpu:
+        use_float32_sdpa_for_bf16(model, m.attn_implementation)
     # model_checkpointing=False: FSDP wraps the layers for checkpointing itself (twice would recompute twice).
     checkpointing = model_checkpointing and checkpointing_requested(config.training)
     if lora_config is not None:
         adapter_dir = None if m.adapter is None else find_adapter(m.adapter).adapter_dir
-        on_cpu = bool(config.training.get("use_cpu")) or not torch.cuda.is_available()
         in_weight_dtype = adapters_in_weight_dtype(m.adapter_dtype, m.dtype, on_cpu)
-        return apply_lora(model, lora_config, quantization is not None, checkpointing, adapter_dir, in_weight_dtype)
+        return apply_lora(model, lora_config, quantization is not None, checkpointing, adapter_dir, in_weight_dtype,
+                          float32_compute=m.adapter_dtype == "float32-compute")
     if checkpointing:
         enable_gradient_checkpointing(model)
     return model

@@ -33,6 +33,7 @@ from hf_accum.checkpointing.run_lock import LOCK_NAME
 from hf_accum.distributed import is_main_process
 from hf_accum.errors import EXIT_BAD_INPUT, EXIT_DISK_FULL, EXIT_INTERRUPTED, EXIT_NONFINITE, InputError
 from hf_accum.recipe import config as config_module
+from hf_accum.recipe.cpu_bf16 import SDPA_FLOAT32
 from hf_accum.recipe.progress import phase_bar, quiet_third_party_warnings  # noqa: F401 -- one import path
 
 METRICS_NAME = "metrics.json"
@@ -370,6 +371,9 @@ def describe_trainable(summary: dict[str, Any]) -> str:
             full.add(inner[-1])
     described = [f"LoRA on {', '.join(sorted(lora))}"] if lora else []
     described += [f"in full: {', '.join(sorted(full)[:8])}{' ...' if len(full) > 8 else ''}"] if full else []
+    if summary.get("attention") == SDPA_FLOAT32:
+        described.append("attention: SDPA in float32 on the bf16 weights (torch's CPU bf16 kernel is slower; "
+                         "model.attn_implementation=sdpa keeps it)")
     return (f"trainable: {summary['trainable_parameters']:,} of {summary['total_parameters']:,} parameters "
             f"({summary['trainable_fraction']:.1%}); {'; '.join(described) or 'nothing'}")
 

@@ -23,10 +23,11 @@ class ModelSection:
     dtype: str = "float32"
     """Weights dtype: float32 | bfloat16 | float16 | auto."""
     adapter_dtype: str = "float32"
-    """LoRA adapters' dtype: float32 (PEFT's upcast, the default: AdamW steps fp32 adapters, so small updates do
-    not round away) | weights (the weights' dtype: with bfloat16 weights on a CPU, saves a cast each way around
-    every adapter, ~1.09x tokens/s; updates below ~1e-4 of a weight round away) | auto (weights for bfloat16
-    weights on CPU, float32 elsewhere)."""
+    """LoRA adapters' dtype: float32 (the default: float32 adapters, what AdamW steps and what is saved, so small
+    updates do not round away; on a bfloat16 model they compute in bf16, their weights cast instead of the
+    activations, as mixed precision does) | float32-compute (PEFT's upcast: every adapted layer's activations cast
+    to float32 and back, forward and backward; slower) | weights (the weights' dtype: bf16 adapters; updates below
+    ~1/256 of a weight round away) | auto (weights for bfloat16 weights on CPU, float32 elsewhere)."""
     attn_implementation: str | None = None
     """e.g. sdpa, eager, flash_attention_2 (None: transformers' default)."""
     tokenizer: str | None = None
