@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import time
 import traceback
 from typing import Any, Callable, Mapping
 
@@ -38,11 +40,19 @@ def run_job_table(jobs: Mapping[str, Job], out_path: str) -> None:
     out_dir = os.path.dirname(os.path.abspath(out_path))
     report: dict[str, Any] = {}
     for name, job in jobs.items():
+        wall, cpu = time.perf_counter(), time.process_time()
         report[name] = _run_one(job, os.path.join(out_dir, name))
+        _say(f"job {name}: {time.perf_counter() - wall:.1f} s wall, {time.process_time() - cpu:.1f} CPU-s on this rank")
     report["world_size"] = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     if not dist.is_initialized() or dist.get_rank() == 0:
         _write(report, out_path)
     leave_process_group()  # its barrier: rank 0's report is on disk before any rank exits
+
+
+def _say(line: str) -> None:
+    """One line on stderr from rank 0 (where a family's time goes, for whoever launches it by hand)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"[jobs] {line}", file=sys.stderr, flush=True)
 
 
 def _run_one(job: Job, out_dir: str) -> Any:

@@ -11,24 +11,39 @@ from typing import Any, Callable, Iterator, Mapping
 
 import pytest
 
-from hf_accum.recipe.testing import TEN_UPDATES, TORCHRUN_2, run_script
+from hf_accum.recipe.testing import TEN_UPDATES, recipe_arguments, run_main
 from hf_accum.testing.launch import job_report, run_torchrun
 
 HERE = os.path.dirname(__file__)
 
 
+def run_on_one_process(out: Path, *overrides: str) -> Path:
+    """The recipe with ``overrides`` on one process, in the pytest process (``run_main``: no launch, no second
+    start-up); it must exit 0. Returns ``out``."""
+    proc = run_main(*recipe_arguments(out, *overrides))
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return out
+
+
 @pytest.fixture(scope="session")
-def ddp_recipe_run(tmp_path_factory) -> Callable[[str], Path]:
-    """engine -> the output directory of the recipe's 10-update DDP run on 2 processes, made on first use: the
-    reference run the DeepSpeed and FSDP recipe tests compare with (the same command for both; ~25 s each).
-    Read only: the tests copy what they cut."""
+def one_process_run() -> Callable[..., Path]:
+    """``one_process_run(out, *overrides)``: a recipe run's big-batch reference, the same command on ONE process in
+    the pytest process (:func:`run_on_one_process`), for the tests that compare a 2-process run with it."""
+    return run_on_one_process
+
+
+@pytest.fixture(scope="session")
+def reference_recipe_run(tmp_path_factory) -> Callable[[str], Path]:
+    """engine -> the output directory of the recipe's 10-update run on one process (:func:`run_on_one_process`),
+    made on first use: the reference the DeepSpeed and FSDP recipe tests compare their 2-process runs with (the
+    same global batch of 32 -- 8 x 4 here, 8 x 2 x 2 there -- so the same rows in each update; the same command
+    for both). Read only: the tests copy what they cut."""
     made: dict[str, Path] = {}
 
     def get(engine: str) -> Path:
         if engine not in made:
-            out = tmp_path_factory.mktemp(f"ddp_{engine}") / "ddp"
-            run_script(TORCHRUN_2, out, f"engine={engine}", *TEN_UPDATES, timeout=600)
-            made[engine] = out
+            out = tmp_path_factory.mktemp(f"one_process_{engine}") / "reference"
+            made[engine] = run_on_one_process(out, f"engine={engine}", *TEN_UPDATES)
         return made[engine]
 
     return get

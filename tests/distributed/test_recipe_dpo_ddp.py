@@ -2,8 +2,9 @@
 ``objective=dpo engine=trainer model.adapter=<SFT run>`` trains, its reference the starting policy (the loaded
 adapter on), precomputed on both ranks by AccumDPOTrainer in memory. It was refused before (TRL 1.16's precompute
 hands the values between ranks through a dataset cache file the recipe's in-memory data lacks: FileNotFoundError on
-rank 1; without precompute the reference would have been the base model). Library-level exactness:
-tests/distributed/test_dpo_precompute_ddp.py."""
+rank 1; without precompute the reference would have been the base model). The SFT run it starts from runs in the
+pytest process (conftest.py ``one_process_run``): it is an input here, and a process of its own would only add a
+start-up. Library-level exactness: tests/distributed/test_dpo_precompute_ddp.py."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 pytest.importorskip("trl")
 
-from hf_accum.recipe.testing import PYTHON, TORCHRUN_2, read_metrics, run_script  # noqa: E402
+from hf_accum.recipe.testing import TORCHRUN_2, read_metrics, run_script  # noqa: E402
 
 pytestmark = pytest.mark.slow
 DPO = ("objective=dpo", "engine=trainer", "data.num_train_examples=64", "data.num_eval_examples=16",
@@ -21,10 +22,8 @@ DPO = ("objective=dpo", "engine=trainer", "data.num_train_examples=64", "data.nu
        "training.logging_steps=1", "dpo.sft_weight=0")  # the DPO term alone: policy = reference gives log 2
 
 
-def test_dpo_trainer_engine_from_an_adapter_on_two_processes(tmp_path):
-    sft = tmp_path / "sft"
-    proc = run_script(PYTHON, sft, "training.max_steps=4")  # a short SFT run of the embedded default
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+def test_dpo_trainer_engine_from_an_adapter_on_two_processes(tmp_path, one_process_run):
+    sft = one_process_run(tmp_path / "sft", "training.max_steps=4")  # a short SFT run of the embedded default
     out = tmp_path / "dpo"
     proc = run_script(TORCHRUN_2, out, *DPO, f"model.adapter={sft}", timeout=400)
     assert f"adapter from {sft / 'adapter'}" in proc.stdout
