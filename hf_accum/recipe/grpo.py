@@ -221,15 +221,18 @@ def quiet_log_dicts(trainer: Any) -> None:
 
 
 def warm_start(model: Any, tokenizer: Any, data: GRPOData, collator: Any, args: Any, config: RecipeConfig) -> Any:
-    """``grpo.warm_start_steps`` SFT updates of :class:`hf_accum.AccumTrainer` on the reference answers (same
-    batch, same LR schedule shape over those steps, the run's accumulation settings), nothing saved; the model they
-    leave."""
+    """``grpo.warm_start_steps`` SFT updates of :class:`hf_accum.AccumTrainer` on the reference answers (the run's
+    batch, or ``grpo.warm_start_batch_size`` sequences; same LR schedule shape over those steps, the run's
+    accumulation settings), nothing saved; the model they leave."""
     from transformers import TrainingArguments
 
     from hf_accum import AccumTrainer
 
     steps, learning_rate = config.grpo.warm_start_steps, config.grpo.warm_start_learning_rate
     values = training_values(args)
+    if config.grpo.warm_start_batch_size:  # checked before loading: whole micro-batches on every process
+        values["gradient_accumulation_steps"] = config.grpo.warm_start_batch_size // (
+            args.per_device_train_batch_size * args.world_size)
     values.update(max_steps=steps, learning_rate=learning_rate or args.learning_rate,
                   output_dir=f"{args.output_dir}/warm_start", save_strategy="no", eval_strategy="no",
                   report_to=[], resume_from_checkpoint=None)

@@ -39,6 +39,7 @@ def check_grpo_section(grpo: GRPOSection, config: RecipeConfig) -> None:
         if refused:
             raise GRPOConfigError(f"objective=grpo cannot run with {what}")
     _check_generation_batch(grpo, config)
+    _check_warm_start_batch(grpo, config)
     resolve_rewards(grpo.reward_funcs, grpo.format_pattern)  # imported now: a bad path fails before any load
 
 
@@ -98,6 +99,17 @@ def _unapplied_accumulation(settings: AccumulationSettings) -> list[str]:
     default = AccumulationSettings()
     return [f"accumulation.{name}={getattr(settings, name)!r}" for name in sorted(AccumulationSettings.names())
             if name != "fused_loss" and getattr(settings, name) != getattr(default, name)]
+
+
+def _check_warm_start_batch(grpo: GRPOSection, config: RecipeConfig) -> None:
+    """``grpo.warm_start_batch_size`` must be whole micro-batches on every process (its accumulation steps)."""
+    if grpo.warm_start_batch_size is None:
+        return
+    micro = int(config.training.per_device_train_batch_size) * int(os.environ.get("WORLD_SIZE", "1"))
+    if grpo.warm_start_batch_size < 1 or grpo.warm_start_batch_size % micro:
+        raise GRPOConfigError(
+            f"grpo.warm_start_batch_size={grpo.warm_start_batch_size} must be a positive multiple of "
+            f"{micro} (training.per_device_train_batch_size x processes), or null (global_batch_size)")
 
 
 def _check_generation_batch(grpo: GRPOSection, config: RecipeConfig) -> None:

@@ -147,3 +147,11 @@ def test_train_modules_to_save_false_leaves_only_the_lora_matrices_trainable(tmp
     left = {name for name, p in model.named_parameters() if p.requires_grad}
     assert left and all("lora_" in name for name in left)
     assert left == {name for name in trainable if ".modules_to_save." not in name}
+
+
+def test_the_warm_start_batch_is_whole_micro_batches(tmp_path):
+    from hf_accum.recipe.config import ConfigError
+
+    assert _resolved_grpo(["grpo.warm_start_batch_size=32"], tmp_path).grpo.warm_start_batch_size == 32
+    with pytest.raises((InputError, ConfigError), match="grpo.warm_start_batch_size=12 must be a positive multiple"):
+        _resolved_grpo(["grpo.warm_start_batch_size=12"], tmp_path)

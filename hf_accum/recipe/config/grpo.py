@@ -32,6 +32,9 @@ class GRPOSection:
     gets non-zero rewards; the held-out metric is scored after them too (the GRPO stage's before). 0: none."""
     warm_start_learning_rate: float | None = None
     """The warm start's peak learning rate (SFT takes a larger one than GRPO); null: ``training.learning_rate``."""
+    warm_start_batch_size: int | None = None
+    """Sequences per warm-start update (a multiple of ``training.per_device_train_batch_size`` x processes: the
+    accumulation steps follow); null: ``global_batch_size`` (the GRPO update's completions)."""
     train_modules_to_save: bool = True
     """false: the modules trained in full (``lora.modules_to_save``, e.g. the embeddings and the LM head) keep their
     values during GRPO (those of the warm start, or of ``model.adapter``) and only the LoRA matrices train."""
@@ -78,4 +81,5 @@ class GRPOSection:
 
     # The keys passed to TRL's GRPOConfig unchanged (the others are the recipe's own).
     RECIPE_KEYS: ClassVar[tuple[str, ...]] = ("reward_funcs", "format_pattern", "warm_start_steps",
-                                             "warm_start_learning_rate", "train_modules_to_save")
+                                             "warm_start_learning_rate", "warm_start_batch_size",
+                                             "train_modules_to_save")
