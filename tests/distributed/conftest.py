@@ -11,7 +11,8 @@ from typing import Any, Callable, Iterator, Mapping
 
 import pytest
 
-from hf_accum.recipe.testing import TEN_UPDATES, recipe_arguments, run_main
+from hf_accum.recipe.testing import recipe_arguments, run_main
+from hf_accum.testing.cases.recipe_runs_case import engine_run
 from hf_accum.testing.launch import job_report, run_torchrun
 
 HERE = os.path.dirname(__file__)
@@ -37,13 +38,13 @@ def reference_recipe_run(tmp_path_factory) -> Callable[[str], Path]:
     """engine -> the output directory of the recipe's 10-update run on one process (:func:`run_on_one_process`),
     made on first use: the reference the DeepSpeed and FSDP recipe tests compare their 2-process runs with (the
     same global batch of 32 -- 8 x 4 here, 8 x 2 x 2 there -- so the same rows in each update; the same command
-    for both). Read only: the tests copy what they cut."""
+    for both, ``hf_accum.testing.cases.recipe_runs_case.engine_run``). Read only: the tests copy what they cut."""
     made: dict[str, Path] = {}
 
     def get(engine: str) -> Path:
         if engine not in made:
             out = tmp_path_factory.mktemp(f"one_process_{engine}") / "reference"
-            made[engine] = run_on_one_process(out, f"engine={engine}", *TEN_UPDATES)
+            made[engine] = run_on_one_process(out, *engine_run(engine))
         return made[engine]
 
     return get

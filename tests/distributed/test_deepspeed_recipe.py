@@ -4,12 +4,16 @@
   so the same rows in each update), fp32, 10 updates, max abs diff <= 1e-4, and every update's loss, LR and
   target count equal that run's;
 * the held-out exact match is scored after training although every rank holds only a shard;
+* the loop's held-out loss during training (7 rows: uneven shards) equals the one-process run's;
 * a ZeRO-3 run cut after its checkpoint at update 5 (what a kill right after it leaves: no metrics,
   no adapter, no later checkpoint) and resumed with ``training.resume_from_checkpoint=true`` ends with
   the uninterrupted run's updates and adapter; its checkpoints hold DeepSpeed's own state files.
 
 The one-process references run in the pytest process (``run_main``, conftest.py), not as launches of their own:
-each would cost a launch's start-up for a run whose numbers do not depend on being a process of its own.
+each would cost a launch's start-up for a run whose numbers do not depend on being a process of its own. The
+loop's ZeRO-3 run is the same command plus a ZeRO-3 config that releases every gathered parameter at once (see
+``test_loop_held_out_loss_under_zero3_with_uneven_shards``); the trainer runs use the ready
+recipes/deepspeed/zero3.json, as the QLoRA runs of both engines do.
 
 The library-level exactness under ZeRO-2/3 (weight deltas of SGD against the big batch) is
 tests/distributed/test_deepspeed.py."""
@@ -23,7 +27,7 @@ import os
 import pytest
 
 from hf_accum.recipe.testing import (
-    TEN_UPDATES,
+    ROOT,
     TORCHRUN_2,
     cut_after_checkpoint,
     load_adapter,
@@ -31,6 +35,7 @@ from hf_accum.recipe.testing import (
     read_metrics,
     run_script,
 )
+from hf_accum.testing.cases.recipe_runs_case import engine_run, held_out_rows
 
 pytestmark = [
     pytest.mark.slow,
@@ -42,18 +47,32 @@ ZERO3 = "training.deepspeed=recipes/deepspeed/zero3.json"
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, reference_recipe_run):
-    """engine -> {"reference": dir, "zero3": dir}, made on first use (each ZeRO-3 run ~25 s; the one-process
-    reference is shared with the FSDP recipe tests, see conftest.py)."""
-    made: dict[str, dict[str, str]] = {}
+    """engine -> {"reference": dir, "zero3": dir, "deepspeed": its training.deepspeed setting}, made on first use
+    (each ZeRO-3 run ~25 s; the one-process reference is shared with the FSDP recipe tests, see conftest.py)."""
+    made: dict[str, dict] = {}
 
-    def get(engine: str) -> dict[str, str]:
+    def get(engine: str) -> dict:
         if engine not in made:
             root = tmp_path_factory.mktemp(engine)
-            made[engine] = {"reference": reference_recipe_run(engine), "zero3": root / "zero3"}
-            run_script(TORCHRUN_2, made[engine]["zero3"], f"engine={engine}", *TEN_UPDATES, ZERO3, timeout=600)
+            deepspeed = releasing_zero3(root) if engine == "loop" else ZERO3
+            made[engine] = {"reference": reference_recipe_run(engine), "zero3": root / "zero3", "deepspeed": deepspeed}
+            run_script(TORCHRUN_2, made[engine]["zero3"], *engine_run(engine), deepspeed, timeout=600)
         return made[engine]
 
     return get
+
+
+def releasing_zero3(directory) -> str:
+    """recipes/deepspeed/zero3.json releasing every gathered parameter at once (as a model too big to keep them
+    would): with the ready file's generous limits the tiny model keeps them gathered, and a rank that skipped a
+    forward the other runs would not make it wait. The ``training.deepspeed`` setting of a copy in ``directory``."""
+    with open(os.path.join(ROOT, "recipes", "deepspeed", "zero3.json")) as handle:
+        releasing = json.load(handle)
+    releasing["zero_optimization"].update(stage3_max_live_parameters=1, stage3_max_reuse_distance=0,
+                                          stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0)
+    config_path = directory / "zero3_releasing.json"
+    config_path.write_text(json.dumps(releasing))
+    return f"training.deepspeed={config_path}"
 
 
 @pytest.mark.parametrize("engine", ["loop", "trainer"])
@@ -75,7 +94,7 @@ def test_zero3_recipe_saves_the_adapter_of_the_one_process_run(runs, engine):
 @pytest.mark.parametrize("engine", ["loop", "trainer"])
 def test_zero3_recipe_scores_the_held_out_set_after_training(runs, engine):
     metrics = read_metrics(runs(engine)["zero3"])
-    assert metrics["eval_after"] is not None and metrics["eval_after"]["examples"] == 8
+    assert metrics["eval_after"] is not None and metrics["eval_after"]["examples"] == held_out_rows(engine)
 
 
 def test_trainer_zero3_partitions_a_model_from_disk_as_it_loads(runs, tmp_path):
@@ -91,11 +110,10 @@ def test_trainer_zero3_partitions_a_model_from_disk_as_it_loads(runs, tmp_path):
     build_tiny_llama(tokenizer, seed=0).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     out = tmp_path / "out"
-    proc = run_script(TORCHRUN_2, out, "engine=trainer", f"model.name_or_path={model_dir}", *TEN_UPDATES, ZERO3,
-                      timeout=600)
+    proc = run_script(TORCHRUN_2, out, *engine_run("trainer"), f"model.name_or_path={model_dir}", ZERO3, timeout=600)
     assert "partitioned the model as it loaded" in proc.stdout
     metrics = read_metrics(out)
-    assert metrics["eval_before"] is None and metrics["eval_after"]["examples"] == 8
+    assert metrics["eval_before"] is None and metrics["eval_after"]["examples"] == held_out_rows("trainer")
     # Parameters counted whole although each rank holds a shard (ds_numel), as in the one-process run.
     assert metrics["trainable"] == read_metrics(runs("trainer")["reference"])["trainable"]
     assert max_abs_diff(load_adapter(out), load_adapter(runs("trainer")["reference"])) <= 1e-4
@@ -109,8 +127,8 @@ def test_zero3_recipe_resumes_exactly_from_deepspeed_state_files(runs, engine, t
     assert len(deepspeed_files) == 2  # one ZeRO shard of the optimizer state per rank
     cut = tmp_path / "cut"
     cut_after_checkpoint(finished, cut, 5)
-    proc = run_script(TORCHRUN_2, cut, f"engine={engine}", *TEN_UPDATES, ZERO3, "training.resume_from_checkpoint=true",
-                      timeout=600)
+    proc = run_script(TORCHRUN_2, cut, *engine_run(engine), runs(engine)["deepspeed"],
+                      "training.resume_from_checkpoint=true", timeout=600)
     assert "checkpoint-5" in proc.stdout + proc.stderr
     resumed, uninterrupted = read_metrics(cut)["updates"], read_metrics(finished)["updates"]
     assert [u["step"] for u in resumed] == list(range(1, 11))  # the updates before the checkpoint included
@@ -146,25 +164,19 @@ def test_qlora_under_zero3_trains_the_adapter_of_the_ddp_run(engine, tmp_path):
     assert max_abs_diff(load_adapter(zero3), reference) <= moved / 100  # measured ~3e-8 of ~4e-4
 
 
-def test_loop_held_out_loss_under_zero3_with_uneven_shards(tmp_path, one_process_run):
-    """Held-out loss during training under ZeRO-3: 7 held-out rows in batches of 3 give rank 0 two
-    batches and rank 1 one. Every forward gathers parameters from all ranks, so rank 1 must run a
-    forward more (counting nothing) or both wait forever; the loss equals the one-process run's (all 7 rows in
-    one process: a rank's extra forward counted, or a mean of the ranks' means, would differ). The ZeRO-3
-    config releases every gathered parameter at once (as a model too big to keep them would): with
-    the ready file's generous limits the tiny model keeps them gathered and no rank would wait."""
-    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "recipes", "deepspeed", "zero3.json")) as handle:
-        releasing = json.load(handle)
-    releasing["zero_optimization"].update(stage3_max_live_parameters=1, stage3_max_reuse_distance=0,
-                                          stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0)
-    config_path = tmp_path / "zero3_releasing.json"
-    config_path.write_text(json.dumps(releasing))
-    evaluating = ["training.max_steps=2", "training.eval_strategy=steps", "training.eval_steps=1",
-                  "data.num_eval_examples=7", "training.per_device_eval_batch_size=3", "engine=loop"]
-    one_process, zero3 = one_process_run(tmp_path / "one_process", *evaluating), tmp_path / "zero3"
-    run_script(TORCHRUN_2, zero3, *evaluating, f"training.deepspeed={config_path}", timeout=300)
-    assert read_metrics(zero3)["world_size"] == 2
-    expected = [update["eval_loss"] for update in read_metrics(one_process)["updates"]]
-    measured = [update["eval_loss"] for update in read_metrics(zero3)["updates"]]
-    assert len(measured) == 2 and None not in measured
-    assert measured == pytest.approx(expected, rel=1e-5)
+def test_loop_held_out_loss_under_zero3_with_uneven_shards(runs):
+    """Held-out loss during training under ZeRO-3 (the loop's run scores it at updates 5 and 10): 7 held-out rows
+    in batches of 3 give rank 0 two batches and rank 1 one. Every forward gathers parameters from all ranks, so
+    rank 1 must run a forward more (counting nothing) or both wait forever; the loss equals the one-process run's
+    (all 7 rows in one process: a rank's extra forward counted, or a mean of the ranks' means, would differ). The
+    run's ZeRO-3 config releases every gathered parameter at once (:func:`releasing_zero3`), so the wait is real."""
+    measured, expected = (held_out_losses(runs("loop")[run]) for run in ("zero3", "reference"))
+    assert read_metrics(runs("loop")["zero3"])["world_size"] == 2
+    assert sorted(measured) == sorted(expected) == [5, 10]
+    assert [measured[step] for step in (5, 10)] == pytest.approx([expected[step] for step in (5, 10)], rel=1e-5)
+
+
+def held_out_losses(out) -> dict[int, float]:
+    """update -> the held-out loss scored after it, for the updates that scored one."""
+    return {update["step"]: update["eval_loss"] for update in read_metrics(out)["updates"]
+            if update.get("eval_loss") is not None}
