@@ -10,7 +10,7 @@ from accelerate import Accelerator
 from torch import nn
 
 from hf_accum.accumulation import WindowTally
-from hf_accum.distributed import is_partitioned
+from hf_accum.distributed import is_fsdp_sharded, is_partitioned
 from hf_accum.loop.config import LoopConfig
 from hf_accum.loop.steppers import split_labels
 from hf_accum.losses.micro_batch import MicroBatchLoss
@@ -63,9 +63,9 @@ def evaluate_loss(model: nn.Module, dataloader: Any, accelerator: Accelerator,
 
 def _forward_shortfall(model: nn.Module, batches: Sized, accelerator: Accelerator) -> int:
     """How many forwards this rank must add to run as many as the rank with the most batches: under
-    ZeRO-3 each forward is a collective (parameter gathers), and a rank that stopped early would leave
-    the others waiting forever. 0 for a model that is not partitioned."""
-    if not is_partitioned(model):
+    ZeRO-3 and FSDP2 each forward is a collective (parameter gathers), and a rank that stopped early would leave
+    the others waiting forever. 0 for a model that is not sharded."""
+    if not (is_partitioned(model) or is_fsdp_sharded(model)):
         return 0
     most = torch.tensor([len(batches)], device=accelerator.device)
     torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)

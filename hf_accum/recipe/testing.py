@@ -123,6 +123,12 @@ def read_metrics(out: Any) -> dict:
         return json.load(fh)
 
 
+def held_out_losses(out: Any) -> dict[int, float]:
+    """update -> the held-out loss scored after it, for the updates of the run in ``out`` that scored one."""
+    return {update["step"]: update["eval_loss"] for update in read_metrics(out)["updates"]
+            if update.get("eval_loss") is not None}
+
+
 def bad_input_errors() -> tuple[type[Exception], ...]:
     from hf_accum.recipe.config import ConfigError
     from hf_accum.recipe.data import DataError

@@ -30,6 +30,7 @@ from hf_accum.recipe.testing import (
     ROOT,
     TORCHRUN_2,
     cut_after_checkpoint,
+    held_out_losses,
     load_adapter,
     max_abs_diff,
     read_metrics,
@@ -174,9 +175,3 @@ def test_loop_held_out_loss_under_zero3_with_uneven_shards(runs):
     assert read_metrics(runs("loop")["zero3"])["world_size"] == 2
     assert sorted(measured) == sorted(expected) == [5, 10]
     assert [measured[step] for step in (5, 10)] == pytest.approx([expected[step] for step in (5, 10)], rel=1e-5)
-
-
-def held_out_losses(out) -> dict[int, float]:
-    """update -> the held-out loss scored after it, for the updates that scored one."""
-    return {update["step"]: update["eval_loss"] for update in read_metrics(out)["updates"]
-            if update.get("eval_loss") is not None}

@@ -28,6 +28,7 @@ from hf_accum.recipe.launch import LaunchError, check_launch
 from hf_accum.recipe.testing import (
     TORCHRUN_2,
     cut_after_checkpoint,
+    held_out_losses,
     load_adapter,
     max_abs_diff,
     read_metrics,
@@ -36,8 +37,9 @@ from hf_accum.recipe.testing import (
 from hf_accum.testing.cases.recipe_runs_case import engine_run, held_out_rows
 
 FSDP = "training.fsdp=full_shard"
-# The one-process reference's command (conftest.py) with FSDP, held-out scored after training only (engine_run).
-FSDP_RUN = {engine: [*engine_run(engine, scored_during_training=False), FSDP] for engine in ("loop", "trainer")}
+# The one-process reference's command (conftest.py) with FSDP: the loop's also scores 7 held-out rows (uneven
+# shards: 2 batches on rank 0, 1 on rank 1) at updates 5 and 10.
+FSDP_RUN = {engine: [*engine_run(engine), FSDP] for engine in ("loop", "trainer")}
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +121,14 @@ def test_fsdp1_is_refused_naming_the_key():
 def test_fsdp_on_two_cpu_processes_is_accepted():
     launch = check_launch({"fsdp": "full_shard", "use_cpu": True}, environ={"WORLD_SIZE": "2"})
     assert (launch.backend, launch.world_size) == ("fsdp", 2)
+
+
+@pytest.mark.slow
+def test_loop_held_out_loss_under_fsdp2_with_uneven_shards(runs):
+    """Held-out loss during training under FSDP2 (updates 5 and 10): 7 rows in batches of 3, two batches on rank
+    0 and one on rank 1. Each forward gathers the sharded parameters from both ranks, so rank 1 runs a forward more
+    that counts nothing (before 2026-11-28 it did so under ZeRO-3 only, and this run waited forever); the losses
+    equal the one-process run's (an extra forward counted, or a mean of the ranks' means, would differ)."""
+    measured, expected = (held_out_losses(runs("loop")[run]) for run in ("fsdp", "reference"))
+    assert sorted(measured) == sorted(expected) == [5, 10]
+    assert [measured[step] for step in (5, 10)] == pytest.approx([expected[step] for step in (5, 10)], rel=1e-5)

@@ -93,6 +93,7 @@ def test_a_short_grpo_default_prints_its_progress_and_stage_lines_as_recorded(tm
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~3 min a seed on 2 idle cores: outside the suite, python -m pytest -m long
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_embedded_grpo_default_raises_held_out_exact_match(tmp_path, seed):
     """The whole default, as shipped (seed 0) and with another seed: the GRPO stage's after is above its before."""

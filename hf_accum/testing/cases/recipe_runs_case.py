@@ -3,9 +3,9 @@
 arguments per engine, so each 2-process run is compared with the same command on one process.
 
 The loop engine's command also scores the held-out loss during training, at updates 5 and 10: 7 held-out rows in
-batches of 3 give rank 0 two batches and rank 1 one (the uneven-shard evaluation that test_deepspeed_recipe.py
-checks under ZeRO-3, in the same run as the adapter, instead of a launch of its own). Only arguments here: the
-library never imports the recipe kit.
+batches of 3 give rank 0 two batches and rank 1 one (the uneven-shard evaluation that test_deepspeed_recipe.py and
+test_fsdp_recipe.py check under ZeRO-3 and FSDP2, in the same run as the adapter, instead of a launch of its
+own). Only arguments here: the library never imports the recipe kit.
 """
 
 from __future__ import annotations
@@ -19,14 +19,9 @@ HELD_OUT_DURING_TRAINING = ("training.eval_strategy=steps", "training.eval_steps
 SMALL_HELD_OUT_ROWS = 8
 
 
-def engine_run(engine: str, scored_during_training: bool = True) -> list[str]:
-    """The 10-update command of ``engine`` (``loop`` or ``trainer``), without the launcher's own settings.
-    ``scored_during_training=False``: the loop's held-out rows the same, scored after training only -- the same
-    training and the same final score (FSDP2: the loop's held-out loss on uneven shards waits forever there, as
-    found 2026-11-28: its extra forwards cover ZeRO-3 only)."""
+def engine_run(engine: str) -> list[str]:
+    """The 10-update command of ``engine`` (``loop`` or ``trainer``), without the launcher's own settings."""
     held_out: tuple[str, ...] = HELD_OUT_DURING_TRAINING if engine == "loop" else ()
-    if not scored_during_training:
-        held_out = tuple(setting for setting in held_out if not setting.startswith("training.eval_"))
     return [f"engine={engine}", *TEN_UPDATES, *held_out]
 
 
