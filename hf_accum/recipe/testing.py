@@ -186,12 +186,22 @@ def _log_handlers_writing_to(stream: io.StringIO) -> Iterator[None]:
                 if type(handler) is logging.StreamHandler and handler.stream not in stdouts}
     swapped = [(handler, handler.stream) for handler in handlers.values()]
     for handler, _ in swapped:
-        handler.setStream(stream)
+        _point(handler, stream)
     try:
         yield
     finally:
         for handler, previous in reversed(swapped):
-            handler.setStream(previous)
+            _point(handler, previous)
+
+
+def _point(handler: Any, stream: Any) -> None:
+    """``handler.setStream`` without its flush of the old stream: a handler made while an earlier test's captured
+    stderr was ``sys.stderr`` still holds that stream, closed since ("I/O operation on closed file" on flush)."""
+    handler.acquire()
+    try:
+        handler.stream = stream
+    finally:
+        handler.release()
 
 
 def fails_cleanly(argv: list[str], out: Any, capsys: Any, must_not_exist: bool = True) -> str:
