@@ -74,7 +74,9 @@ def test_auto_only_options_without_auto_are_refused():
 
 
 def _run_plan_watched(*args):
-    """Run the command and sample the resident memory of its whole process tree every 2 ms."""
+    """Run the command and sample the resident memory of its whole process tree every 2 ms. The tree's members are
+    re-read every 50 ms (walking /proc for children costs ~50x a member's reading): a process younger than that is a
+    Python start-up of a few MiB, far from any budget here."""
     import time
 
     import psutil
@@ -82,15 +84,26 @@ def _run_plan_watched(*args):
     process = subprocess.Popen([sys.executable, "-m", "hf_accum.cli", "plan", *args], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
     root, peak = psutil.Process(process.pid), 0
+    members, members_read_at = [root], 0.0
     while process.poll() is None:
-        try:
-            tree = [root, *root.children(recursive=True)]
-            peak = max(peak, sum(p.memory_info().rss for p in tree if p.is_running()))
-        except psutil.NoSuchProcess:
-            pass
+        if time.monotonic() - members_read_at > 0.05:
+            try:
+                members, members_read_at = [root, *root.children(recursive=True)], time.monotonic()
+            except psutil.NoSuchProcess:
+                pass
+        peak = max(peak, sum(_resident_bytes(member) for member in members))
         time.sleep(0.002)
     out, err = process.communicate()
     return process.returncode, out, err, peak
+
+
+def _resident_bytes(process) -> int:
+    import psutil
+
+    try:
+        return process.memory_info().rss
+    except psutil.NoSuchProcess:  # ended since the tree was read
+        return 0
 
 
 def _planner_peak(out: str) -> float:
