@@ -40,6 +40,8 @@ _SAFETY = 0.95
 def run_auto_plan(args: argparse.Namespace, processes: int) -> int:
     given_budget = parse_bytes(args.memory_budget) if args.memory_budget else None
     argv = _recipe_argv(args)
+    if args.global_batch_size is not None:  # refused before a child starts (the config is read in one, seconds)
+        per_process_batch(args.global_batch_size, processes)
     watch = ProbeWatch(given_budget, announce=lambda line: print(line, flush=True))
     # The config is read in a child too: the answers need torch (the device and its free memory) and the model
     # check (hf_accum.recipe.modeling); reading the config alone would not (hf_accum.recipe.config imports no torch).
@@ -67,6 +69,13 @@ def run_auto_plan(args: argparse.Namespace, processes: int) -> int:
     print(f"use: training.per_device_train_batch_size={plan.micro_batch} "
           f"global_batch_size={chosen.global_batch_size}")
     return 0
+
+
+def per_process_batch(global_batch: int, processes: int) -> int:
+    """Sequences per process per update: ``global_batch`` over the processes, which must divide it."""
+    if global_batch < 1 or global_batch % processes:
+        raise ValueError(f"global batch {global_batch} is not a positive multiple of {processes} processes")
+    return global_batch // processes
 
 
 def advice(setup: dict[str, Any]) -> str:

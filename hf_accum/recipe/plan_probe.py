@@ -28,6 +28,7 @@ from hf_accum.measure.memory import default_budget, training_step_peak
 from hf_accum.measure.peak_memory import peak_rss_bytes
 from hf_accum.recipe.command_line import lean_start
 from hf_accum.recipe.config import RecipeConfig
+from hf_accum.recipe.plan_auto import per_process_batch
 
 
 def resolve(spec: dict[str, Any]) -> dict[str, Any]:
@@ -62,9 +63,7 @@ def _per_process_batch(global_batch_size: int | None, config: RecipeConfig, proc
     else:
         t = config.training
         global_batch = t.get("per_device_train_batch_size", 8) * t.get("gradient_accumulation_steps", 1) * processes
-    if global_batch < 1 or global_batch % processes:
-        raise ValueError(f"global batch {global_batch} is not a positive multiple of {processes} processes")
-    return int(global_batch // processes)
+    return per_process_batch(int(global_batch), processes)
 
 
 def probe(spec: dict[str, Any]) -> dict[str, Any]:
