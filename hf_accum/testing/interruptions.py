@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 
 from hf_accum.checkpointing.checkpoint import STAGING_PREFIX, latest_complete_checkpoint
+from hf_accum.checkpointing.run_lock import LOCK_NAME
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -44,6 +45,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def run_dir(out: str) -> str:
     return os.path.join(out, "run")
+
+
+def left_behind(out: str) -> list[str]:
+    """What the story's runs left in ``OUT/run`` (a SIGKILLed run also leaves its lock file: not listed)."""
+    return sorted(name for name in os.listdir(run_dir(out)) if name != LOCK_NAME)
 
 
 def resume_argument(out: str) -> bool | None:

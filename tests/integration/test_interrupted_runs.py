@@ -11,6 +11,10 @@ c. the same command resumes from checkpoint-2 again; SIGTERM after update 4: upd
 d. the same command resumes from checkpoint-5 (mid-epoch) and completes (in the pytest process, as the reference
    below: nothing kills it).
 
+Runs a-c are each a process of their own that really dies (SIGKILL, exit 75), both engines' forked by ONE worker
+process once its imports are done (hf_accum/testing/cases/resume_story_worker.py): a start-up (~5 CPU-s) is most
+of what a run costs, and a process started by ``python WORKER`` would show nothing more.
+
 Stitched together (each update as the last run that executed it recorded it), the run must equal the
 uninterrupted one (run in the pytest process: nothing kills it): per-update applied gradients within 1e-12 relative, the same LRs and logged losses, and
 identical final weights. The same on 2 DDP processes: SIGKILL of both ranks across the short window and the
@@ -25,6 +29,7 @@ worker exits 130, and the launcher stays until they have ended.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -41,7 +46,6 @@ from hf_accum.checkpointing.checkpoint import (
     latest_complete_checkpoint,
 )
 from hf_accum.checkpointing.manifest import verify_checkpoint
-from hf_accum.checkpointing.run_lock import LOCK_NAME
 from hf_accum.control import CTRL_C_NOTE, EXIT_INTERRUPTED, EXIT_PREEMPTED
 from hf_accum.recipe.testing import (
     ROOT,
@@ -55,6 +59,7 @@ from hf_accum.testing import cases
 from hf_accum.testing.interruptions import (
     Terminal,
     assert_same_run,
+    left_behind,
     parse_args,
     read_records,
     run_dir,
@@ -63,21 +68,12 @@ from hf_accum.testing.interruptions import (
     worker_pids,
 )
 
-pytestmark = pytest.mark.slow  # the story: 4 runs of a subprocess per engine; Ctrl-C: a recipe run each
-WORKERS = {engine: cases.script(f"{engine}_resume_worker.py") for engine in ("loop", "trainer")}
+pytestmark = pytest.mark.slow  # the story: one worker process forking 6 runs; Ctrl-C: a recipe run each
+ENGINES = ("loop", "trainer")
+STORY_WORKER = cases.script("resume_story_worker.py")
 # Collator calls (prefetch included) that fall inside the short last window of epoch 1, after checkpoint-2.
 SHORT_WINDOW_CALLS = (10, 11)
 RANDOM = random.Random(20240611)
-
-
-def run_worker(engine: str, out, tag: str, *injections: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    command = [sys.executable, WORKERS[engine], str(out), tag, *injections]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-
-
-def names(out) -> list[str]:
-    return sorted(name for name in os.listdir(run_dir(str(out))) if name != LOCK_NAME)  # a SIGKILLed run leaves it
 
 
 def run_worker_here(engine: str, out, tag: str) -> subprocess.CompletedProcess:
@@ -101,23 +97,51 @@ def run_worker_here(engine: str, out, tag: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess([tag], 0, stdout="", stderr="")
 
 
-@pytest.fixture(scope="module", params=["loop", "trainer"])
-def story(request, tmp_path_factory):
-    """Run the uninterrupted reference (here) and the interrupted story a-d (a-c a process each: they are killed;
-    d, the resume that completes, here: nothing kills it); return what each step left behind."""
-    engine = request.param
-    reference_out = tmp_path_factory.mktemp(f"{engine}_reference")
-    reference = run_worker_here(engine, reference_out, "ref")
-    assert reference.returncode == 0, reference.stderr
+def run_killed_steps(tmp_path_factory, steps: list[dict]) -> list[tuple[subprocess.CompletedProcess, list[str]]]:
+    """The story's runs that are killed (or stop with 75), in order, each a process of its own forked by ONE
+    worker process after its imports (hf_accum/testing/cases/resume_story_worker.py: one start-up for all of
+    them); each as the process ended (exit code, ``-9`` for SIGKILL; stderr) and what it left in ``OUT/run``."""
+    folder = tmp_path_factory.mktemp("killed_steps")
+    steps_file, report = folder / "steps.json", folder / "report.json"
+    steps_file.write_text(json.dumps(steps))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    command = [sys.executable, STORY_WORKER, str(report), str(steps_file), "--fork"]
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert completed.returncode == 0 and report.exists(), completed.stderr[-3000:]
+    ended = json.loads(report.read_text())
+    assert len(ended) == len(steps), ended
+    return [(subprocess.CompletedProcess([step["tag"]], end["returncode"], stdout="", stderr=end["stderr"]),
+             end["left"]) for step, end in zip(steps, ended)]
 
-    out = tmp_path_factory.mktemp(f"{engine}_story")
-    kill_call = RANDOM.choice(SHORT_WINDOW_CALLS)
-    steps = {}
-    steps["a"] = (run_worker(engine, out, "a", "--kill-at-micro-batch", str(kill_call)), names(out))
-    steps["b"] = (run_worker(engine, out, "b", "--kill-in-save", "4"), names(out))
-    steps["c"] = (run_worker(engine, out, "c", "--sigterm-at-update", "4"), names(out))
-    steps["d"] = (run_worker_here(engine, out, "d"), names(out))
-    return {"engine": engine, "reference": str(reference_out), "out": str(out), "steps": steps, "kill_call": kill_call}
+
+@pytest.fixture(scope="module")
+def stories(tmp_path_factory):
+    """Both engines' stories: the uninterrupted references (here), the killed runs a-c (processes of their own,
+    forked by one worker process: :func:`run_killed_steps`), then d, the resume that completes (here: nothing kills
+    it); engine -> what each step left behind."""
+    made = {}
+    for engine in ENGINES:
+        reference_out = tmp_path_factory.mktemp(f"{engine}_reference")
+        reference = run_worker_here(engine, reference_out, "ref")
+        assert reference.returncode == 0, reference.stderr
+        out = tmp_path_factory.mktemp(f"{engine}_story")
+        made[engine] = {"engine": engine, "reference": str(reference_out), "out": str(out), "steps": {},
+                        "kill_call": RANDOM.choice(SHORT_WINDOW_CALLS)}
+    killed = [("a", lambda story: ["--kill-at-micro-batch", str(story["kill_call"])]),
+              ("b", lambda story: ["--kill-in-save", "4"]),
+              ("c", lambda story: ["--sigterm-at-update", "4"])]
+    steps = [{"engine": engine, "out": made[engine]["out"], "tag": tag, "injections": injections(made[engine])}
+             for tag, injections in killed for engine in ENGINES]
+    for step, ended in zip(steps, run_killed_steps(tmp_path_factory, steps)):
+        made[step["engine"]]["steps"][step["tag"]] = ended
+    for engine, story in made.items():
+        story["steps"]["d"] = (run_worker_here(engine, story["out"], "d"), left_behind(story["out"]))
+    return made
+
+
+@pytest.fixture(params=ENGINES)
+def story(request, stories):
+    return stories[request.param]
 
 
 def test_sigkill_in_the_short_window_leaves_the_earlier_checkpoint(story):
@@ -161,8 +185,6 @@ def test_resumed_story_equals_the_uninterrupted_run(story):
 
 def test_resumed_run_reports_the_whole_run(story):
     """The last run's own result covers every update, the ones before the resumes included."""
-    import json
-
     with open(os.path.join(story["out"], "result-d.json")) as handle:
         resumed = json.load(handle)
     with open(os.path.join(story["reference"], "result-ref.json")) as handle:
