@@ -7,7 +7,8 @@ a. both ranks SIGKILLed at a random micro-batch after the short window of epoch 
    run must replay the short window and cross the epoch boundary;
 b. the same command resumes from checkpoint-2; SIGTERM reaches rank 1 only, after update 4: both ranks must
    finish update 5, write checkpoint-5 and exit with code 75;
-c. the same command resumes from checkpoint-5 and completes.
+c. the same command resumes from checkpoint-5 and completes (both engines' in one launch of
+   hf_accum/testing/cases/resume_story_worker.py: the same runs of the same workers, one start-up).
 
 Stitched, the run equals the uninterrupted one (gradients within 1e-12, LRs, losses, final weights), and a
 1-process run refuses the 2-process checkpoint.
@@ -15,6 +16,7 @@ Stitched, the run equals the uninterrupted one (gradients within 1e-12, LRs, los
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -23,39 +25,58 @@ import pytest
 import torch
 
 from hf_accum.checkpointing.checkpoint import ResumeMismatchError, latest_complete_checkpoint
-from hf_accum.checkpointing.run_lock import LOCK_NAME
 from hf_accum.testing import cases
-from hf_accum.testing.interruptions import assert_same_run, parse_args, read_records, run_dir, stitched
+from hf_accum.testing.interruptions import (
+    assert_same_run,
+    left_behind,
+    parse_args,
+    read_records,
+    run_dir,
+    stitched,
+)
 from hf_accum.testing.launch import job_report, torchrun
 
-WORKERS = {engine: cases.script(f"{engine}_resume_worker.py") for engine in ("loop", "trainer")}
+ENGINES = ("loop", "trainer")
+WORKERS = {engine: cases.script(f"{engine}_resume_worker.py") for engine in ENGINES}
+STORY_WORKER = cases.script("resume_story_worker.py")
 # Collator calls per rank from the start of epoch 2 (after update 3, the short window) to inside update 4.
 ACROSS_THE_EPOCH_BOUNDARY = (8, 9, 10)
 RANDOM = random.Random(20240612)
 
 
-def names(out) -> list[str]:
-    return sorted(name for name in os.listdir(run_dir(str(out))) if name != LOCK_NAME)  # a SIGKILLed run leaves it
+@pytest.fixture(scope="module")
+def stories(tmp_path_factory, loop_ddp_family):
+    """Both engines' stories: a and b a launch each (they are killed, or stop with 75); c, the resumes that
+    complete, both engines in ONE launch (hf_accum/testing/cases/resume_story_worker.py: nothing kills them, and a
+    launch's start-up, ~10 CPU-s, is most of its cost). engine -> what each step left behind."""
+    made = {}
+    for engine in ENGINES:
+        # The uninterrupted run: job resume_references of the loop DDP family's one launch (conftest.py).
+        reference_out = job_report(loop_ddp_family, "resume_references")[engine]
+        out = tmp_path_factory.mktemp(f"{engine}_ddp_story")
+        made[engine] = {"engine": engine, "reference": str(reference_out), "out": str(out), "steps": {},
+                        "kill_call": RANDOM.choice(ACROSS_THE_EPOCH_BOUNDARY)}
+    for engine, story in made.items():
+        completed = torchrun(WORKERS[engine], [story["out"], "a", "--kill-at-micro-batch", str(story["kill_call"])],
+                             timeout=600)
+        story["steps"]["a"] = (completed, left_behind(story["out"]))
+    for engine, story in made.items():
+        completed = torchrun(WORKERS[engine], [story["out"], "b", "--sigterm-at-update", "4", "--sigterm-rank", "1"],
+                             timeout=600)
+        story["steps"]["b"] = (completed, left_behind(story["out"]))
+    folder = tmp_path_factory.mktemp("ddp_completions")
+    steps_file = folder / "steps.json"
+    steps_file.write_text(json.dumps([{"engine": engine, "out": story["out"], "tag": "c", "injections": []}
+                                      for engine, story in made.items()]))
+    completed = torchrun(STORY_WORKER, [str(folder / "report.json"), str(steps_file)], timeout=900)
+    for story in made.values():
+        story["steps"]["c"] = (completed, left_behind(story["out"]))
+    return made
 
 
-@pytest.fixture(scope="module", params=["loop", "trainer"])
-def story(request, tmp_path_factory, loop_ddp_family):
-    engine = request.param
-    worker = WORKERS[engine]
-    # The uninterrupted run: job resume_references of the loop DDP family's one launch (conftest.py).
-    reference_out = job_report(loop_ddp_family, "resume_references")[engine]
-
-    out = tmp_path_factory.mktemp(f"{engine}_ddp_story")
-    kill_call = RANDOM.choice(ACROSS_THE_EPOCH_BOUNDARY)
-    steps = {
-        "a": torchrun(worker, [str(out), "a", "--kill-at-micro-batch", str(kill_call)], timeout=600),
-    }
-    steps["a"] = (steps["a"], names(out))
-    completed = torchrun(worker, [str(out), "b", "--sigterm-at-update", "4", "--sigterm-rank", "1"], timeout=600)
-    steps["b"] = (completed, names(out))
-    completed = torchrun(worker, [str(out), "c"], timeout=600)
-    steps["c"] = (completed, names(out))
-    return {"engine": engine, "reference": str(reference_out), "out": str(out), "steps": steps, "kill_call": kill_call}
+@pytest.fixture(params=ENGINES)
+def story(request, stories):
+    return stories[request.param]
 
 
 @pytest.mark.slow
