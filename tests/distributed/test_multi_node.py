@@ -1,6 +1,7 @@
 """Multi-node: the batch arithmetic in nodes x processes per node (BatchPlan, hf-accum plan), a real
 2-node job on this host (torchrun --nnodes 2, c10d rendezvous, 1 process per node) that is exact and
-logs its plan, and the SLURM script's launcher commands (fake srun/scontrol/accelerate on PATH)."""
+logs its plan, and the SLURM script's launcher commands and requeue decisions (fake srun/scontrol/accelerate on
+PATH; hf-accum too where the test is about what follows the plan)."""
 
 from __future__ import annotations
 
@@ -103,10 +104,17 @@ case "${FAKE_MODE:-}" in
   finished) checkpoint 8; touch "$FAKE_OUT/metrics.json"; exit 0 ;;
 esac
 """
+FAKE_HF_ACCUM = """#!/bin/bash
+# hf-accum for the tests of what follows the plan (saving its ~5 CPU-s start-up): the arguments recorded, nothing
+# printed. The real one runs in test_slurm_script_builds_one_launcher_per_node and ..._stops_before_launching_...
+echo "$@" >> "$FAKE_DIR/hf-accum.log"
+"""
 
 
-def fake_bin(directory) -> str:
+def fake_bin(directory, real_plan: bool) -> str:
     fakes = {"scontrol": FAKE_SCONTROL, "srun": FAKE_SRUN, "accelerate": FAKE_ACCELERATE, "scancel": FAKE_SCANCEL}
+    if not real_plan:
+        fakes["hf-accum"] = FAKE_HF_ACCUM
     for name, text in fakes.items():
         path = directory / name
         path.write_text(text)
@@ -114,34 +122,56 @@ def fake_bin(directory) -> str:
     return str(directory)
 
 
-def slurm_env(tmp_path, **extra: str) -> dict[str, str]:
+def slurm_env(tmp_path, real_plan: bool, **extra: str) -> dict[str, str]:
     return {
         **os.environ,
-        # fakes first, then this interpreter's bin (the real hf-accum)
-        "PATH": os.pathsep.join([fake_bin(tmp_path), os.path.dirname(sys.executable), os.environ["PATH"]]),
+        # fakes first, then this interpreter's bin (the real hf-accum, unless faked)
+        "PATH": os.pathsep.join([fake_bin(tmp_path, real_plan), os.path.dirname(sys.executable), os.environ["PATH"]]),
         "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242",
         "FAKE_ACCELERATE_LOG": str(tmp_path / "accelerate.log"), "FAKE_DIR": str(tmp_path), **extra,
     }
 
 
 SLURM_SCRIPT = os.path.join(ROOT, "recipes", "accelerate", "slurm_multi_node.sh")
+PLAN_ARGS = "plan --config recipes/configs/llama3_8b_lora.yaml --nodes 2 --gpus-per-node 8"
 
 
-def run_slurm_script(tmp_path, *overrides: str) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
+def run_slurm_script(tmp_path, *overrides: str, real_plan: bool = True,
+                     **extra: str) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
     log = tmp_path / "accelerate.log"
-    proc = subprocess.run(["bash", SLURM_SCRIPT, *overrides], cwd=ROOT, env=slurm_env(tmp_path), capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(["bash", SLURM_SCRIPT, *overrides], cwd=ROOT, env=slurm_env(tmp_path, real_plan, **extra),
+                          capture_output=True, text=True, timeout=120)
     launches = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     return proc, launches
+
+
+def with_an_earlier_jobs_checkpoint(tmp_path):
+    """``tmp_path/run`` holding checkpoint-2 of an earlier job (old: not progress of this one)."""
+    out = tmp_path / "run"
+    (out / "checkpoint-2").mkdir(parents=True)
+    (out / "checkpoint-2" / "hf_accum_plan.json").touch()
+    os.utime(out / "checkpoint-2" / "hf_accum_plan.json", (0, 0))
+    return out
 
 
 def option(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
 
+@pytest.fixture(scope="module")
+def finished_job(tmp_path_factory):
+    """One job end to end with the real hf-accum plan, whose run finishes (metrics.json): read for what the script
+    prints and launches, and for its not requeueing. (tmp dir, run dir, the script's process, the launches)"""
+    tmp_path = tmp_path_factory.mktemp("slurm")
+    out = with_an_earlier_jobs_checkpoint(tmp_path)
+    proc, launches = run_slurm_script(tmp_path, f"training.output_dir={out}", "training.max_steps=100",
+                                      FAKE_MODE="finished", FAKE_OUT=str(out))
+    return tmp_path, out, proc, launches
+
+
 @pytest.mark.slow  # hf-accum's start-up (torch, transformers) dominates
-def test_slurm_script_builds_one_launcher_per_node(tmp_path):
-    proc, launches = run_slurm_script(tmp_path, "training.max_steps=100")
+def test_slurm_script_builds_one_launcher_per_node(finished_job):
+    _, out, proc, launches = finished_job
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[0] == "effective batch 64 = 4 per device x 1 accumulation x 16 processes (2 nodes x 8)"
     assert len(launches) == 2
@@ -155,7 +185,8 @@ def test_slurm_script_builds_one_launcher_per_node(tmp_path):
         script = argv.index("recipes/finetune_llama.py")
         # A requeued job continues from its latest complete checkpoint (a first start has none: it starts fresh).
         assert argv[script + 1:] == ["--config", "recipes/configs/llama3_8b_lora.yaml",
-                                     "training.resume_from_checkpoint=true", "training.max_steps=100"]
+                                     "training.resume_from_checkpoint=true", f"training.output_dir={out}",
+                                     "training.max_steps=100"]
 
 
 @pytest.mark.slow
@@ -170,20 +201,26 @@ def requeues(tmp_path) -> list[str]:
     return log.read_text().splitlines() if log.exists() else []
 
 
+def planned(tmp_path) -> list[str]:
+    """What the script asked the fake hf-accum, one call a line."""
+    return (tmp_path / "hf-accum.log").read_text().splitlines()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode, requeued, code", [
     ("crashed_after_a_checkpoint", True, 0),  # progress was made (a node failure, a SIGTERM to the steps): again
     ("crashed", False, 1),                    # no new checkpoint: a crash that repeats must not loop
-    ("finished", False, 0),
+    ("finished", False, 0),                   # the job of test_slurm_script_builds_one_launcher_per_node
 ])
-def test_slurm_script_requeues_on_a_new_checkpoint_not_on_the_launchers_exit_code(mode, requeued, code, tmp_path):
-    out = tmp_path / "run"
-    (out / "checkpoint-2").mkdir(parents=True)  # from an earlier job: not progress of this one
-    (out / "checkpoint-2" / "hf_accum_plan.json").touch()
-    os.utime(out / "checkpoint-2" / "hf_accum_plan.json", (0, 0))
-    env = slurm_env(tmp_path, FAKE_MODE=mode, FAKE_OUT=str(out))
-    proc = subprocess.run(["bash", SLURM_SCRIPT, f"training.output_dir={out}"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+def test_slurm_script_requeues_on_a_new_checkpoint_not_on_the_launchers_exit_code(mode, requeued, code, tmp_path,
+                                                                                   request):
+    if mode == "finished":
+        tmp_path, out, proc, _ = request.getfixturevalue("finished_job")
+    else:
+        out = with_an_earlier_jobs_checkpoint(tmp_path)
+        proc, _ = run_slurm_script(tmp_path, f"training.output_dir={out}", real_plan=False, FAKE_MODE=mode,
+                                   FAKE_OUT=str(out))
+        assert planned(tmp_path) == [f"{PLAN_ARGS} training.output_dir={out}"]
     assert proc.returncode == code, proc.stderr
     assert requeues(tmp_path) == (["requeue 4242"] if requeued else [])
     if requeued:
@@ -193,7 +230,7 @@ def test_slurm_script_requeues_on_a_new_checkpoint_not_on_the_launchers_exit_cod
 @pytest.mark.slow
 def test_slurm_script_told_to_stop_signals_the_training_and_requeues(tmp_path):
     out = tmp_path / "run"
-    env = slurm_env(tmp_path, FAKE_MODE="preempted", FAKE_OUT=str(out))
+    env = slurm_env(tmp_path, real_plan=False, FAKE_MODE="preempted", FAKE_OUT=str(out))
     proc = subprocess.Popen(["bash", SLURM_SCRIPT, f"training.output_dir={out}"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
@@ -202,6 +239,7 @@ def test_slurm_script_told_to_stop_signals_the_training_and_requeues(tmp_path):
     proc.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@120 sends to the batch script
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr
+    assert planned(tmp_path) == [f"{PLAN_ARGS} training.output_dir={out}"]
     assert (tmp_path / "scancel.log").read_text().split() == ["--signal=USR1", "4242"]
     assert requeues(tmp_path) == ["requeue 4242"]
     assert f"srun exited with 1; the run resumes from {out}/checkpoint-6" in stdout
