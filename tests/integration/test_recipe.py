@@ -17,7 +17,6 @@ from hf_accum.recipe import checks
 from hf_accum.recipe import config as recipe_config
 from hf_accum.recipe import outputs as run_outputs
 from hf_accum.recipe.testing import (
-    ACCELERATE,
     BAD_INPUT,
     PYTHON,
     ROOT,
@@ -53,7 +52,10 @@ def check_outputs(out, metrics: dict, lora: bool = True) -> None:
 @pytest.mark.slow
 def test_loop_engine_one_process_end_to_end(tmp_path):
     out = tmp_path / "loop1"
-    proc = run_script(ACCELERATE, out, "training.max_steps=16")
+    # In the pytest process: nothing here needs a process of its own (the recipe under accelerate launch as a
+    # process: test_recipe_grpo.py, test_interrupted_runs.py; the loop engine's processes: the 2-process runs below).
+    proc = run_main(*SMALL, f"training.output_dir={out}", "training.max_steps=16")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     metrics = read_metrics(out)
     check_outputs(out, metrics)
     assert (metrics["engine"], metrics["world_size"]) == ("loop", 1)
@@ -88,7 +90,6 @@ def test_loop_engine_one_process_end_to_end(tmp_path):
     for phase in ("held-out exact match before training: 100%", "held-out exact match after training: 100%"):
         assert re.search(re.escape(phase) + r".*\| 8/8 \[\d\d:\d\d<\d\d:\d\d, +[\d.]+row/s\]", proc.stderr), phase
     assert re.search(r"writing adapter/, plot and metrics\.json: 100%.*\| 4/4", proc.stderr)
-    assert stdout.startswith("importing torch, transformers, accelerate and PEFT ...\n")  # before the imports
     assert "reading hf_accum:synthetic-tasks with the tokenizer of hf_accum:tiny-llama ..." in stdout
     assert stdout.index("loading model hf_accum:tiny-llama ...") < stdout.index("trainable: ")
     tokens = sum(u["targets"] for u in updates)
@@ -409,8 +410,10 @@ def test_sigterm_then_the_same_command_with_resume_reproduces_the_uninterrupted_
     while not (out / "checkpoint-2").is_dir() and process.poll() is None and time.time() < deadline:
         time.sleep(0.2)
     process.send_signal(signal.SIGTERM)
-    _, stderr = process.communicate(timeout=240)
+    stdout, stderr = process.communicate(timeout=240)
     assert process.returncode == EXIT_PREEMPTED, stderr[-3000:]
+    # A process of its own: its first line comes before the heavy imports (in-process they are already done).
+    assert stdout.startswith("importing torch, transformers, accelerate and PEFT ...\n")
     assert "stopped:" in stderr and not (out / run_outputs.METRICS_NAME).exists()
     proc = run_main(*SMALL, f"training.output_dir={out}", *overrides, "training.resume_from_checkpoint=true")
     assert proc.returncode == 0, proc.stderr[-3000:]  # the resume: nothing kills it, so it runs here too
