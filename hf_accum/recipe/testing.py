@@ -264,3 +264,27 @@ def cut_after_checkpoint(finished: Any, cut: Any, update: int) -> None:
     resolved["training"]["output_dir"] = str(cut)  # the same command, in its own directory
     with open(config_path, "w") as handle:
         yaml.safe_dump(resolved, handle)
+
+
+def check_outputs(out: Any, metrics: dict, lora: bool = True, eval_examples: int = 8) -> None:
+    """What every finished run of the embedded default (``SMALL``) leaves in ``out``: the adapter (LoRA A and B,
+    the ``modules_to_save``), the resolved config naming ``out``, the plot, the held-out scores before and after,
+    and the utilization of every update (model FLOPs, FLOP/s, MFU against the peak)."""
+    import math
+
+    from safetensors.torch import load_file
+
+    from hf_accum.recipe import config as recipe_config
+
+    folder = run_outputs.ADAPTER_DIR if lora else run_outputs.MODEL_DIR
+    weights = load_file(os.path.join(out, folder, "adapter_model.safetensors"))
+    assert any("lora_A" in k for k in weights) and any("lora_B" in k for k in weights)
+    assert any("embed_tokens" in k for k in weights)  # modules_to_save are saved with the adapter
+    saved = recipe_config.build_config(recipe_config.load_yaml(os.path.join(out, recipe_config.RESOLVED_CONFIG_NAME)))
+    assert saved.training["output_dir"] == str(out)
+    assert os.path.getsize(os.path.join(out, run_outputs.PLOT_NAME)) > 1000
+    assert metrics["eval_before"]["examples"] == eval_examples and metrics["eval_after"]["examples"] == eval_examples
+    assert metrics["data"]["train_examples"] == 240
+    assert all(u["flops"] > 0 for u in metrics["updates"])
+    assert metrics["flops_per_update"] > 0 and metrics["flops_per_second"] > 0 and metrics["mfu"] > 0
+    assert math.isclose(metrics["mfu"], metrics["flops_per_second"] / metrics["peak_flops"], rel_tol=1e-6)
