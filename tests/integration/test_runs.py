@@ -9,7 +9,8 @@
   ``resume_from_checkpoint=true``, starts afresh and cleans the unfinished write;
 * a full disk during a checkpoint or the final files: one ``error:`` line, exit 3, the last good checkpoint named
   (the inf/NaN limit has its own code, 5);
-* under torchrun, SIGTERM: every rank checkpoints; torchrun itself exits 1 (documented in docs/runs.md).
+* under torchrun, SIGTERM: every rank checkpoints; torchrun itself exits 1 (documented in docs/runs.md); the
+  same command resumes and finishes with every output of a 2-process run of the loop engine.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from hf_accum.recipe.testing import (
     PYTHON,
     SMALL,
     TORCHRUN_2,
+    check_outputs,
     recipe_arguments,
     recipe_env,
     run_main,
@@ -482,7 +484,8 @@ def test_a_full_disk_ends_in_one_line_with_exit_3(where, small_disk):
 def test_sigterm_to_torchrun_checkpoints_every_rank_and_torchrun_exits_1(tmp_path):
     """What docs/runs.md promises: torchrun forwards SIGTERM to its workers, which finish the update, write one
     checkpoint and exit 75; torchrun itself then exits 1 (its agent re-raises the signal). The same command with
-    training.resume_from_checkpoint=true completes the run."""
+    training.resume_from_checkpoint=true completes the run. Also the loop engine's 2-process run of the recipe end
+    to end (its start in the first launch, its outputs from the second; test_recipe.py has the trainer's)."""
     out = tmp_path / "run"
     overrides = ("training.max_steps=30", "training.save_steps=2")
     process = start_script(TORCHRUN_2, out, *overrides, small=RUNS_SMALL)
@@ -492,6 +495,10 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_and_torchrun_exits_1(tmp_pat
     process.send_signal(signal.SIGTERM)
     stdout, stderr = process.communicate(timeout=240)
     assert process.returncode == 1, stderr[-3000:]
+    assert "x 2 processes" in stderr  # the effective-batch line ([hf_accum] logger)
+    assert stdout.count("resolved config:") == 1  # printed by the main process only
+    assert stdout.count("importing torch, transformers") == 1
+    assert stdout.count("held-out exact match before training: ") == 1
     stops = [line for line in stderr.splitlines() if line.startswith("stopped: training stopped after update")]
     assert stops and all(f"exit code {EXIT_PREEMPTED}" in line for line in stops)
     assert "training.resume_from_checkpoint=true" in stops[0]
@@ -499,7 +506,16 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_and_torchrun_exits_1(tmp_pat
     assert latest is not None and not (out / run_outputs.METRICS_NAME).exists()
     resumed = succeeded(run(out, *overrides, "training.resume_from_checkpoint=true", launcher=TORCHRUN_2))
     assert f"resuming from {latest}" in resumed.stdout
-    assert len(json.loads((out / run_outputs.METRICS_NAME).read_text())["updates"]) == 30
+    metrics = json.loads((out / run_outputs.METRICS_NAME).read_text())
+    check_outputs(out, metrics, eval_examples=4)
+    assert metrics["world_size"] == 2
+    # Same global batch as one process: the accumulation halves.
+    assert (metrics["micro_batch_size"], metrics["accumulation_steps"], metrics["global_batch_size"]) == (8, 2, 32)
+    assert len(metrics["updates"]) == 30
+    # Sequences are counted over both ranks: 8 x 2 x 2; 240 rows are 15 micro-batches per rank and epoch, 7 windows
+    # of 2 and a short last one of 1 (8 x 1 x 2), which is still an update: 8 updates an epoch.
+    assert [u["sequences"] for u in metrics["updates"]] == ([32] * 7 + [16]) * 3 + [32] * 6
+    assert "held-out exact match after training: 100%" in resumed.stderr  # the main process scores all 4 rows
 
 
 # -- using a trained run ---------------------------------------------------------------------------------------
