@@ -105,9 +105,10 @@ case "${FAKE_MODE:-}" in
 esac
 """
 FAKE_HF_ACCUM = """#!/bin/bash
-# hf-accum for the tests of what follows the plan (saving its ~5 CPU-s start-up): the arguments recorded, nothing
-# printed. The real one runs in test_slurm_script_builds_one_launcher_per_node and ..._stops_before_launching_...
+# hf-accum for the tests of what the script does with the plan's verdict (saving its ~5 CPU-s start-up): the
+# arguments recorded, nothing printed, exit FAKE_PLAN_EXIT. The real one: test_slurm_script_builds_one_launcher_per_node.
 echo "$@" >> "$FAKE_DIR/hf-accum.log"
+exit "${FAKE_PLAN_EXIT:-0}"
 """
 
 
@@ -154,6 +155,11 @@ def with_an_earlier_jobs_checkpoint(tmp_path):
     return out
 
 
+def planned(tmp_path) -> list[str]:
+    """What the script asked the fake hf-accum, one call a line."""
+    return (tmp_path / "hf-accum.log").read_text().splitlines()
+
+
 def option(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
@@ -190,20 +196,20 @@ def test_slurm_script_builds_one_launcher_per_node(finished_job):
 
 
 @pytest.mark.slow
-def test_slurm_script_stops_before_launching_when_the_batch_does_not_divide(tmp_path):
-    proc, launches = run_slurm_script(tmp_path, "global_batch_size=100")
-    assert proc.returncode != 0 and launches == []
-    assert "nearest valid global_batch_size: 64 or 128" in proc.stderr
+def test_slurm_script_stops_before_launching_when_the_batch_does_not_divide(tmp_path, capsys):
+    # The plan's verdict on the command the script gives it (in this process: the real plan of the script's
+    # command runs in test_slurm_script_builds_one_launcher_per_node) ...
+    assert cli_main([*PLAN_ARGS.split(), "global_batch_size=100"]) == 2
+    assert "nearest valid global_batch_size: 64 or 128" in capsys.readouterr().err
+    # ... and what the script does with it: that command, then nothing launched, and the plan's exit code.
+    proc, launches = run_slurm_script(tmp_path, "global_batch_size=100", real_plan=False, FAKE_PLAN_EXIT="2")
+    assert planned(tmp_path) == [f"{PLAN_ARGS} global_batch_size=100"]
+    assert proc.returncode == 2 and launches == []
 
 
 def requeues(tmp_path) -> list[str]:
     log = tmp_path / "scontrol.log"
     return log.read_text().splitlines() if log.exists() else []
-
-
-def planned(tmp_path) -> list[str]:
-    """What the script asked the fake hf-accum, one call a line."""
-    return (tmp_path / "hf-accum.log").read_text().splitlines()
 
 
 @pytest.mark.slow
