@@ -143,10 +143,11 @@ def test_lock_is_reentrant_in_one_process_and_leaves_no_directory_it_created(tmp
     assert not os.path.exists(tmp_path / "a")
 
 
-@pytest.fixture
-def held_by_another_process(tmp_path):
-    """``tmp_path/run`` locked by a live process; yields (directory, that process's pid)."""
-    out = str(tmp_path / "run")
+@pytest.fixture(scope="module")
+def held_by_another_process(tmp_path_factory):
+    """A directory locked by a live process (one for the module: the refused runs write nothing); yields
+    (directory, that process's pid)."""
+    out = str(tmp_path_factory.mktemp("held") / "run")
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from hf_accum.checkpointing import run_lock; run_lock.acquire(sys.argv[1]); "
          "print('held', flush=True); time.sleep(600)", out],
