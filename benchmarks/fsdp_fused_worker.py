@@ -8,6 +8,10 @@ the gathered units included); the report holds the larger rank's peak and the up
 
 from __future__ import annotations
 
+from hf_accum.startup import keep_bitsandbytes_out
+
+keep_bitsandbytes_out()  # first: neither variant quantizes, and PEFT imports bitsandbytes (~1.5 CPU-s) if it can
+
 import json
 import os
 import sys

@@ -34,6 +34,7 @@ from typing import Any, Sequence
 
 import torch
 
+from hf_accum.startup import keep_bitsandbytes_out
 
 PARENT_PID = "HF_ACCUM_BENCH_PARENT_PID"
 
@@ -165,6 +166,9 @@ def proc_status_bytes(key: str) -> int:
 
 
 if __name__ == "__main__":  # the helper process of Workers: preload the modules named, then serve
+    # No run of a section quantizes: without bitsandbytes' import (PEFT's, through transformers' Trainer, TRL and
+    # PEFT) the helper starts ~1.5 CPU-s sooner (hf_accum.startup); only torch is imported yet.
+    keep_bitsandbytes_out()
     for name in sys.argv[1:]:
         importlib.import_module(name)
     # What the helper imported stays for every child: out of the collector's sight, a child's gc.collect() (the
