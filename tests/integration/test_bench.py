@@ -7,6 +7,8 @@ targets are checked by the benchmark itself, which measures ratios side by side.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -137,22 +139,38 @@ VOCAB_TINY = ["--vocab-sizes", "512", "--vocab-min-length", "4", "--vocab-max-le
               "--vocab-hidden-size", "32", "--vocab-pairs", "1", "--threads", "1"]
 
 
+BASE_FRONT_ENDS = {"trainer", "accum_trainer", "accelerate_loop", "hf_accum_train"}
+SEQUENCE_FRONT_ENDS = {"accum_sequence", "accum_sequence_logits"}  # --vocab-sequence-normalization
+
+
+@pytest.fixture(scope="module")
+def vocab_run(tmp_path_factory) -> tuple[str, dict]:
+    """ONE vocab section run with --vocab-sequence-normalization (the default front-ends and the sequence pair in
+    one helper process), read by the two tests below: what it printed and its bench.json section. The front-ends
+    run without the flag: test_vocab_section_runs_the_sequence_front_ends_only_when_asked."""
+    out = tmp_path_factory.mktemp("vocab-sequence")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(["bench", "--only", "vocab", *VOCAB_TINY, "--no-progress", "--vocab-sequence-normalization",
+                     "--output-dir", str(out)])
+    assert code == 0
+    return printed.getvalue(), json.loads((out / "bench.json").read_text())["sections"]["vocab"]
+
+
 @pytest.mark.slow
-def test_vocab_section_prints_its_ratios(tmp_path, capsys):
-    out = tmp_path / "only-vocab"
-    assert main(["bench", "--only", "vocab", *VOCAB_TINY, "--no-progress", "--output-dir", str(out)]) == 0
-    printed = capsys.readouterr().out
-    vocab = json.loads((out / "bench.json").read_text())["sections"]["vocab"]
+def test_vocab_section_prints_its_ratios(vocab_run):
+    printed, vocab = vocab_run
 
     (row,) = vocab["rows"]
     assert row["vocab_size"] == 512
-    assert set(row["runs"]) == {"trainer", "accum_trainer", "accelerate_loop", "hf_accum_train"}
+    assert set(row["runs"]) == BASE_FRONT_ENDS | SEQUENCE_FRONT_ENDS
     for runs in row["runs"].values():
         (run,) = runs
         assert run["updates"] == 2 and _positive_finite(run["wall"]) and _positive_finite(run["cpu"])
         assert _positive_finite(run["peak_bytes"])
     pairs = {(c["ours"], c["baseline"]): c for c in row["comparisons"]}
-    assert set(pairs) == {("accum_trainer", "trainer"), ("hf_accum_train", "accelerate_loop")}
+    assert set(pairs) == {("accum_trainer", "trainer"), ("hf_accum_train", "accelerate_loop"),
+                          ("accum_sequence", "accum_sequence_logits")}
     for c in pairs.values():
         assert len(c["time_ratios"]) == len(c["memory_ratios"]) == 1
         assert all(_positive_finite(r) for r in c["time_ratios"] + c["memory_ratios"])
@@ -168,6 +186,33 @@ def test_vocab_section_prints_its_ratios(tmp_path, capsys):
     assert {r["path"] for r in row["runs"]["accum_trainer"] + row["runs"]["hf_accum_train"]} <= {"fused", "logits"}
     assert {r["path"] for r in row["runs"]["trainer"] + row["runs"]["accelerate_loop"]} == {"-"}
     _assert_mfu_per_front_end(row["runs"], [VARIANTS[name].label for name in row["runs"]], printed)
+
+
+def test_vocab_section_runs_the_sequence_front_ends_only_when_asked(tmp_path, monkeypatch, capsys):
+    """Without --vocab-sequence-normalization the section runs the default front-ends only, each once per round,
+    the order alternating between rounds (the runs themselves: a stand-in here; the real ones: vocab_run)."""
+    from benchmarks import vocab
+
+    ran: list[str] = []
+
+    class RecordingWorkers:
+        def __init__(self, threads):
+            pass
+
+        def run(self, spec):
+            ran.append(spec.variant)
+            return vocab.RunMeasure(wall=1.0, cpu=1.0, peak_bytes=1, updates=spec.updates, flops=1.0, mfu=0.5,
+                                    peak="peak 100 GFLOP/s")
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(vocab, "VocabWorkers", RecordingWorkers)
+    assert main(["bench", "--only", "vocab", *VOCAB_TINY, "--vocab-pairs", "2", "--no-progress",
+                 "--output-dir", str(tmp_path / "out")]) == 0
+    assert ran == ["trainer", "accum_trainer", "accelerate_loop", "hf_accum_train",
+                   "accum_trainer", "trainer", "hf_accum_train", "accelerate_loop"]
+    assert "normalization='sequence'" not in capsys.readouterr().out
 
 
 def _assert_mfu_per_front_end(runs: dict, labels: list[str], printed: str) -> None:
@@ -218,12 +263,9 @@ def test_vocab_loss_script_prints_mfu_beside_its_ratios(capsys):
 
 
 @pytest.mark.slow
-def test_vocab_section_compares_sequence_normalization_fused_with_its_logits_path(tmp_path, capsys):
-    out = tmp_path / "vocab-sequence"
-    assert main(["bench", "--only", "vocab", *VOCAB_TINY, "--no-progress", "--vocab-sequence-normalization",
-                 "--output-dir", str(out)]) == 0
-    printed = capsys.readouterr().out
-    (row,) = json.loads((out / "bench.json").read_text())["sections"]["vocab"]["rows"]
+def test_vocab_section_compares_sequence_normalization_fused_with_its_logits_path(vocab_run):
+    printed, vocab = vocab_run
+    (row,) = vocab["rows"]
     assert {"accum_sequence", "accum_sequence_logits"} <= set(row["runs"])
     assert [r["path"] for r in row["runs"]["accum_sequence"]] == ["fused"]
     assert [r["path"] for r in row["runs"]["accum_sequence_logits"]] == ["-"]  # no fused-loss log line: logits
