@@ -1,6 +1,7 @@
-"""``objective=grpo`` run as a user runs it (``accelerate launch recipes/finetune_llama.py objective=grpo``): the
-embedded GRPO default (``hf_accum/recipe/cpu_grpo.yaml``), cut short for the output's shape, and in full for what it
-promises -- the GRPO stage raises the held-out exact match of the warm-started tiny model.
+"""``objective=grpo`` as a user runs it (``accelerate launch recipes/finetune_llama.py objective=grpo``): the
+embedded GRPO default (``hf_accum/recipe/cpu_grpo.yaml``), cut short for the output's shape (its ``main`` in the pytest
+process), and in full, launched, for what it promises -- the GRPO stage raises the held-out exact match of the
+warm-started tiny model.
 
 What a user reads is checked against what the run recorded: the progress line (loss, reward mean, completion length,
 generation vs training seconds) against ``metrics.json``'s ``updates``, the ``GRPO stage: ... before X% -> after Y%``
@@ -16,7 +17,7 @@ import pytest
 import yaml
 
 from hf_accum.recipe import config as recipe_config
-from hf_accum.recipe.testing import ACCELERATE, read_metrics, run_script
+from hf_accum.recipe.testing import ACCELERATE, read_metrics, recipe_arguments, run_main, run_script
 
 # One progress line: "update 4/4: loss 0.0012, reward 1.250 (exact_match 0.56, word_accuracy 0.69), completion 3.1
 # tokens, per update: generation 0.1 s, training 0.1 s" (each reward's mean in brackets when there are several).
@@ -73,7 +74,10 @@ def check_recorded_as_printed(stdout: str, out) -> dict:
 @pytest.mark.slow
 def test_a_short_grpo_default_prints_its_progress_and_stage_lines_as_recorded(tmp_path):
     out = tmp_path / "grpo"
-    proc = run_script(ACCELERATE, out, "objective=grpo", small=SHORT, timeout=600)
+    # In the pytest process (run_main): nothing kills this run, and nothing checked needs a process of its own (the
+    # recipe under accelerate launch as a process: test_interrupted_runs.py, and the whole default below).
+    proc = run_main(*recipe_arguments(out, "objective=grpo", small=SHORT))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     metrics = check_recorded_as_printed(proc.stdout, out)
     assert metrics["engine"] == "trainer" and metrics["trained_updates"] == 4
     assert [u["step"] for u in metrics["updates"]] == [1, 2, 3, 4]
