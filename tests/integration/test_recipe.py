@@ -37,7 +37,7 @@ from hf_accum.recipe.testing import (
 def test_loop_engine_one_process_end_to_end(tmp_path):
     out = tmp_path / "loop1"
     # In the pytest process: nothing here needs a process of its own (the recipe under accelerate launch as a
-    # process: test_recipe_grpo.py, test_interrupted_runs.py; the loop engine's processes: the 2-process runs below).
+    # process: test_interrupted_runs.py; the loop engine's own process: the SIGTERM test below; its first line).
     proc = run_main(*SMALL, f"training.output_dir={out}", "training.max_steps=16")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     metrics = read_metrics(out)
