@@ -1,5 +1,6 @@
-"""GGUF model names and the run's peak memory, without any model file: fast checks of what the real-model
-path refuses and reports (the real file is exercised in test_real_model_smollm2.py)."""
+"""GGUF model names, the config parsed once per file, and the run's peak memory, without any model file: fast
+checks of what the real-model path refuses, keeps and reports (the real file is exercised in
+test_real_model_smollm2.py and test_real_model_grpo.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 import pytest
 
 from hf_accum.errors import InputError
-from hf_accum.gguf import GgufSource, gguf_source, names_gguf
+from hf_accum.gguf import GgufSource, gguf_config, gguf_source, names_gguf
 from hf_accum.measure.peak_memory import describe, largest_over_ranks, peak_memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -79,3 +80,28 @@ def test_peak_memory_reading_and_its_words():
     assert describe({"peak_rss_bytes": 3 * 2**30 // 2}) == "peak memory 1.50 GiB RSS"
     assert describe({"peak_rss_bytes": 2**30, "peak_allocated_bytes": 2**29, "device": "cuda:0"}) == (
         "peak memory 1.00 GiB RSS, 0.50 GiB allocated on cuda:0")
+
+
+def test_a_gguf_config_is_parsed_once_per_file_version_and_each_caller_gets_a_copy(tmp_path, monkeypatch):
+    """The recipe reads the config for its skeleton and again for the model: gguf's reader walks the whole
+    vocabulary each time (~3 CPU-s for SmolLM2), so the parse is kept, keyed by the file's path, mtime and size."""
+    import types
+
+    from transformers import AutoConfig
+
+    parsed = []
+
+    def parse(directory, gguf_file):
+        parsed.append((directory, gguf_file))
+        return types.SimpleNamespace(num_hidden_layers=len(parsed))
+
+    monkeypatch.setattr(AutoConfig, "from_pretrained", parse)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    source = gguf_source(str(model))
+    first = gguf_config(source)
+    first.num_hidden_layers = 99  # a caller changes its copy (the recipe's config overrides)
+    again = gguf_config(source)
+    assert parsed == [(str(tmp_path), "m.gguf")] and again.num_hidden_layers == 1 and again is not first
+    model.write_bytes(b"GGUF, changed")  # another size (and mtime): parsed again
+    assert gguf_config(source).num_hidden_layers == 2 and len(parsed) == 2
