@@ -344,7 +344,9 @@ def test_measuring_memory_prints_no_profiler_trace_lines():
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    code = ("import torch; from benchmarks.harness import measure_memory\n"
+    # bitsandbytes kept out as the bench's helpers do (~1 CPU-s of start-up; it has nothing to do with kineto).
+    code = ("from hf_accum.startup import keep_bitsandbytes_out; keep_bitsandbytes_out()\n"
+            "import torch; from benchmarks.harness import measure_memory\n"
             "with measure_memory(torch.device('cpu')):\n    torch.ones(1000)")
     env = {key: value for key, value in os.environ.items() if key != "KINETO_LOG_LEVEL"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120)
