@@ -34,8 +34,8 @@ def record(prompts, completions, completion_ids, **kwargs):
 # 1 update of 8 completions (2 prompts x 4) straight from the base model (no warm start), 4 held-out rows scored
 # before and after (4 new tokens each: the stage line is what is checked, not the score). Completions up to 16
 # tokens, asked for "a few words": the base model's short answers end within that (5 of the 8 here, 4 to 11
-# tokens), so sampling must stop at <|im_end|> for the check below to pass. Where the time goes: parsing the GGUF
-# (~17 of the run's ~30 CPU-s); the update itself ~10.
+# tokens), so sampling must stop at <|im_end|> for the check below to pass. Where the time goes (~28 CPU-s): the GGUF
+# read for its config, tokenizer and weights (~3 CPU-s each) and dequantized; the update itself ~10.
 LIMIT = 16
 SHORT = ("training.max_steps=1", f"grpo.max_completion_length={LIMIT}", "global_batch_size=8", "training.per_device_train_batch_size=8",
          "grpo.num_generations=4", "grpo.warm_start_steps=0", "data.eval_before=true", "data.max_eval_examples=4",

@@ -89,7 +89,7 @@ def test_trainer_engine_one_process_end_to_end(tmp_path):
     assert os.path.isfile(core), "AccumTrainer (hf_accum/trainer/core.py) is missing"
     out = tmp_path / "trainer1"
     temp_before = set(os.listdir(tempfile.gettempdir()))
-    # In the pytest process (the trainer engine as a process of its own: test_two_cpu_processes_end_to_end[trainer]).
+    # In the pytest process (the trainer engine as a process of its own: test_trainer_engine_on_two_cpu_processes_end_to_end).
     proc = run_main(*SMALL, f"training.output_dir={out}", "engine=trainer", "training.max_steps=6",
                     "training.logging_steps=5")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -136,10 +136,10 @@ def test_packing_must_be_a_bool(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["trainer"])  # loop: test_runs.py::test_sigterm_to_torchrun_... (its two launches)
-def test_two_cpu_processes_end_to_end(engine, tmp_path):
-    out = tmp_path / f"{engine}2"
-    proc = run_script(TORCHRUN_2, out, f"engine={engine}", "training.max_steps=4")
+def test_trainer_engine_on_two_cpu_processes_end_to_end(tmp_path):
+    """The loop engine's 2-process run end to end: test_runs.py::test_sigterm_to_torchrun_... (its two launches)."""
+    out = tmp_path / "trainer2"
+    proc = run_script(TORCHRUN_2, out, "engine=trainer", "training.max_steps=4")
     metrics = read_metrics(out)
     check_outputs(out, metrics)
     assert metrics["world_size"] == 2
