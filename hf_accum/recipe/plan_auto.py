@@ -74,7 +74,8 @@ def run_auto_plan(args: argparse.Namespace, processes: int) -> int:
 def per_process_batch(global_batch: int, processes: int) -> int:
     """Sequences per process per update: ``global_batch`` over the processes, which must divide it."""
     if global_batch < 1 or global_batch % processes:
-        raise ValueError(f"global batch {global_batch} is not a positive multiple of {processes} processes")
+        raise ValueError(f"global batch {global_batch} is not a positive multiple of {processes} "
+                         f"process{'' if processes == 1 else 'es'}")
     return global_batch // processes
 
 
